@@ -1,0 +1,43 @@
+# fedmq: two commands do all set-up: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+EXTRAS ?= cpu,dev
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test bench lint venv mosquitto clean help
+
+help:
+	@echo "make demo   - create .venv, install, run a small simulated fleet over a real broker"
+	@echo "make test   - create .venv, install, make sure mosquitto exists, run the whole suite"
+	@echo "make bench  - run the benchmarks, figures go to bench/results/*.json"
+	@echo "make lint   - ruff"
+
+venv: $(STAMP)
+
+# Reinstall when the project's requirements change.
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c constraints.txt -e ".[$(EXTRAS)]"
+	@touch $(STAMP)
+
+mosquitto:
+	@$(PYTHON) scripts/ensure_mosquitto.py
+
+demo: venv
+	$(VENV)/bin/fedmq demo $(DEMO_ARGS)
+
+test: venv mosquitto
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: venv mosquitto
+	$(PY) -m bench $(BENCH_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,62 @@
+"""The `fedmq` command: one entry point, one subcommand per role.
+
+Each subcommand lives in the package that owns the role and exposes two functions,
+`add_arguments(parser)` and `run(args) -> int`. They are imported by name at start-up, so
+this kernel package keeps no static import of `aggregator`, `edge_agent` or `sim`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from fedmq import __version__
+from fedmq.config import ConfigError
+
+# name -> (module, one-line help). Order is the order shown in --help.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("fedmq.demo", "run a small fleet end to end over a real broker"),
+    "broker": ("fedmq.broker_cli", "start a broker for development (Mosquitto or embedded)"),
+    "creds": ("fedmq.creds", "make CA, server cert, per-agent passwords and ACL for the prod broker"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fedmq",
+        description="Federated learning for edge fleets over MQTT (CDFL, CATA-Fed).",
+    )
+    parser.add_argument("--version", action="version", version=f"fedmq {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:
+                raise
+            continue  # a role not built yet
+        p = sub.add_parser(name, help=help_text, description=module.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_module", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._module.run(args) or 0)
+    except ConfigError as e:
+        print(f"fedmq {args.command}: config error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""One typed configuration object for every role, with defaults.
+
+Precedence, lowest first: the defaults below, a TOML file (`--config FILE.toml`), then
+command-line flags (`--set section.key=value` or a role's own flags). Sections are plain
+dataclasses so that a newcomer can read every knob and its default in one place; the
+reference page docs/config.md is written from these docstrings.
+
+    cfg = load_config("fleet.toml", overrides={"broker.url": "mqtt://10.0.0.2:1883"})
+    cfg.broker.url
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not fit the schema."""
+
+
+def default_data_dir() -> str:
+    """`FEDMQ_DATA_DIR`, else the user's cache dir (XDG), in torchvision's own layout."""
+    env = os.environ.get("FEDMQ_DATA_DIR")
+    if env:
+        return env
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "fedmq", "data")
+
+
+@dataclass
+class BrokerSettings:
+    """Where the MQTT broker is and how to talk to it."""
+
+    url: str = "mqtt://127.0.0.1:1883"
+    """mqtt://[user:pass@]host[:port] or mqtts://... for TLS."""
+    ca_file: str = ""
+    """CA bundle that signed the broker's certificate (mqtts)."""
+    cert_file: str = ""
+    """Client certificate for mutual TLS (optional)."""
+    key_file: str = ""
+    """Key of the client certificate."""
+    tls_insecure: bool = False
+    """Skip hostname verification (development only)."""
+    keepalive_s: int = 30
+    """MQTT keepalive; a dead client is declared offline after about 1.5x this."""
+    protocol: str = "auto"
+    """auto (MQTT v5, fall back to 3.1.1), 5 or 3.1.1."""
+    max_inflight: int = 64
+    """Bound on unacknowledged QoS 1 publishes per client (paho fails at 65,535)."""
+    reconnect_min_s: float = 0.5
+    reconnect_max_s: float = 30.0
+    session_expiry_s: int = 7 * 24 * 3600
+    """How long the broker keeps a persistent session (MQTT v5)."""
+
+
+@dataclass
+class ProtocolSettings:
+    """Wire limits: what the decoder accepts and how large payloads are split."""
+
+    max_message_bytes: int = 64 * 1024 * 1024
+    """Hard limit on one logical message (after reassembly); larger is refused."""
+    chunk_bytes: int = 8 * 1024 * 1024
+    """Payloads above this are split into chunks of this size."""
+    chunk_timeout_s: float = 30.0
+    """A partial message older than this is dropped with a reason."""
+    max_pending_bytes: int = 256 * 1024 * 1024
+    """Memory bound for all partially reassembled messages together."""
+
+
+@dataclass
+class CodecSettings:
+    """How model vectors are compressed on the wire (uplink and downlink)."""
+
+    name: str = "int8"
+    """fp32, fp16, int8 (blockwise scale) or topk (with sender-side error feedback)."""
+    zstd: bool = True
+    """Follow the codec with zstd."""
+    delta: bool = True
+    """Encode the difference from a base vector both sides hold."""
+    int8_block: int = 256
+    topk_ratio: float = 0.05
+
+
+@dataclass
+class DataSettings:
+    """Datasets and how agents' local data is drawn."""
+
+    dataset: str = "digits"
+    """digits (bundled with scikit-learn, offline), mnist, fashionmnist, cifar100, svhn, usps."""
+    data_dir: str = field(default_factory=default_data_dir)
+    download: bool = False
+    """Allow torchvision to download a missing dataset (never in tests)."""
+    min_samples: int = 500
+    max_samples: int = 2000
+    primary_min: float = 0.4
+    primary_max: float = 0.9
+    proxy_per_cluster: int = 1000
+    pretrain_per_cluster: int = 2000
+
+
+@dataclass
+class LogSettings:
+    level: str = "warning"
+    """Quiet by default: warning. info for one line per event."""
+    json: bool = False
+    """One JSON object per line (for log shippers)."""
+
+
+@dataclass
+class Config:
+    """Every knob of every role; sections are added as roles grow."""
+
+    fleet: str = "default"
+    """Fleet name: the second topic level, fedmq/{fleet}/..."""
+    model: str = "auto"
+    """Model zoo name, or auto (chosen from the dataset)."""
+    device: str = "auto"
+    """auto, cpu or cuda for torch work."""
+    seed: int = 0
+    broker: BrokerSettings = field(default_factory=BrokerSettings)
+    protocol: ProtocolSettings = field(default_factory=ProtocolSettings)
+    codec: CodecSettings = field(default_factory=CodecSettings)
+    data: DataSettings = field(default_factory=DataSettings)
+    log: LogSettings = field(default_factory=LogSettings)
+
+
+def _coerce(value: Any, typ: Any, key: str) -> Any:
+    """Turn a TOML value or a CLI string into `typ`, or raise ConfigError naming `key`."""
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if value is None or value == "":
+            return None
+        return _coerce(value, args[0], key)
+    if origin in (list, tuple):
+        (inner, *_) = typing.get_args(typ) or (str,)
+        items = value.split(",") if isinstance(value, str) else list(value)
+        return [_coerce(v, inner, key) for v in items if v != ""]
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if typ is int:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            return int(value)
+        if typ is float:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return float(value)
+        if typ is str:
+            if not isinstance(value, (str, int, float)):
+                raise ValueError(value)
+            return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: expected {typ.__name__}, got {value!r}") from None
+    return value
+
+
+def _set(obj: Any, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    target = obj
+    for i, name in enumerate(parts):
+        hints = typing.get_type_hints(type(target))
+        if name not in hints:
+            where = ".".join(parts[:i]) or "top level"
+            known = ", ".join(sorted(hints))
+            raise ConfigError(f"unknown config key {dotted!r} (in {where}; known: {known})")
+        if i == len(parts) - 1:
+            if dataclasses.is_dataclass(hints[name]):
+                raise ConfigError(f"{dotted} is a section; set one of its keys")
+            setattr(target, name, _coerce(value, hints[name], dotted))
+        else:
+            target = getattr(target, name)
+            if not dataclasses.is_dataclass(target):
+                raise ConfigError(f"{'.'.join(parts[: i + 1])} is not a section")
+
+
+def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in table.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+    base: Config | None = None,
+) -> Config:
+    """Defaults, then the TOML file at `path`, then `overrides` (dotted keys)."""
+    cfg = base or Config()
+    if path:
+        p = Path(path)
+        try:
+            table = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {p}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: not valid TOML: {e}") from None
+        for key, value in _flatten(table).items():
+            _set(cfg, key, value)
+    for key, value in (overrides or {}).items():
+        _set(cfg, key, value)
+    return cfg
+
+
+def parse_overrides(items: list[str] | None) -> dict[str, str]:
+    """`["a.b=1", "c=x"]` from repeated `--set` flags into a dict."""
+    out: dict[str, str] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+# Flags every role shares; each maps onto a dotted config key.
+COMMON_FLAGS: dict[str, str] = {
+    "broker": "broker.url",
+    "fleet": "fleet",
+    "ca_file": "broker.ca_file",
+    "cert_file": "broker.cert_file",
+    "key_file": "broker.key_file",
+    "log_level": "log.level",
+    "device": "device",
+    "data_dir": "data.data_dir",
+    "dataset": "data.dataset",
+    "model": "model",
+    "seed": "seed",
+}
+
+
+def add_config_arguments(parser: Any, flags: tuple[str, ...] = ("broker", "fleet", "log_level")) -> None:
+    """`--config`, `--set` and the chosen shared flags; defaults come from Config, not argparse."""
+    parser.add_argument("--config", metavar="FILE.toml", help="TOML file with any config keys")
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE", default=[],
+                        help="override one config key, e.g. --set codec.name=fp16 (repeatable)")
+    helps = {
+        "broker": ("URL", "mqtt://[user:pass@]host[:port] or mqtts://... (default mqtt://127.0.0.1:1883)"),
+        "fleet": ("NAME", "fleet name, the topic prefix fedmq/NAME/ (default: default)"),
+        "ca_file": ("PEM", "CA certificate that signed the broker's (mqtts)"),
+        "cert_file": ("PEM", "client certificate (mutual TLS)"),
+        "key_file": ("PEM", "client key (mutual TLS)"),
+        "log_level": ("LEVEL", "debug, info, warning (default) or error"),
+        "device": ("DEV", "auto (default), cpu or cuda"),
+        "data_dir": ("DIR", "dataset root in torchvision's layout (default: $FEDMQ_DATA_DIR or ~/.cache/fedmq/data)"),
+        "dataset": ("NAME", "digits (offline, default), mnist, fashionmnist, cifar100, svhn, usps"),
+        "model": ("NAME", "model zoo name, or auto (default)"),
+        "seed": ("N", "random seed (default 0)"),
+    }
+    for name in flags:
+        metavar, text = helps[name]
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, metavar=metavar, help=text)
+
+
+def config_from_args(args: Any, extra: dict[str, str] | None = None) -> Config:
+    """Defaults < --config file < shared flags and `extra` (attr -> key) < --set."""
+    overrides: dict[str, Any] = {}
+    for attr, key in {**COMMON_FLAGS, **(extra or {})}.items():
+        value = getattr(args, attr, None)
+        if value is not None:
+            overrides[key] = value
+    overrides.update(parse_overrides(getattr(args, "set", None)))
+    return load_config(getattr(args, "config", None), overrides)

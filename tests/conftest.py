@@ -1,0 +1,25 @@
+"""Shared fixtures: a real Mosquitto on a free loopback port, quiet torch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from fedmq.broker import MosquittoBroker
+
+torch.set_num_threads(1)
+
+@pytest.fixture
+def mosquitto(tmp_path) -> Iterator[MosquittoBroker]:
+    """A fresh Mosquitto with broker_config/dev.conf on a free port, for one test."""
+    with MosquittoBroker.dev(workdir=tmp_path / "broker") as broker:
+        yield broker
+
+
+@pytest.fixture(scope="session")
+def shared_mosquitto(tmp_path_factory) -> Iterator[MosquittoBroker]:
+    """One Mosquitto for tests that only need a broker and use their own topics."""
+    with MosquittoBroker.dev(workdir=tmp_path_factory.mktemp("shared-broker")) as broker:
+        yield broker
