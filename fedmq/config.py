@@ -106,6 +106,42 @@ class DataSettings:
 
 
 @dataclass
+class CDFLSettings:
+    """Server side of CDFL (and the FedSoft-Async / FedAsync baselines). See docs/cdfl.md."""
+
+    clusters: int = 3
+    """K, the number of soft-cluster models."""
+    tau0: int = 0
+    """Staleness threshold: uploads with t - tau > tau0 leave clusters unchanged. 0 = number of agents seen."""
+    beta0: float = 0.025
+    """Base update ratio (the paper's value); beta_mk = beta0 * alpha_mk * s(t - tau)."""
+    hinge_a: float = 10.0
+    """Hinge staleness slope: s(d) = 1 if d <= b else 1 / (a (d - b) + 1)."""
+    hinge_b: float = 5.0
+    estimator: str = "metrics"
+    """How alpha is estimated: metrics (softmax of loss / gap / distance), or others as they are added."""
+    metric_weights: list[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])
+    """Convex weights of the loss, loss-gap and distance distributions."""
+    temperature: float = 1.0
+    """Softmax temperature over each scale-normalized metric."""
+    fedasync_alpha: float = 0.6
+    """FedAsync mixing weight before staleness."""
+    proxy_batch: int = 1000
+    """Proxy samples per evaluation batch."""
+
+
+@dataclass
+class AggregatorSettings:
+    algorithm: str = "cdfl"
+    """cdfl, fedsoft-async or fedasync (catafed and fedavg are round-based)."""
+    state_dir: str = "state/aggregator"
+    max_batch: int = 32
+    """Most queued uploads evaluated together."""
+    norm_bound: float = 0.0
+    """Refuse uploads whose distance from the model they started from exceeds this (0 = off)."""
+
+
+@dataclass
 class LogSettings:
     level: str = "warning"
     """Quiet by default: warning. info for one line per event."""
@@ -129,6 +165,8 @@ class Config:
     codec: CodecSettings = field(default_factory=CodecSettings)
     data: DataSettings = field(default_factory=DataSettings)
     log: LogSettings = field(default_factory=LogSettings)
+    cdfl: CDFLSettings = field(default_factory=CDFLSettings)
+    aggregator: AggregatorSettings = field(default_factory=AggregatorSettings)
 
 
 def _coerce(value: Any, typ: Any, key: str) -> Any:
