@@ -16,7 +16,7 @@ from fedmq.config import ConfigError
 
 # name -> (module, one-line help). Order is the order shown in --help.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("fedmq.demo", "run a small fleet end to end over a real broker"),
+    "demo": ("sim.demo", "run a small fleet end to end over a real broker"),
     "broker": ("fedmq.broker_cli", "start a broker for development (Mosquitto or embedded)"),
     "creds": ("fedmq.creds", "make CA, server cert, per-agent passwords and ACL for the prod broker"),
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import paho.mqtt.client as mqtt
 
@@ -23,8 +24,6 @@ def _roundtrip(port: int, topic: str) -> bytes:
     c.loop_start()
     try:
         c.subscribe(topic, qos=1)
-        import time
-
         time.sleep(0.2)
         c.publish(topic, b"hello", qos=1).wait_for_publish(5)
         assert done.wait(5), "no message came back through the broker"
