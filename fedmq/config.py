@@ -55,7 +55,9 @@ class BrokerSettings:
     max_inflight: int = 64
     """Bound on unacknowledged QoS 1 publishes per client (paho fails at 65,535)."""
     reconnect_min_s: float = 0.5
+    """First reconnect delay; it doubles up to reconnect_max_s."""
     reconnect_max_s: float = 30.0
+    """Longest reconnect delay."""
     session_expiry_s: int = 7 * 24 * 3600
     """How long the broker keeps a persistent session (MQTT v5)."""
 
@@ -85,7 +87,9 @@ class CodecSettings:
     delta: bool = True
     """Encode the difference from a base vector both sides hold."""
     int8_block: int = 256
+    """Values per int8 block; each block carries one fp32 scale."""
     topk_ratio: float = 0.05
+    """Share of entries topk sends (the rest stays in the sender's error feedback)."""
 
 
 @dataclass
@@ -95,14 +99,21 @@ class DataSettings:
     dataset: str = "digits"
     """digits (bundled with scikit-learn, offline), mnist, fashionmnist, cifar100, svhn, usps."""
     data_dir: str = field(default_factory=default_data_dir)
+    """Dataset root, in torchvision's own layout."""
     download: bool = False
     """Allow torchvision to download a missing dataset (never in tests)."""
     min_samples: int = 500
+    """Fewest samples an agent holds."""
     max_samples: int = 2000
+    """Most samples an agent holds."""
     primary_min: float = 0.4
+    """Smallest share of an agent's data from its primary cluster."""
     primary_max: float = 0.9
+    """Largest share of an agent's data from its primary cluster."""
     proxy_per_cluster: int = 1000
+    """Server-side proxy samples per cluster (CDFL's D_k)."""
     pretrain_per_cluster: int = 2000
+    """Samples per cluster the server pre-trains its cluster models on."""
 
 
 @dataclass
@@ -118,6 +129,7 @@ class CDFLSettings:
     hinge_a: float = 10.0
     """Hinge staleness slope: s(d) = 1 if d <= b else 1 / (a (d - b) + 1)."""
     hinge_b: float = 5.0
+    """Hinge staleness knee b: staleness up to b counts fully."""
     estimator: str = "metrics"
     """How alpha is estimated: metrics (softmax of loss / gap / distance), or others as they are added."""
     metric_weights: list[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])
@@ -132,9 +144,12 @@ class CDFLSettings:
 
 @dataclass
 class AggregatorSettings:
+    """The aggregator service: algorithm, state, batching, input guards."""
+
     algorithm: str = "cdfl"
     """cdfl, fedsoft-async or fedasync (catafed and fedavg are round-based)."""
     state_dir: str = "state/aggregator"
+    """Snapshots and the write-ahead journal; restart from here resumes."""
     max_batch: int = 32
     """Most queued uploads evaluated together."""
     norm_bound: float = 0.0
@@ -143,6 +158,8 @@ class AggregatorSettings:
 
 @dataclass
 class LogSettings:
+    """Structured logs on stderr, quiet by default."""
+
     level: str = "warning"
     """Quiet by default: warning. info for one line per event."""
     json: bool = False
@@ -160,6 +177,7 @@ class Config:
     device: str = "auto"
     """auto, cpu or cuda for torch work."""
     seed: int = 0
+    """Seed for everything random: model init, data draws, simulated arrivals."""
     broker: BrokerSettings = field(default_factory=BrokerSettings)
     protocol: ProtocolSettings = field(default_factory=ProtocolSettings)
     codec: CodecSettings = field(default_factory=CodecSettings)
