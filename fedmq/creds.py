@@ -1,0 +1,581 @@
+"""Make what the production broker (broker_config/prod.conf) needs: a CA, a server certificate,
+one random password per agent (plus the aggregator and an optional monitor), Mosquitto's
+password file and the ACL that binds each agent to its own topics.
+
+    fedmq creds --out deploy/creds --agents car-1,car-2 --hostname broker.example.org
+    fedmq creds --out deploy/creds --rotate car-1      # then: kill -HUP <mosquitto pid>
+
+Layout of OUT (mount OUT/mosquitto as /mosquitto/config, read-only; nothing secret to the
+broker lives outside it, nothing the broker must not hold lives inside it):
+
+    OUT/mosquitto/passwd             user:$7$ PBKDF2-SHA512 hashes   0640 (0600 without --group)
+    OUT/mosquitto/acl                pattern ACL, same for every fleet size     0644
+    OUT/mosquitto/certs/ca.crt       the CA clients must trust (give it to agents) 0644
+    OUT/mosquitto/certs/server.crt   server cert, SANs: hostnames, localhost, 127.0.0.1, ::1
+    OUT/mosquitto/certs/server.key   0640 (0600 without --group)
+    OUT/private/ca.key               CA key, never on the broker                   0600
+    OUT/private/credentials.json     plaintext passwords for provisioning          0600
+
+Mosquitto started as root drops to user `mosquitto` before it reads these files (and re-reads
+passwd/acl on SIGHUP as that user), so `--group` (default: the local `mosquitto` group when
+it exists; 1883 for the eclipse-mosquitto image) makes the secret ones group-readable.
+Re-running keeps the CA, the server cert (unless its names change) and every password of a
+user still listed; `--force` makes everything new. See docs/broker.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import datetime as dt
+import grp
+import hashlib
+import ipaddress
+import json
+import os
+import re
+import secrets
+import sys
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+# mosquitto_passwd 2.0's defaults for its `$7$` (sha512-pbkdf2) format. The passwords made here
+# are 192 random bits, so key stretching adds nothing against a stolen passwd file, while every
+# CONNECT pays for it on the broker: keep Mosquitto's own count.
+PBKDF2_ITERATIONS = 101
+SALT_BYTES = 12
+PASSWORD_BYTES = 24  # token_urlsafe -> 32 characters
+
+DEFAULT_AGGREGATOR_USER = "aggregator"
+CA_DAYS = 3650
+SERVER_DAYS = 825
+RENEW_BEFORE_DAYS = 30
+
+# A username becomes one topic level through %u: no '/', '+', '#', '%', ':' (passwd field
+# separator) or spaces; a letter or digit first so it never looks like an option or $SYS.
+_USERNAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class CredentialsError(ValueError):
+    """Bad input (a name, a missing file) or a file that could not be written as asked."""
+
+
+@dataclass
+class Credentials:
+    """Where `make_credentials` put everything, and the passwords it holds."""
+
+    out_dir: Path
+    agents: dict[str, str]  # agent -> password
+    aggregator_user: str
+    aggregator_password: str
+    monitor_user: str | None = None
+    monitor_password: str | None = None
+    hostnames: list[str] = field(default_factory=list)
+    revoked: list[str] = field(default_factory=list)  # users dropped by this run
+    ca_created: bool = False
+    server_cert_created: bool = False
+
+    @property
+    def config_dir(self) -> Path:
+        """What the broker mounts as /mosquitto/config."""
+        return self.out_dir / "mosquitto"
+
+    @property
+    def private_dir(self) -> Path:
+        return self.out_dir / "private"
+
+    @property
+    def passwd(self) -> Path:
+        return self.config_dir / "passwd"
+
+    @property
+    def acl(self) -> Path:
+        return self.config_dir / "acl"
+
+    @property
+    def ca_cert(self) -> Path:
+        return self.config_dir / "certs" / "ca.crt"
+
+    @property
+    def server_cert(self) -> Path:
+        return self.config_dir / "certs" / "server.crt"
+
+    @property
+    def server_key(self) -> Path:
+        return self.config_dir / "certs" / "server.key"
+
+    @property
+    def ca_key(self) -> Path:
+        return self.private_dir / "ca.key"
+
+    @property
+    def credentials_json(self) -> Path:
+        return self.private_dir / "credentials.json"
+
+    def users(self) -> dict[str, str]:
+        """Every username -> password the passwd file holds."""
+        users = dict(self.agents)
+        users[self.aggregator_user] = self.aggregator_password
+        if self.monitor_user and self.monitor_password:
+            users[self.monitor_user] = self.monitor_password
+        return users
+
+    def path_map(self) -> dict[str, str]:
+        """For `MosquittoBroker(path_map=...)`: prod.conf's container paths -> this dir."""
+        return {"/mosquitto/config/": f"{self.config_dir}/"}
+
+
+# --------------------------------------------------------------------------- passwords
+
+
+def validate_username(name: str) -> str:
+    if not _USERNAME.match(name):
+        raise CredentialsError(
+            f"bad username {name!r}: use 1-64 of A-Z a-z 0-9 _ . - starting with a letter or "
+            "digit (it becomes a topic level, so no '/', '+', '#', '%', ':' or spaces)"
+        )
+    return name
+
+
+def generate_password() -> str:
+    return secrets.token_urlsafe(PASSWORD_BYTES)
+
+
+def mosquitto_hash(
+    password: str, salt: bytes | None = None, iterations: int = PBKDF2_ITERATIONS
+) -> str:
+    """Mosquitto 2.0's `$7$` password hash: `$7$<iterations>$<b64 salt>$<b64 PBKDF2-SHA512>`,
+    the format `mosquitto_passwd -H sha512-pbkdf2` writes (checked against it in the tests)."""
+    salt = os.urandom(SALT_BYTES) if salt is None else salt
+    digest = hashlib.pbkdf2_hmac("sha512", password.encode(), salt, iterations)
+    return f"$7${iterations}${base64.b64encode(salt).decode()}${base64.b64encode(digest).decode()}"
+
+
+def verify_mosquitto_hash(password: str, hashed: str) -> bool:
+    """Check a password against a `$7$` line as Mosquitto does (for tests and `--check`)."""
+    parts = hashed.split("$")
+    if len(parts) != 5 or parts[1] != "7":
+        raise CredentialsError(f"not a Mosquitto $7$ hash: {hashed[:12]}...")
+    salt = base64.b64decode(parts[3])
+    return secrets.compare_digest(mosquitto_hash(password, salt, int(parts[2])), hashed)
+
+
+def render_passwd(users: dict[str, str]) -> str:
+    return "".join(f"{u}:{mosquitto_hash(p)}\n" for u, p in sorted(users.items()))
+
+
+# --------------------------------------------------------------------------- ACL
+
+
+def render_acl(aggregator_user: str, monitor_user: str | None = None) -> str:
+    """The ACL for wire protocol v1. Pattern lines (%u) bind every agent to its own subtree,
+    so the file does not change when agents come and go (only passwd does)."""
+    lines = [
+        "# fedmq wire protocol v1 ACL, written by `fedmq creds`. Anonymous clients get nothing",
+        "# (and prod.conf refuses them anyway). Anything not granted here is denied.",
+        "#",
+        "# Every authenticated user: its own agent subtree, in any fleet. %u must fill a whole",
+        "# topic level; usernames are checked to be one level (no / + # %) when made.",
+        "pattern write fedmq/+/agents/%u/up",
+        "pattern write fedmq/+/agents/%u/status",
+        "pattern read fedmq/+/agents/%u/down",
+        "pattern read fedmq/+/aggregator/status",
+        "",
+        "# The aggregator reads every uplink and status, writes every downlink and its status.",
+        f"user {aggregator_user}",
+        "topic read fedmq/+/agents/+/up",
+        "topic read fedmq/+/agents/+/status",
+        "topic write fedmq/+/agents/+/down",
+        "topic readwrite fedmq/+/aggregator/status",
+    ]
+    if monitor_user:
+        lines += [
+            "",
+            "# Dashboards: status topics only, read only.",
+            f"user {monitor_user}",
+            "topic read fedmq/+/agents/+/status",
+            "topic read fedmq/+/aggregator/status",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- certificates
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def make_ca(common_name: str = "fedmq broker CA") -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(_now() - dt.timedelta(minutes=5))
+        .not_valid_after(_now() + dt.timedelta(days=CA_DAYS))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False, content_commitment=False, key_encipherment=False,
+                data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
+                encipher_only=False, decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(ski, critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return key, cert
+
+
+def _san_entries(hostnames: Iterable[str]) -> list[x509.GeneralName]:
+    entries: list[x509.GeneralName] = []
+    for h in hostnames:
+        try:
+            entries.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            entries.append(x509.DNSName(h))
+    return entries
+
+
+def all_server_names(hostnames: Iterable[str]) -> list[str]:
+    """The asked hostnames first, then the loopback names every broker cert carries."""
+    names: list[str] = []
+    for h in [*hostnames, "localhost", "127.0.0.1", "::1"]:
+        h = h.strip()
+        if h and h not in names:
+            names.append(h)
+    return names
+
+
+def make_server_cert(
+    ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, hostnames: Sequence[str]
+) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    ca_ski = ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hostnames[0])]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(_now() - dt.timedelta(minutes=5))
+        .not_valid_after(_now() + dt.timedelta(days=SERVER_DAYS))
+        .add_extension(x509.SubjectAlternativeName(_san_entries(hostnames)), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True, content_commitment=False, key_encipherment=False,
+                data_encipherment=False, key_agreement=True, key_cert_sign=False, crl_sign=False,
+                encipher_only=False, decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    return key, cert
+
+
+def _cert_names(cert: x509.Certificate) -> list[str]:
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return [str(n.value) for n in san]
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    # Unencrypted: Mosquitto cannot prompt for a passphrase when it starts unattended.
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def _cert_pem(cert: x509.Certificate) -> bytes:
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def resolve_group(group: str | int | None) -> int | None:
+    """The gid that gets read access to the broker's secret files, or None.
+
+    None asks for the local `mosquitto` group when it exists and this process may use it."""
+    if group is None:
+        try:
+            gid = grp.getgrnam("mosquitto").gr_gid
+        except KeyError:
+            return None
+        return gid if os.geteuid() == 0 or gid in os.getgroups() else None
+    if isinstance(group, int) or str(group).isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(str(group)).gr_gid
+    except KeyError:
+        raise CredentialsError(f"no group named {group!r}; pass a numeric gid (1883 for the eclipse-mosquitto image)") from None
+
+
+def _write(path: Path, data: bytes | str, mode: int, gid: int | None = None) -> None:
+    """Write atomically (a broker reloading on SIGHUP never sees half a file) with `mode`
+    from the first byte on, so a secret is never briefly world-readable."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    raw = data.encode() if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        os.fchmod(fd, mode)
+        if gid is not None:
+            try:
+                os.fchown(fd, -1, gid)
+            except PermissionError:
+                raise CredentialsError(
+                    f"cannot give group {gid} read access to {path}: run as root or as a member "
+                    "of that group, or pass --group to choose another"
+                ) from None
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _mkdir(path: Path, mode: int, gid: int | None = None) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, mode)
+    if gid is not None:
+        try:
+            os.chown(path, -1, gid)
+        except PermissionError:
+            raise CredentialsError(f"cannot give group {gid} access to {path}") from None
+
+
+def _write_broker_files(creds: Credentials, gid: int | None) -> None:
+    secret_mode = 0o640 if gid is not None else 0o600
+    _write(creds.passwd, render_passwd(creds.users()), secret_mode, gid)
+    _write(creds.acl, render_acl(creds.aggregator_user, creds.monitor_user), 0o644, gid)
+
+
+def _write_credentials_json(creds: Credentials) -> None:
+    doc = {
+        "version": 1,
+        "ca_cert": str(creds.ca_cert.relative_to(creds.out_dir)),
+        "hostnames": creds.hostnames,
+        "aggregator": {"username": creds.aggregator_user, "password": creds.aggregator_password},
+        "monitor": (
+            {"username": creds.monitor_user, "password": creds.monitor_password}
+            if creds.monitor_user else None
+        ),
+        "agents": dict(sorted(creds.agents.items())),
+    }
+    _write(creds.credentials_json, json.dumps(doc, indent=2) + "\n", 0o600)
+
+
+def load_credentials(out_dir: str | os.PathLike[str]) -> Credentials:
+    """Read back what `make_credentials` wrote (credentials.json is the source of truth)."""
+    out = Path(out_dir)
+    path = out / "private" / "credentials.json"
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CredentialsError(f"{path} not found: run `fedmq creds --out {out} --agents ...` first") from None
+    monitor = doc.get("monitor") or {}
+    return Credentials(
+        out_dir=out,
+        agents=dict(doc["agents"]),
+        aggregator_user=doc["aggregator"]["username"],
+        aggregator_password=doc["aggregator"]["password"],
+        monitor_user=monitor.get("username"),
+        monitor_password=monitor.get("password"),
+        hostnames=list(doc.get("hostnames", [])),
+    )
+
+
+# --------------------------------------------------------------------------- API
+
+
+def make_credentials(
+    out_dir: str | os.PathLike[str],
+    agents: Iterable[str],
+    *,
+    aggregator_user: str = DEFAULT_AGGREGATOR_USER,
+    monitor_user: str | None = None,
+    hostnames: Sequence[str] = ("localhost",),
+    group: str | int | None = None,
+    force: bool = False,
+) -> Credentials:
+    """Create or update the CA, server cert, passwd, acl and credentials.json under `out_dir`.
+
+    Existing CA, server cert (while its names match and it is not near expiry) and passwords
+    of users still listed are kept unless `force`; users no longer listed lose access.
+    """
+    out = Path(out_dir)
+    agent_list = list(dict.fromkeys(validate_username(a.strip()) for a in agents if a.strip()))
+    if not agent_list:
+        raise CredentialsError("no agents given")
+    validate_username(aggregator_user)
+    if monitor_user is not None:
+        validate_username(monitor_user)
+        if monitor_user == aggregator_user:
+            raise CredentialsError("the monitor and aggregator users must differ")
+    reserved = {aggregator_user, monitor_user} - {None}
+    clash = reserved.intersection(agent_list)
+    if clash:
+        raise CredentialsError(f"agent name(s) {sorted(clash)} are taken by the service users")
+    gid = resolve_group(group)
+
+    previous: Credentials | None = None
+    if not force and (out / "private" / "credentials.json").exists():
+        previous = load_credentials(out)
+    old_users = previous.users() if previous else {}
+
+    creds = Credentials(
+        out_dir=out,
+        agents={a: old_users.get(a) or generate_password() for a in agent_list},
+        aggregator_user=aggregator_user,
+        aggregator_password=old_users.get(aggregator_user) or generate_password(),
+        monitor_user=monitor_user,
+        monitor_password=(old_users.get(monitor_user) or generate_password()) if monitor_user else None,
+        hostnames=all_server_names(hostnames),
+    )
+    creds.revoked = sorted(set(old_users) - set(creds.users()))
+
+    out.mkdir(parents=True, exist_ok=True)
+    _mkdir(creds.private_dir, 0o700)
+    _mkdir(creds.config_dir, 0o750 if gid is not None else 0o755, gid)
+    _mkdir(creds.config_dir / "certs", 0o750 if gid is not None else 0o755, gid)
+
+    # CA: kept across runs, so agents provisioned with ca.crt keep trusting the broker.
+    if not force and creds.ca_key.exists() and creds.ca_cert.exists():
+        ca_key = serialization.load_pem_private_key(creds.ca_key.read_bytes(), password=None)
+        ca_cert = x509.load_pem_x509_certificate(creds.ca_cert.read_bytes())
+        if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+            raise CredentialsError(f"{creds.ca_key} is not an EC key made by fedmq creds")
+    else:
+        ca_key, ca_cert = make_ca()
+        _write(creds.ca_key, _key_pem(ca_key), 0o600)
+        _write(creds.ca_cert, _cert_pem(ca_cert), 0o644, gid)
+        creds.ca_created = True
+
+    server_ok = False
+    if not creds.ca_created and creds.server_cert.exists() and creds.server_key.exists():
+        current = x509.load_pem_x509_certificate(creds.server_cert.read_bytes())
+        server_ok = (
+            sorted(_cert_names(current)) == sorted(creds.hostnames)
+            and current.issuer == ca_cert.subject
+            and current.not_valid_after_utc - _now() > dt.timedelta(days=RENEW_BEFORE_DAYS)
+        )
+    if not server_ok:
+        server_key, server_cert = make_server_cert(ca_key, ca_cert, creds.hostnames)
+        _write(creds.server_key, _key_pem(server_key), 0o640 if gid is not None else 0o600, gid)
+        _write(creds.server_cert, _cert_pem(server_cert), 0o644, gid)
+        creds.server_cert_created = True
+
+    _write_broker_files(creds, gid)
+    _write_credentials_json(creds)
+    return creds
+
+
+def rotate_password(
+    out_dir: str | os.PathLike[str], user: str, *, group: str | int | None = None
+) -> str:
+    """Give `user` (an agent, or a service user) a new random password; return it.
+
+    Rewrites passwd and credentials.json. The broker still accepts the old password until it
+    re-reads passwd (SIGHUP or restart); connections made before that stay up (see docs)."""
+    creds = load_credentials(out_dir)
+    new = generate_password()
+    if user in creds.agents:
+        creds.agents[user] = new
+    elif user == creds.aggregator_user:
+        creds.aggregator_password = new
+    elif user == creds.monitor_user:
+        creds.monitor_password = new
+    else:
+        raise CredentialsError(f"unknown user {user!r}; known: {sorted(creds.users())}")
+    gid = resolve_group(group)
+    if gid is None and group is None and creds.passwd.exists():
+        # keep whatever group the first run chose
+        st = creds.passwd.stat()
+        gid = st.st_gid if st.st_mode & 0o040 else None
+    _write(creds.passwd, render_passwd(creds.users()), 0o640 if gid is not None else 0o600, gid)
+    _write_credentials_json(creds)
+    return new
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def read_agents_file(path: str | os.PathLike[str]) -> list[str]:
+    """One agent per line; blank lines and '#' comments are skipped."""
+    names = []
+    for line in Path(path).read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            names.append(line)
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, type=Path, help="directory to write (see layout above)")
+    parser.add_argument("--agents", default="", help="comma-separated agent names (MQTT usernames)")
+    parser.add_argument("--agents-file", type=Path, help="file with one agent name per line")
+    parser.add_argument("--aggregator-user", default=DEFAULT_AGGREGATOR_USER)
+    parser.add_argument("--monitor-user", default=None,
+                        help="also make a read-only user for status topics (e.g. monitor)")
+    parser.add_argument("--hostname", action="append", default=[],
+                        help="broker name for the server cert (repeatable or comma-separated); "
+                             "localhost, 127.0.0.1 and ::1 are always added")
+    parser.add_argument("--group", default=None,
+                        help="group (name or gid) that may read passwd and server.key; default: "
+                             "the local 'mosquitto' group if any; 1883 for the eclipse-mosquitto image")
+    parser.add_argument("--rotate", metavar="USER", help="only give USER a new password")
+    parser.add_argument("--force", action="store_true", help="new CA, server cert and passwords")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.rotate:
+            rotate_password(args.out, args.rotate, group=args.group)
+            print(f"new password for {args.rotate} in {args.out / 'private' / 'credentials.json'}")
+            print("the broker accepts it after a reload: kill -HUP <mosquitto pid> "
+                  "(or docker compose kill -s HUP mosquitto)")
+            return 0
+        agents = [a for a in args.agents.split(",") if a.strip()]
+        if args.agents_file:
+            agents += read_agents_file(args.agents_file)
+        if not agents and (args.out / "private" / "credentials.json").exists() and not args.force:
+            agents = list(load_credentials(args.out).agents)  # re-run: e.g. new hostnames
+        hostnames = [h for arg in args.hostname for h in arg.split(",") if h.strip()] or ["localhost"]
+        creds = make_credentials(
+            args.out, agents, aggregator_user=args.aggregator_user,
+            monitor_user=args.monitor_user, hostnames=hostnames, group=args.group, force=args.force,
+        )
+    except (CredentialsError, OSError) as e:
+        print(f"fedmq creds: {e}", file=sys.stderr)
+        return 2
+    print(f"{len(creds.agents)} agents, users {creds.aggregator_user}"
+          + (f", {creds.monitor_user}" if creds.monitor_user else ""))
+    print(f"CA: {'new' if creds.ca_created else 'kept'} ({creds.ca_cert}); server cert: "
+          f"{'new' if creds.server_cert_created else 'kept'} for {', '.join(creds.hostnames)}")
+    if creds.revoked:
+        print(f"removed users (reload the broker to lock them out): {', '.join(creds.revoked)}")
+    print(f"mount {creds.config_dir} as /mosquitto/config; passwords: {creds.credentials_json}")
+    return 0
