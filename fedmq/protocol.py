@@ -326,34 +326,6 @@ class AnyOfRule(Rule):
         self.fail(where, self.expected, value)
 
 
-@dataclass(frozen=True)
-class TensorMapRule(Rule):
-    """The outer shape of an encoded tensor map (fedmq/codecs.py owns what is inside):
-    `codec` (str 1..16), `n` (element count), `data` (bytes), plus at most `max_extra`
-    codec-specific keys whose values are scalars (nil, bool, int, float, str, bytes)."""
-
-    max_extra: int = 16
-
-    _REQUIRED: ClassVar[dict[str, Rule]] = {}  # filled below, after the scalar rules exist
-
-    def check(self, value: Any, where: str) -> dict[str, Any]:
-        if type(value) is not dict or len(value) > len(self._REQUIRED) + self.max_extra:
-            self.fail(where, f"tensor map of at most {len(self._REQUIRED) + self.max_extra} keys",
-                      value)
-        missing = [k for k in self._REQUIRED if k not in value]
-        if missing:
-            raise ProtocolError("missing_field", f"{where}: tensor map lacks {missing}")
-        out: dict[str, Any] = {}
-        for k, v in value.items():
-            rule = self._REQUIRED.get(k) if type(k) is str else None
-            if rule is None:
-                key = _EXTRA_KEY.check(k, f"{where} key")
-                out[key] = _SCALAR.check(v, f"{where}[{key!r}]")
-            else:
-                out[k] = rule.check(v, f"{where}[{k!r}]")
-        return out
-
-
 # Reusable rules: the vocabulary the envelope tables below are written in.
 Token = r"[!-~]+"  # printable ASCII without space: safe in logs and file names of records
 AgentId = StrRule(1, 64, pattern=_ID_PATTERN.pattern)
@@ -372,11 +344,17 @@ Counters = MapRule(
     AnyOfRule(((int, IntRule()), (float, NumRule()), (str, StrRule(0, 256))), "int, float or str"),
     64,
 )
-Tensor = TensorMapRule()
+
+
+_TENSOR_KEYS: dict[str, Rule] = {
+    "codec": StrRule(1, 16),
+    "n": IntRule(1, MAX_TENSOR_N),
+    "data": BytesRule(),
+}
 _EXTRA_KEY = StrRule(1, 32)
 _SCALAR = AnyOfRule(
     (
-        (type(None), OptionalRule(IntRule())),  # nil passes OptionalRule untouched
+        (type(None), OptionalRule(BoolRule())),  # nil passes OptionalRule as None
         (bool, BoolRule()),
         (int, IntRule()),
         (float, NumRule()),
@@ -385,11 +363,35 @@ _SCALAR = AnyOfRule(
     ),
     "a scalar (nil, bool, int, float, str, bytes)",
 )
-TensorMapRule._REQUIRED = {
-    "codec": StrRule(1, 16),
-    "n": IntRule(1, MAX_TENSOR_N),
-    "data": BytesRule(),
-}
+
+
+@dataclass(frozen=True)
+class TensorMapRule(Rule):
+    """The outer shape of an encoded tensor map (fedmq/codecs.py owns what is inside):
+    `codec` (str 1..16), `n` (element count), `data` (bytes), plus at most `max_extra`
+    codec-specific keys whose values are scalars (nil, bool, int, float, str, bytes)."""
+
+    max_extra: int = 16
+
+    def check(self, value: Any, where: str) -> dict[str, Any]:
+        if type(value) is not dict or len(value) > len(_TENSOR_KEYS) + self.max_extra:
+            self.fail(where, f"tensor map of at most {len(_TENSOR_KEYS) + self.max_extra} keys",
+                      value)
+        missing = [k for k in _TENSOR_KEYS if k not in value]
+        if missing:
+            raise ProtocolError("missing_field", f"{where}: tensor map lacks {missing}")
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            rule = _TENSOR_KEYS.get(k) if type(k) is str else None
+            if rule is None:
+                key = _EXTRA_KEY.check(k, f"{where} key")
+                out[key] = _SCALAR.check(v, f"{where}[{key!r}]")
+            else:
+                out[k] = rule.check(v, f"{where}[{k!r}]")
+        return out
+
+
+Tensor = TensorMapRule()
 
 
 # ------------------------------------------------------------------------------- envelopes

@@ -489,3 +489,22 @@ def test_partial_message_times_out_on_an_injected_clock() -> None:
     assert r.add(steady[2], "car-1") is not None
     clock.t += 100
     assert r.expire() == [] and r.pending_bytes == 0
+
+
+# ---------------------------------------------------------------------------- the reference
+
+
+def test_reference_page_names_every_type_field_and_reason() -> None:
+    """docs/protocol.md is what device implementers read: it must not fall behind the code."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
+    for kind, cls in p.ENVELOPE_TYPES.items():
+        heading = f"### `{kind}`"
+        assert heading in text, heading
+        section = text.split(heading, 1)[1].split("\n### ", 1)[0]
+        for f in dataclasses.fields(cls):
+            if f.name not in ("agent", "msg_id", "sent_at"):
+                assert f"| `{f.name}` |" in section, f"{kind}.{f.name} missing from the docs"
+    for reason in p.REASONS:
+        assert f"| `{reason}` |" in text, f"reason {reason} missing from the docs"
