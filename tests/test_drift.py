@@ -1,0 +1,148 @@
+"""Drift detectors on correctness streams: quiet when stationary, quick after a drop, durable."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+
+from edge_agent.drift import (
+    ADWIN,
+    DriftMonitor,
+    PageHinkley,
+    ThresholdDetector,
+    detector_from_state,
+    make_detector,
+)
+
+DETECTORS = ["threshold", "page_hinkley", "adwin"]
+DELAY_BOUND = 300
+
+
+def errors(rng: np.random.Generator, accuracy: float, n: int) -> np.ndarray:
+    """A Bernoulli stream of errors (1 = wrong) for a model of the given accuracy."""
+    return (rng.random(n) >= accuracy).astype(np.float64)
+
+
+def fresh(name: str):
+    detector = make_detector(name)
+    detector.set_reference(0.9)  # what the agent does right after installing a model
+    return detector
+
+
+@pytest.mark.parametrize("name", DETECTORS)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_no_false_alarm_then_bounded_delay(name: str, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    detector = fresh(name)
+    alarms = 0
+    for x in errors(rng, 0.9, 10_000):
+        detector.update(x)
+        alarms += detector.drift_detected
+    assert alarms == 0, f"{name}: {alarms} false alarms on a stationary accuracy-0.9 stream"
+
+    delay = None
+    for i, x in enumerate(errors(rng, 0.6, 2 * DELAY_BOUND)):
+        detector.update(x)
+        if detector.drift_detected:
+            delay = i + 1
+            break
+    print(f"{name} seed={seed}: detection delay after 0.9 -> 0.6 = {delay} samples")
+    assert delay is not None and delay < DELAY_BOUND, f"{name}: delay {delay}"
+
+
+@pytest.mark.parametrize("name", DETECTORS)
+def test_state_dict_round_trip_continues_identically(name: str) -> None:
+    rng = np.random.default_rng(5)
+    stream = np.concatenate([errors(rng, 0.9, 1500), errors(rng, 0.6, 500)])
+    original = fresh(name)
+    for x in stream[:1200]:
+        original.update(x)
+    # through msgpack, as the agent's state file does
+    state = msgpack.unpackb(msgpack.packb(original.state_dict()), raw=False)
+    restored = detector_from_state(state)
+    a, b = [], []
+    for x in stream[1200:]:
+        original.update(x)
+        restored.update(x)
+        a.append(original.drift_detected)
+        b.append(restored.drift_detected)
+    assert a == b
+    assert any(a), "the drop should be detected in the continued stream"
+
+
+def test_state_of_another_kind_is_refused() -> None:
+    with pytest.raises(ValueError, match="cannot load"):
+        PageHinkley().load_state_dict(ADWIN().state_dict())
+
+
+def test_threshold_self_calibrates_without_reference() -> None:
+    detector = ThresholdDetector(window=50, delta=0.1)
+    for _ in range(50):
+        detector.update(0.0)
+    assert detector.reference == 1.0
+    for _ in range(6):
+        detector.update(1.0)
+    assert detector.drift_detected  # 44/50 = 0.88 < 1.0 - 0.1
+
+
+def test_adwin_ignores_improvement_unless_asked() -> None:
+    rng = np.random.default_rng(3)
+    stream = np.concatenate([errors(rng, 0.6, 2000), errors(rng, 0.95, 1000)])
+    up, both = ADWIN(), ADWIN(direction="both")
+    fired_up = fired_both = False
+    for x in stream:
+        up.update(x)
+        both.update(x)
+        fired_up |= up.drift_detected
+        fired_both |= both.drift_detected
+    assert not fired_up and fired_both
+    assert up.width < 1200, "the window still shrinks to the recent, better data"
+
+
+def test_unknown_detector_name() -> None:
+    with pytest.raises(ValueError, match="unknown drift detector"):
+        make_detector("cusum")
+
+
+def test_monitor_min_interval_and_manual_trigger() -> None:
+    monitor = DriftMonitor(ThresholdDetector(window=20, delta=0.1), min_interval_s=100.0)
+    monitor.model_installed(1.0)
+    assert not monitor.should_update(0.0)
+
+    for _ in range(20):
+        monitor.observe(False)
+    assert monitor.drift_pending and monitor.should_update(0.0)
+    monitor.update_started(0.0)
+    assert not monitor.should_update(0.0)
+
+    for _ in range(20):  # drift again, within the interval: delayed, not forgotten
+        monitor.observe(False)
+    assert monitor.drift_pending
+    assert not monitor.should_update(50.0)
+    assert monitor.should_update(100.0)
+
+    monitor.trigger()  # an operator's request ignores the interval
+    monitor.update_started(100.0)
+    assert not monitor.should_update(101.0)
+    monitor.trigger()
+    assert monitor.should_update(101.0)
+    monitor.update_started(101.0)
+
+    for _ in range(20):
+        monitor.observe(False)
+    monitor.model_installed(0.9)  # a new model clears drift judged on the old one
+    assert not monitor.should_update(1000.0)
+
+
+def test_monitor_state_round_trip() -> None:
+    monitor = DriftMonitor(make_detector("page_hinkley"), min_interval_s=30.0)
+    for i in range(100):
+        monitor.observe(i % 7 != 0)
+    monitor.trigger()
+    monitor.update_started(12.5)
+    state = msgpack.unpackb(msgpack.packb(monitor.state_dict()), raw=False)
+    restored = DriftMonitor()
+    restored.load_state_dict(state)
+    assert isinstance(restored.detector, PageHinkley)
+    assert restored.state_dict() == monitor.state_dict()
