@@ -1,0 +1,208 @@
+"""Rotation clusters: cluster k is the dataset rotated by k * 360 / K degrees.
+
+One train split feeds three purposes that never share a base image: the server's proxy
+sets (CDFL estimates mixtures on them), the server's pre-training sets, and the pool that
+agents draw their local data from. The test split feeds cluster test sets and agents' test
+mixtures. See docs/data.md for the rule that decides whether clusters also get disjoint
+base images.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from fedmq.config import DataSettings
+from fedmq.data.sources import Dataset, load_dataset
+
+PURPOSES: tuple[str, ...] = ("proxy", "pretrain", "agents", "test")
+
+
+def rotate(x: torch.Tensor, angle_deg: float, fill: Sequence[float] | None = None) -> torch.Tensor:
+    """Rotate a batch (N, C, H, W) counter-clockwise by any angle about the image centre.
+
+    Bilinear interpolation; the corners the rotation uncovers get `fill` (one value per
+    channel, default 0), so pass a Dataset's `background` to keep them black after
+    normalization. Multiples of 90 degrees on square images are exact (torch.rot90); the
+    interpolated path agrees with them to float rounding. Returns a new tensor.
+    """
+    if x.ndim != 4:
+        raise ValueError(f"rotate expects (N, C, H, W), got shape {tuple(x.shape)}")
+    angle = float(angle_deg) % 360.0
+    if math.isclose(angle, 0.0, abs_tol=1e-9) or math.isclose(angle, 360.0, abs_tol=1e-9):
+        return x.clone()
+    quarter = angle / 90.0
+    if x.shape[-1] == x.shape[-2] and math.isclose(quarter, round(quarter), abs_tol=1e-9):
+        return torch.rot90(x, int(round(quarter)), dims=(-2, -1)).contiguous()
+    import torchvision.transforms.functional as tvf
+    from torchvision.transforms import InterpolationMode
+
+    fill_values = [float(v) for v in fill] if fill is not None else [0.0] * x.shape[1]
+    if len(fill_values) != x.shape[1]:
+        raise ValueError(f"fill needs one value per channel ({x.shape[1]}), got {len(fill_values)}")
+    return tvf.rotate(x, angle, interpolation=InterpolationMode.BILINEAR, fill=fill_values)
+
+
+def cluster_angles(num_clusters: int) -> tuple[float, ...]:
+    """i * 360 / K for i in 0..K-1."""
+    if num_clusters < 1:
+        raise ValueError(f"need at least one cluster, got {num_clusters}")
+    return tuple(i * 360.0 / num_clusters for i in range(num_clusters))
+
+
+def draw_from_pool(pool: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
+    """n base indices from `pool`: without replacement while the pool lasts.
+
+    Beyond the pool's size, whole shuffled copies of the pool are used, then a partial one,
+    so every base image appears floor(n/|pool|) or ceil(n/|pool|) times.
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if n == 0:
+        return np.empty(0, dtype=np.int64)
+    if len(pool) == 0:
+        raise ValueError("cannot draw from an empty pool")
+    full, rest = divmod(n, len(pool))
+    parts = [rng.permutation(pool) for _ in range(full)]
+    if rest:
+        parts.append(rng.choice(pool, size=rest, replace=False))
+    return np.concatenate(parts).astype(np.int64)
+
+
+class RotatedClusters:
+    """K clusters of one dataset, each a rotation, with deterministic per-purpose pools.
+
+    Pools are base-image indices fixed by `seed` at construction: `pool(purpose, k)`.
+    Purposes (proxy, pretrain, agents) never share a base image, and all come from the
+    train split; the test pools come from the test split. Clusters get disjoint base images
+    (`disjoint_clusters`) when K * (proxy + pretrain) fits in half the train split;
+    otherwise every cluster uses the same proxy, pretrain and agent base images under its
+    own rotation, and the proxy/pretrain blocks shrink to fit half the train split in the
+    ratio proxy : pretrain. Test pools are the whole test split for every cluster.
+    """
+
+    def __init__(self, train: Dataset, test: Dataset, num_clusters: int, *, seed: int = 0,
+                 angles: Sequence[float] | None = None, proxy_per_cluster: int = 1000,
+                 pretrain_per_cluster: int = 2000) -> None:
+        if train.image_shape != test.image_shape or train.num_classes != test.num_classes:
+            raise ValueError(f"train {train.image_shape}/{train.num_classes} classes and test "
+                             f"{test.image_shape}/{test.num_classes} classes differ")
+        if proxy_per_cluster < 0 or pretrain_per_cluster < 0:
+            raise ValueError("proxy_per_cluster and pretrain_per_cluster must be >= 0")
+        self.angles: tuple[float, ...] = (tuple(float(a) for a in angles) if angles is not None
+                                          else cluster_angles(num_clusters))
+        if len(self.angles) != num_clusters:
+            raise ValueError(f"{len(self.angles)} angles for {num_clusters} clusters")
+        self.num_clusters = num_clusters
+        self.train_data = train
+        self.test_data = test
+        self.seed = seed
+        self.name = train.name
+        self._cache: dict[tuple[str, int, int | None], Dataset] = {}
+        self._pools = self._make_pools(len(train), len(test), proxy_per_cluster, pretrain_per_cluster)
+
+    @property
+    def num_classes(self) -> int:
+        return self.train_data.num_classes
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        return self.train_data.image_shape
+
+    def _make_pools(self, n_train: int, n_test: int, proxy: int, pretrain: int) -> dict[str, list[np.ndarray]]:
+        k = self.num_clusters
+        rng = np.random.default_rng([self.seed, 0x524F54])  # fixed stream for the pools
+        order = rng.permutation(n_train)
+        server_budget = n_train // 2
+        self.disjoint_clusters = k * (proxy + pretrain) <= server_budget
+        if self.disjoint_clusters:
+            proxy_block, pretrain_block = k * proxy, k * pretrain
+        else:
+            total = max(proxy + pretrain, 1)
+            proxy_block = min(proxy, server_budget * proxy // total)
+            pretrain_block = min(pretrain, server_budget * pretrain // total)
+        blocks = np.split(order, [proxy_block, proxy_block + pretrain_block])
+        pools: dict[str, list[np.ndarray]] = {}
+        for purpose, block in zip(("proxy", "pretrain", "agents"), blocks, strict=True):
+            if self.disjoint_clusters:
+                pools[purpose] = [np.sort(p) for p in np.array_split(block, k)]
+            else:
+                pools[purpose] = [np.sort(block)] * k
+        test_order = rng.permutation(n_test)
+        pools["test"] = [rng.permutation(test_order) for _ in range(k)]  # own order per cluster
+        if any(len(p) == 0 for p in pools["agents"]):
+            raise ValueError(f"{self.name}: {n_train} train images leave no agent pool for {k} clusters")
+        return pools
+
+    def pool(self, purpose: str, cluster: int) -> np.ndarray:
+        """Base-image indices (into the train split, or the test split for 'test')."""
+        if purpose not in PURPOSES:
+            raise ValueError(f"unknown purpose {purpose!r}; one of {', '.join(PURPOSES)}")
+        self._check_cluster(cluster)
+        return self._pools[purpose][cluster].copy()
+
+    def rotated(self, base: Dataset, cluster: int, idx: np.ndarray, label: str) -> Dataset:
+        """`base[idx]` rotated by cluster `cluster`'s angle, corners black."""
+        self._check_cluster(cluster)
+        part = base.subset(idx)
+        x = rotate(part.x, self.angles[cluster], fill=base.background)
+        return part.with_x(x, name=f"{self.name}/rot{self.angles[cluster]:g}/{label}")
+
+    def proxy(self, cluster: int, n: int | None = None) -> Dataset:
+        """The server's proxy set of a cluster: its whole proxy pool, or its first n."""
+        return self._fixed("proxy", cluster, n)
+
+    def pretrain(self, cluster: int, n: int | None = None) -> Dataset:
+        """The server's pre-training set of a cluster: its pretrain pool, or its first n."""
+        return self._fixed("pretrain", cluster, n)
+
+    def test(self, cluster: int, n: int | None = None) -> Dataset:
+        """Cluster test set from the test split (first n of a fixed per-cluster order)."""
+        return self._fixed("test", cluster, n)
+
+    def _fixed(self, purpose: str, cluster: int, n: int | None) -> Dataset:
+        key = (purpose, cluster, n)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        pool = self.pool(purpose, cluster)
+        if n is not None:
+            if n > len(pool):
+                raise ValueError(f"{purpose} pool of cluster {cluster} has {len(pool)} images, asked for {n}")
+            pool = pool[:n]
+        base = self.test_data if purpose == "test" else self.train_data
+        data = self.rotated(base, cluster, pool, purpose)
+        self._cache[key] = data
+        return data
+
+    def take(self, cluster: int, n: int, rng: np.random.Generator, split: str = "train") -> Dataset:
+        """n fresh samples of one cluster for an agent: from the agents' pool (train) or the
+        test pool (test), without replacement while the pool lasts (see draw_from_pool)."""
+        if split not in ("train", "test"):
+            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        self._check_cluster(cluster)
+        purpose, base = ("agents", self.train_data) if split == "train" else ("test", self.test_data)
+        idx = draw_from_pool(self._pools[purpose][cluster], n, rng)
+        return self.rotated(base, cluster, idx, split)
+
+    def _check_cluster(self, cluster: int) -> None:
+        if not 0 <= cluster < self.num_clusters:
+            raise IndexError(f"cluster {cluster} out of range 0..{self.num_clusters - 1}")
+
+    def __repr__(self) -> str:
+        sizes = {p: len(self._pools[p][0]) for p in PURPOSES}
+        return (f"RotatedClusters({self.name!r}, K={self.num_clusters}, angles={list(self.angles)}, "
+                f"disjoint_clusters={self.disjoint_clusters}, pool sizes per cluster={sizes})")
+
+
+def clusters_from_settings(settings: DataSettings, num_clusters: int, *, seed: int = 0,
+                           angles: Sequence[float] | None = None) -> RotatedClusters:
+    """Load `settings.dataset` (train and test) and build its rotation clusters."""
+    train = load_dataset(settings.dataset, data_dir=settings.data_dir, train=True, download=settings.download)
+    test = load_dataset(settings.dataset, data_dir=settings.data_dir, train=False, download=settings.download)
+    return RotatedClusters(train, test, num_clusters, seed=seed, angles=angles,
+                           proxy_per_cluster=settings.proxy_per_cluster,
+                           pretrain_per_cluster=settings.pretrain_per_cluster)

@@ -1,0 +1,305 @@
+"""Datasets as whole in-memory tensors: scikit-learn's digits offline, torchvision's on disk.
+
+Every dataset here is small enough (at most ~100k images of up to 3x32x32) to hold as one
+float32 tensor, which makes rotation, mixing and batched evaluation plain tensor indexing
+instead of per-sample `__getitem__` calls. A loaded split is cached for the process.
+
+Files are read from a data root in torchvision's own layout (so a root that torchvision
+already filled works as is). Nothing is downloaded unless `download=True` (the CLI's
+`--download`); a missing dataset raises `DatasetNotFound` saying where it looked and how to
+get it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedmq.config import default_data_dir
+
+
+class DatasetNotFound(FileNotFoundError):
+    """A dataset's files are not in the data root (and downloading was not asked for)."""
+
+
+@dataclass(repr=False)
+class Dataset:
+    """Images and labels of one split, as tensors.
+
+    `x` is (N, C, H, W) float32, already normalized with `mean` and `std` (per channel,
+    applied to pixels in [0, 1]); `y` is (N,) int64 in [0, num_classes). `background`
+    is the normalized value of a black pixel: rotation fills the uncovered corners with it.
+    Loaded splits are shared through a per-process cache: treat the tensors as read-only.
+    """
+
+    x: torch.Tensor
+    y: torch.Tensor
+    num_classes: int
+    name: str
+    mean: tuple[float, ...] = field(default=(0.0,))
+    std: tuple[float, ...] = field(default=(1.0,))
+
+    def __post_init__(self) -> None:
+        if self.x.ndim != 4 or self.x.dtype != torch.float32:
+            raise ValueError(f"{self.name}: x must be (N, C, H, W) float32, got {tuple(self.x.shape)} {self.x.dtype}")
+        if self.y.shape != (self.x.shape[0],) or self.y.dtype != torch.int64:
+            raise ValueError(f"{self.name}: y must be ({self.x.shape[0]},) int64, got {tuple(self.y.shape)} {self.y.dtype}")
+        if len(self.mean) != self.x.shape[1] or len(self.std) != self.x.shape[1]:
+            raise ValueError(f"{self.name}: mean/std need one value per channel ({self.x.shape[1]})")
+
+    def __len__(self) -> int:
+        return int(self.y.shape[0])
+
+    def __repr__(self) -> str:
+        return (f"Dataset({self.name!r}, n={len(self)}, shape={self.image_shape}, "
+                f"classes={self.num_classes}, device={self.x.device})")
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        """(C, H, W): what a model's input_shape must be."""
+        c, h, w = self.x.shape[1:]
+        return int(c), int(h), int(w)
+
+    @property
+    def background(self) -> tuple[float, ...]:
+        return tuple(-m / s for m, s in zip(self.mean, self.std, strict=True))
+
+    def subset(self, idx: Sequence[int] | np.ndarray | torch.Tensor, name: str | None = None) -> Dataset:
+        """The samples at `idx` (in that order; repeats allowed) as a new Dataset."""
+        index = torch.as_tensor(np.asarray(idx, dtype=np.int64))
+        return Dataset(self.x[index], self.y[index], self.num_classes, name or self.name, self.mean, self.std)
+
+    def with_x(self, x: torch.Tensor, name: str | None = None) -> Dataset:
+        """Same labels and normalization, new images (e.g. rotated)."""
+        return Dataset(x, self.y, self.num_classes, name or self.name, self.mean, self.std)
+
+    def to(self, device: str | torch.device) -> Dataset:
+        return Dataset(self.x.to(device), self.y.to(device), self.num_classes, self.name, self.mean, self.std)
+
+
+# Published per-channel statistics of the train splits; the others are measured on load.
+_KNOWN_STATS: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
+    "mnist": ((0.1307,), (0.3081,)),
+    "fashionmnist": ((0.2860,), (0.3530,)),
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+    "svhn": ((0.4377, 0.4438, 0.4728), (0.1980, 0.2010, 0.1970)),
+}
+
+# What torchvision expects under the data root, for the error message.
+_EXPECTED_FILES: dict[str, list[str]] = {
+    "mnist": [f"MNIST/raw/{s}-{k}-ubyte" for s in ("train", "t10k") for k in ("images-idx3", "labels-idx1")],
+    "fashionmnist": [f"FashionMNIST/raw/{s}-{k}-ubyte" for s in ("train", "t10k") for k in ("images-idx3", "labels-idx1")],
+    "cifar10": ["cifar-10-batches-py/data_batch_1 .. data_batch_5", "cifar-10-batches-py/test_batch",
+                "cifar-10-batches-py/batches.meta"],
+    "cifar100": ["cifar-100-python/train", "cifar-100-python/test", "cifar-100-python/meta"],
+    "svhn": ["train_32x32.mat", "test_32x32.mat"],
+    "usps": ["usps.bz2", "usps.t.bz2"],
+}
+
+DATASETS: tuple[str, ...] = ("digits", "mnist", "fashionmnist", "cifar10", "cifar100", "svhn", "usps")
+"""Names `load_dataset` accepts, besides `folder:NAME` (a directory of PNG/JPEG images)."""
+
+_cache: dict[tuple[str, str, bool], Dataset] = {}
+_cache_lock = threading.Lock()
+
+
+def load_dataset(name: str, *, data_dir: str | os.PathLike[str] | None = None, train: bool = True,
+                 download: bool = False) -> Dataset:
+    """One split of a dataset as normalized tensors, cached per process.
+
+    `name` is one of DATASETS (case and '-'/'_' ignored) or `folder:NAME` for images laid
+    out as `<data_dir>/NAME/{train,test}/<class>/*.png` (torchvision's ImageFolder; classes
+    sorted by directory name). `data_dir` defaults to `default_data_dir()`. With
+    `download=False` (the default) nothing touches the network and a missing dataset raises
+    DatasetNotFound.
+    """
+    key_name = _canonical(name)
+    root = str(Path(data_dir if data_dir is not None else default_data_dir()).expanduser().resolve())
+    key = (key_name, root if key_name != "digits" else "", train)
+    with _cache_lock:
+        hit = _cache.get(key)
+    if hit is not None:
+        return hit
+    data = _load_uncached(key_name, root, train, download)
+    with _cache_lock:
+        return _cache.setdefault(key, data)
+
+
+def clear_cache() -> None:
+    """Forget loaded splits (tests that rewrite files under the same root)."""
+    with _cache_lock:
+        _cache.clear()
+
+
+def _canonical(name: str) -> str:
+    if name.lower().startswith("folder:"):
+        sub = name.split(":", 1)[1].strip()
+        if not sub or Path(sub).is_absolute() or ".." in Path(sub).parts:
+            raise ValueError(f"folder:NAME needs a directory name under the data root, got {name!r}")
+        return f"folder:{sub}"
+    key = name.lower().replace("-", "").replace("_", "")
+    if key not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; known: {', '.join(DATASETS)}, or folder:NAME")
+    return key
+
+
+def _not_found(name: str, root: str, detail: str = "") -> DatasetNotFound:
+    expected = _EXPECTED_FILES.get(name)
+    if name.startswith("folder:"):
+        sub = name.split(":", 1)[1]
+        where = f"put images in {root}/{sub}/train/<class>/*.png and {root}/{sub}/test/<class>/*.png"
+        how = where
+    else:
+        files = ", ".join(f"{root}/{f}" for f in expected or [])
+        how = (f"download it with --download (load_dataset(..., download=True)), or put torchvision's "
+               f"files there ({files}), or point --data-dir / FEDMQ_DATA_DIR at a root that has them")
+    msg = f"dataset {name!r} not found in data root {root}: {how}"
+    if detail:
+        msg += f" [{detail}]"
+    return DatasetNotFound(msg)
+
+
+def _load_uncached(name: str, root: str, train: bool, download: bool) -> Dataset:
+    if name == "digits":
+        return _load_digits(train)
+    if name.startswith("folder:"):
+        return _load_folder(name, root, train)
+    expected = _EXPECTED_FILES[name]
+    if not download and name in ("mnist", "fashionmnist", "svhn", "usps"):
+        # Check ourselves: torchvision's USPS would raise a bare FileNotFoundError from bz2.
+        missing = [f for f in expected if not os.path.isfile(os.path.join(root, f))]
+        if missing:
+            partial = len(missing) < len(expected)
+            raise _not_found(name, root, f"missing {', '.join(missing)}" if partial else "")
+    try:
+        images, labels, num_classes = _read_torchvision(name, root, train, download)
+    except (RuntimeError, FileNotFoundError) as e:
+        # torchvision: "Dataset not found or corrupted. You can use download=True ..."
+        raise _not_found(name, root, str(e)) from e
+    if name in _KNOWN_STATS:
+        mean, std = _KNOWN_STATS[name]
+    else:  # usps: statistics of its own train split
+        mean, std = _train_stats(name, root, train, images)
+    return _normalized(images, labels, num_classes, name, mean, std)
+
+
+def _read_torchvision(name: str, root: str, train: bool, download: bool) -> tuple[np.ndarray, np.ndarray, int]:
+    """uint8 images (N, C, H, W) and int64 labels from torchvision's own classes."""
+    from torchvision import datasets as tvd
+
+    if download:
+        os.makedirs(root, exist_ok=True)
+    if name in ("mnist", "fashionmnist"):
+        cls = tvd.MNIST if name == "mnist" else tvd.FashionMNIST
+        ds = cls(root, train=train, download=download)
+        return ds.data.numpy()[:, None], ds.targets.numpy().astype(np.int64), 10
+    if name in ("cifar10", "cifar100"):
+        cls = tvd.CIFAR10 if name == "cifar10" else tvd.CIFAR100
+        ds = cls(root, train=train, download=download)
+        return (np.ascontiguousarray(ds.data.transpose(0, 3, 1, 2)), np.asarray(ds.targets, dtype=np.int64),
+                len(ds.classes))
+    if name == "svhn":
+        ds = tvd.SVHN(root, split="train" if train else "test", download=download)
+        return np.asarray(ds.data), np.asarray(ds.labels, dtype=np.int64), 10
+    if name == "usps":
+        ds = tvd.USPS(root, train=train, download=download)
+        return np.asarray(ds.data)[:, None], np.asarray(ds.targets, dtype=np.int64), 10
+    raise AssertionError(name)
+
+
+def _train_stats(name: str, root: str, train: bool, images: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean/std in [0, 1] of the train split (loaded from the cache if not this one)."""
+    if not train:
+        ref = load_dataset(name, data_dir=root, train=True)
+        return ref.mean, ref.std
+    pixels = images.astype(np.float64) / 255.0
+    mean = pixels.mean(axis=(0, 2, 3))
+    std = pixels.std(axis=(0, 2, 3))
+    return tuple(float(m) for m in mean), tuple(float(max(s, 1e-6)) for s in std)
+
+
+def _normalized(images: np.ndarray, labels: np.ndarray, num_classes: int, name: str,
+                mean: Sequence[float], std: Sequence[float], scale: float = 255.0) -> Dataset:
+    x = torch.from_numpy(np.ascontiguousarray(images)).to(torch.float32).div_(scale)
+    m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
+    s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+    x = (x - m) / s
+    y = torch.from_numpy(np.ascontiguousarray(labels, dtype=np.int64))
+    return Dataset(x, y, num_classes, name, tuple(float(v) for v in mean), tuple(float(v) for v in std))
+
+
+DIGITS_TEST_FRACTION = 0.3
+DIGITS_SPLIT_SEED = 0
+
+
+def _load_digits(train: bool) -> Dataset:
+    """scikit-learn's bundled 8x8 digits (1797 images): a fixed stratified 70/30 split.
+
+    scikit-learn ships no split, so ours is `train_test_split(test_size=0.3, stratify=y,
+    random_state=0)`: 1257 train and 540 test images, the same on every machine.
+    Pixel values 0..16 are scaled to [0, 1], then normalized with the train split's statistics.
+    """
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    bunch = load_digits()
+    images = bunch.images.astype(np.float32)[:, None]  # (1797, 1, 8, 8), 0..16
+    labels = bunch.target.astype(np.int64)
+    idx_train, idx_test = train_test_split(np.arange(len(labels)), test_size=DIGITS_TEST_FRACTION,
+                                           stratify=labels, random_state=DIGITS_SPLIT_SEED)
+    idx_train.sort()
+    idx_test.sort()
+    ref = images[idx_train] / 16.0
+    mean = (float(ref.mean()),)
+    std = (float(ref.std()),)
+    idx = idx_train if train else idx_test
+    return _normalized(images[idx], labels[idx], 10, "digits", mean, std, scale=16.0)
+
+
+def _load_folder(name: str, root: str, train: bool) -> Dataset:
+    """Images in `<root>/NAME/{train,test}/<class>/` (ImageFolder layout), all one size."""
+    from PIL import Image
+    from torchvision.datasets import ImageFolder
+
+    sub = name.split(":", 1)[1]
+    split_dir = os.path.join(root, sub, "train" if train else "test")
+    try:
+        folder = ImageFolder(split_dir, loader=lambda p: p)  # paths only; we decode below
+    except (FileNotFoundError, RuntimeError) as e:
+        raise _not_found(name, root, str(e)) from e
+    if not train:
+        ref = load_dataset(name, data_dir=root, train=True)
+        train_classes = _folder_classes(root, sub)
+        if folder.classes != train_classes:
+            raise ValueError(f"{name}: test classes {folder.classes} differ from train classes {train_classes}")
+    arrays = []
+    grey = None
+    size = None
+    for path, _ in folder.samples:
+        with Image.open(path) as img:
+            if grey is None:
+                grey = img.mode in ("1", "L", "I", "I;16", "F")
+                size = img.size
+            if img.size != size:
+                raise ValueError(f"{name}: all images must be one size; {path} is {img.size}, expected {size}")
+            arr = np.asarray(img.convert("L" if grey else "RGB"), dtype=np.uint8)
+        arrays.append(arr[None] if grey else arr.transpose(2, 0, 1))
+    images = np.stack(arrays)
+    labels = np.asarray(folder.targets, dtype=np.int64)
+    if train:
+        mean, std = _train_stats(name, root, True, images)
+    else:
+        mean, std = ref.mean, ref.std
+    return _normalized(images, labels, len(folder.classes), name, mean, std)
+
+
+def _folder_classes(root: str, sub: str) -> list[str]:
+    train_dir = Path(root, sub, "train")
+    return sorted(p.name for p in train_dir.iterdir() if p.is_dir())
