@@ -1,14 +1,21 @@
-"""The embedded (amqtt) broker carries QoS 1 traffic between real paho MQTT 3.1.1 clients."""
+"""The embedded (amqtt) broker carries QoS 1 traffic between real paho MQTT 3.1.1 clients, and
+`fedmq broker` runs Mosquitto or it in the foreground until interrupted."""
 
 from __future__ import annotations
 
+import select
+import signal
 import socket
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
 
-from fedmq.broker import BrokerError
+from fedmq.broker import BrokerError, find_mosquitto, free_port
 from fedmq.embedded_broker import EmbeddedBroker
 
 
@@ -95,3 +102,115 @@ def test_two_brokers_get_their_own_ports():
 def test_non_loopback_bind_is_refused():
     with pytest.raises(BrokerError, match="loopback"):
         EmbeddedBroker(host="0.0.0.0")
+
+
+# --------------------------------------------------------------------------- `fedmq broker`
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _start_cli(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "fedmq.cli", "broker", *args],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def _read_url(proc: subprocess.Popen, timeout: float = 30) -> tuple[str, int]:
+    """The `url: mqtt://host:port` line `fedmq broker` prints once it listens."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith("url: "):
+                host, port = line.split("://", 1)[1].strip().rsplit(":", 1)
+                return host, int(port)
+    proc.kill()
+    raise AssertionError(f"no url line; stderr: {proc.stderr.read() if proc.stderr else ''}")
+
+
+def _roundtrip(host: str, port: int) -> bytes:
+    got: list[bytes] = []
+    arrived = threading.Event()
+    c = _client("cli-check")
+
+    def on_message(client, userdata, msg):
+        got.append(msg.payload)
+        arrived.set()
+
+    subscribed = threading.Event()
+    c.on_message = on_message
+    c.on_subscribe = lambda *a: subscribed.set()
+    c.connect(host, port)
+    c.loop_start()
+    try:
+        c.subscribe("fedmq/cli/agents/x/down", qos=1)
+        assert subscribed.wait(10), "no SUBACK"
+        c.publish("fedmq/cli/agents/x/down", b"ping", qos=1).wait_for_publish(10)
+        assert arrived.wait(10), "message did not come back through the broker"
+    finally:
+        c.disconnect()
+        c.loop_stop()
+    return got[0]
+
+
+def test_cli_embedded_broker_serves_until_interrupted():
+    proc = _start_cli("--embedded", "--port", "0")
+    try:
+        host, port = _read_url(proc)
+        assert _roundtrip(host, port) == b"ping"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(20) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    with pytest.raises(OSError), socket.create_connection((host, port), timeout=2):
+        pass
+
+
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
+def test_cli_runs_mosquitto_and_stops_it_on_sigterm(tmp_path):
+    proc = _start_cli("--port", "0", "--workdir", str(tmp_path / "b"))
+    try:
+        host, port = _read_url(proc)
+        assert _roundtrip(host, port) == b"ping"
+        assert "mosquitto version" in (tmp_path / "b" / "mosquitto.log").read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # mosquitto runs in its own session: it must have been stopped by pid, not left behind.
+    with pytest.raises(OSError), socket.create_connection((host, port), timeout=2):
+        pass
+
+
+def test_cli_dry_run_prints_rendered_config_and_starts_nothing():
+    port = free_port()
+    out = subprocess.run(
+        [sys.executable, "-m", "fedmq.cli", "broker", "--dry-run", "--port", str(port)],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"url: mqtt://127.0.0.1:{port}" in out.stdout
+    if find_mosquitto() is not None:
+        assert f"listener {port} 127.0.0.1" in out.stdout
+        assert "allow_anonymous true" in out.stdout and "set_tcp_nodelay true" in out.stdout
+    else:
+        assert "embedded" in out.stdout
+    with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+        pass
+
+
+def test_cli_refuses_embedded_for_a_config_that_needs_auth():
+    out = subprocess.run(
+        [sys.executable, "-m", "fedmq.cli", "broker", "--embedded", "--config",
+         "broker_config/prod.conf"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 2
+    assert "embedded broker cannot provide" in out.stderr

@@ -1,0 +1,165 @@
+"""Run an MQTT broker in the foreground for development; Ctrl-C stops it.
+
+Mosquitto (with broker_config/dev.conf unless --config says otherwise) when the binary is
+installed, else the embedded pure-Python broker (amqtt, MQTT 3.1.1, anonymous, loopback).
+The listener is moved to --port on 127.0.0.1 (0: a free port); the URL to give agents and
+the aggregator is printed on the first line starting with `url: `.
+
+    fedmq broker                                  # mosquitto, dev.conf, mqtt://127.0.0.1:1883
+    fedmq broker --embedded --port 0              # no mosquitto needed
+    fedmq broker --config broker_config/prod.conf --creds deploy/creds --port 8883
+    fedmq broker --dry-run                        # print the command and rendered config
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from fedmq.broker import (
+    REPO_BROKER_CONFIG,
+    BrokerError,
+    MosquittoBroker,
+    find_mosquitto,
+    free_port,
+    rewrite_config,
+)
+
+DEFAULT_CONFIG = REPO_BROKER_CONFIG / "dev.conf"
+CONTAINER_CONFIG_DIR = "/mosquitto/config/"
+_LISTENER_LINE = re.compile(r"^\s*listener\s+\d+")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
+                        help="Mosquitto config (default: broker_config/dev.conf)")
+    parser.add_argument("--port", type=int, default=1883,
+                        help="port of the (first) listener on 127.0.0.1; 0 picks a free one")
+    parser.add_argument("--embedded", action="store_true",
+                        help="use the embedded amqtt broker even if mosquitto is installed")
+    parser.add_argument("--creds", type=Path, default=None,
+                        help="output dir of `fedmq creds`: maps /mosquitto/config/ (prod.conf)")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="where persistence and the log go (default: a temp dir, removed on exit)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print what would run and the rendered config, then exit")
+
+
+def _wants_auth(config_text: str) -> bool:
+    """True when the config expects passwords or TLS, which the embedded broker cannot honour."""
+    keys = {ln.split()[0] for ln in config_text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")}
+    anonymous = re.search(r"^\s*allow_anonymous\s+true\b", config_text, re.M) is not None
+    return bool(keys & {"password_file", "acl_file", "certfile", "psk_file"}) or not anonymous
+
+
+def _scheme(config_text: str) -> str:
+    return "mqtts" if re.search(r"^\s*certfile\s", config_text, re.M) else "mqtt"
+
+
+def _path_map(args: argparse.Namespace) -> dict[str, str] | None:
+    if args.creds is None:
+        return None
+    return {CONTAINER_CONFIG_DIR: f"{args.creds.resolve() / 'mosquitto'}/"}
+
+
+def _ports(config_text: str, first: int) -> list[int]:
+    n = max(1, sum(1 for ln in config_text.splitlines() if _LISTENER_LINE.match(ln)))
+    return [first or free_port()] + [free_port() for _ in range(n - 1)]
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config_text = args.config.read_text()
+    except OSError as e:
+        print(f"fedmq broker: cannot read config {args.config}: {e}", file=sys.stderr)
+        return 2
+    binary = None if args.embedded else find_mosquitto()
+    if binary is None:
+        if _wants_auth(config_text):
+            print(f"fedmq broker: {args.config} asks for TLS/passwords/ACL, which the embedded "
+                  "broker cannot provide; install mosquitto or use broker_config/dev.conf",
+                  file=sys.stderr)
+            return 2
+        return _run_embedded(args)
+    return _run_mosquitto(args, binary, config_text)
+
+
+def _run_embedded(args: argparse.Namespace) -> int:
+    from fedmq.embedded_broker import EmbeddedBroker
+
+    why = "--embedded" if args.embedded else "mosquitto not found"
+    if args.dry_run:
+        port = args.port if args.port else "<free port>"
+        print(f"would run: embedded amqtt broker (MQTT 3.1.1, anonymous) on 127.0.0.1:{port} ({why})")
+        print(f"url: mqtt://127.0.0.1:{port}")
+        return 0
+    broker = EmbeddedBroker(port=args.port)
+    try:
+        broker.start()
+        print(f"url: {broker.url}", flush=True)
+        print(f"embedded amqtt broker (MQTT 3.1.1, anonymous; {why}); Ctrl-C stops it", flush=True)
+        _serve_until_interrupted(lambda: broker.running)
+        print("fedmq broker: the embedded broker's thread ended", file=sys.stderr)
+        return 1
+    except BrokerError as e:
+        print(f"fedmq broker: {e}", file=sys.stderr)
+        return 1
+    finally:
+        broker.stop()
+
+
+def _run_mosquitto(args: argparse.Namespace, binary: str, config_text: str) -> int:
+    ports = _ports(config_text, args.port)
+    scheme = _scheme(config_text)
+    if args.dry_run:
+        workdir = args.workdir or Path(tempfile.gettempdir()) / "fedmq-mosquitto-XXXXXX"
+        rendered = rewrite_config(config_text, ports, Path(workdir), _path_map(args))
+        print(f"would run: {shlex.join([binary, '-c', str(Path(workdir) / 'mosquitto.conf')])}")
+        print(f"url: {scheme}://127.0.0.1:{ports[0]}")
+        print(f"# --- rendered from {args.config} ---")
+        print(rendered, end="")
+        return 0
+    try:
+        broker = MosquittoBroker(config_text, path_map=_path_map(args), workdir=args.workdir, ports=ports)
+    except BrokerError as e:
+        print(f"fedmq broker: {e}", file=sys.stderr)
+        return 1
+    try:
+        broker.start()
+        print(f"url: {scheme}://{broker.host}:{broker.port}", flush=True)
+        print(f"mosquitto pid {broker.proc.pid if broker.proc else '?'}, config {broker.config_path}, "
+              f"log {broker.log_path}; Ctrl-C stops it", flush=True)
+        assert broker.proc is not None
+        proc = broker.proc
+        _serve_until_interrupted(lambda: proc.poll() is None)
+        print(f"fedmq broker: mosquitto exited with code {proc.returncode}\n"
+              f"{broker.log_tail()}", file=sys.stderr)
+        return 1
+    except BrokerError as e:
+        print(f"fedmq broker: {e}", file=sys.stderr)
+        return 1
+    finally:
+        broker.close()
+
+
+def _serve_until_interrupted(still_running: Callable[[], bool]) -> None:
+    """Return when `still_running()` turns false (the broker died by itself); SIGINT and
+    SIGTERM raise KeyboardInterrupt, whatever handlers (or SIG_IGN, as for background jobs
+    of a non-interactive shell) this process inherited."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while still_running():
+            time.sleep(0.2)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
