@@ -113,6 +113,10 @@ class Journal:
                 continue
         return sorted(gens)
 
+    def has_state(self) -> bool:
+        """Whether this dir holds a snapshot to resume from."""
+        return self.dir.is_dir() and bool(self._generations())
+
     def load(self) -> tuple[Any | None, list[Any]]:
         """The newest snapshot (None for a new state dir) and the records after it."""
         try:

@@ -97,7 +97,7 @@ class DataSettings:
     """Datasets and how agents' local data is drawn."""
 
     dataset: str = "digits"
-    """digits (bundled with scikit-learn, offline), mnist, fashionmnist, cifar100, svhn, usps."""
+    """digits (bundled with scikit-learn, offline), mnist, fashionmnist, cifar10, cifar100, svhn, usps, or folder:NAME (PNG files in <data_dir>/NAME/{train,test}/<class>/)."""
     data_dir: str = field(default_factory=default_data_dir)
     """Dataset root, in torchvision's own layout."""
     download: bool = False
@@ -152,6 +152,10 @@ class AggregatorSettings:
     """Snapshots and the write-ahead journal; restart from here resumes."""
     max_batch: int = 32
     """Most queued uploads evaluated together."""
+    pretrain_epochs: int = 5
+    """Epochs of server-side pre-training of each cluster model on its pretrain pool."""
+    snapshot_every: int = 200
+    """Journal records between snapshots (a snapshot bounds replay time after a crash)."""
     norm_bound: float = 0.0
     """Refuse uploads whose distance from the model they started from exceeds this (0 = off)."""
 
@@ -308,6 +312,7 @@ COMMON_FLAGS: dict[str, str] = {
     "dataset": "data.dataset",
     "model": "model",
     "seed": "seed",
+    "download": "data.download",
 }
 
 
@@ -325,11 +330,15 @@ def add_config_arguments(parser: Any, flags: tuple[str, ...] = ("broker", "fleet
         "log_level": ("LEVEL", "debug, info, warning (default) or error"),
         "device": ("DEV", "auto (default), cpu or cuda"),
         "data_dir": ("DIR", "dataset root in torchvision's layout (default: $FEDMQ_DATA_DIR or ~/.cache/fedmq/data)"),
-        "dataset": ("NAME", "digits (offline, default), mnist, fashionmnist, cifar100, svhn, usps"),
+        "dataset": ("NAME", "digits (offline, default), mnist, fashionmnist, cifar10, cifar100, svhn, usps, folder:NAME"),
         "model": ("NAME", "model zoo name, or auto (default)"),
         "seed": ("N", "random seed (default 0)"),
     }
     for name in flags:
+        if name == "download":
+            parser.add_argument("--download", action="store_true", default=None,
+                                help="let torchvision download a missing dataset into --data-dir")
+            continue
         metavar, text = helps[name]
         parser.add_argument("--" + name.replace("_", "-"), dest=name, metavar=metavar, help=text)
 
