@@ -1,0 +1,132 @@
+"""Local training on rotated digits: proximal pull, determinism, real gains, FedSoft's alpha."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from sklearn.datasets import load_digits
+
+from edge_agent.trainer import (
+    estimate_alpha_argmin,
+    evaluate,
+    train_fedsoft,
+    train_local,
+)
+from fedmq.models import build_model, to_vector
+
+MODEL = "digits-cnn"
+
+
+@pytest.fixture(scope="module")
+def digits() -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's bundled 8x8 digits as (N, 1, 8, 8) in [0, 1], shuffled once."""
+    data = load_digits()
+    x = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(data.target, dtype=torch.int64)
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    return x[perm], y[perm]
+
+
+def rotated_mixture(x: torch.Tensor, y: torch.Tensor, share_upright: float, seed: int):
+    """Each sample upright with probability `share_upright`, else rotated by 180 degrees."""
+    flip = torch.from_numpy(np.random.default_rng(seed).random(len(y)) >= share_upright)
+    out = x.clone()
+    out[flip] = torch.rot90(x[flip], 2, dims=(-2, -1))
+    return out, y, flip
+
+
+@pytest.fixture(scope="module")
+def partly_trained(digits) -> torch.Tensor:
+    """A model after a few epochs on 300 digits in both rotations: far from converged."""
+    x, y = digits
+    gx = torch.cat([x[:300], torch.rot90(x[:300], 2, dims=(-2, -1))])
+    gy = torch.cat([y[:300], y[:300]])
+    start = to_vector(build_model(MODEL, seed=0))
+    return train_local(MODEL, start, gx, gy, epochs=4, lr=0.05, rho=0.0, seed=1).vector
+
+
+def test_proximal_term_pulls_toward_received_model(digits, partly_trained) -> None:
+    x, y = digits
+    lx, ly, _ = rotated_mixture(x[600:1400], y[600:1400], 0.7, seed=0)
+    u = partly_trained
+    free = train_local(MODEL, u, lx, ly, rho=0.0, seed=0).vector
+    held = train_local(MODEL, u, lx, ly, rho=100.0, seed=0).vector
+    d_free, d_held = float((free - u).norm()), float((held - u).norm())
+    print(f"||v - u||: rho=0 {d_free:.4f}, rho=100 {d_held:.4f}")
+    assert d_held < 0.25 * d_free
+
+
+def test_unstable_rho_and_lr_are_refused(digits, partly_trained) -> None:
+    x, y = digits
+    with pytest.raises(ValueError, match="unstable"):
+        train_local(MODEL, partly_trained, x[:64], y[:64], rho=1e4, lr=0.01)
+
+
+def test_deterministic_given_seed(digits, partly_trained) -> None:
+    x, y = digits
+    a = train_local(MODEL, partly_trained, x[:400], y[:400], seed=3)
+    b = train_local(MODEL, partly_trained, x[:400], y[:400], seed=3)
+    c = train_local(MODEL, partly_trained, x[:400], y[:400], seed=4)
+    assert torch.equal(a.vector, b.vector) and a.final_loss == b.final_loss
+    assert not torch.equal(a.vector, c.vector)
+    assert a.epochs_done == 2 and a.samples_seen == 800 and not a.stopped_early
+
+
+def test_default_training_improves_local_accuracy(digits, partly_trained) -> None:
+    x, y = digits
+    lx, ly, _ = rotated_mixture(x[600:1400], y[600:1400], 0.7, seed=0)
+    tx, ty, _ = rotated_mixture(x[1400:], y[1400:], 0.7, seed=1)
+    before, _ = evaluate(MODEL, partly_trained, tx, ty)
+    result = train_local(MODEL, partly_trained, lx, ly)
+    after, _ = evaluate(MODEL, result.vector, tx, ty)
+    print(f"local test accuracy: {before:.3f} -> {after:.3f} with the defaults")
+    assert after > before + 0.1
+
+
+def test_argmin_alpha_recovers_mixture_with_specialists(digits) -> None:
+    x, y = digits
+    start = to_vector(build_model(MODEL, seed=0))
+    upright = train_local(MODEL, start, x[:600], y[:600], epochs=4, lr=0.05, rho=0.0, seed=0).vector
+    flipped = train_local(MODEL, start, torch.rot90(x[:600], 2, dims=(-2, -1)), y[:600],
+                          epochs=4, lr=0.05, rho=0.0, seed=0).vector
+    cx, cy, flip = rotated_mixture(x[600:1400], y[600:1400], 0.7, seed=2)
+    true = [1 - float(flip.double().mean()), float(flip.double().mean())]
+    alpha = estimate_alpha_argmin(MODEL, [upright, flipped], cx, cy)
+    print(f"true {true}, estimated {alpha}")
+    assert abs(sum(alpha) - 1) < 1e-9
+    assert abs(alpha[0] - true[0]) < 0.15
+
+
+def test_argmin_alpha_splits_exact_ties(digits) -> None:
+    x, y = digits
+    w = to_vector(build_model(MODEL, seed=0))
+    assert estimate_alpha_argmin(MODEL, [w, w.clone()], x[:50], y[:50]) == [0.5, 0.5]
+
+
+def test_fedsoft_with_one_cluster_is_local_training(digits, partly_trained) -> None:
+    x, y = digits
+    a = train_local(MODEL, partly_trained, x[:300], y[:300], rho=0.5, seed=1)
+    b = train_fedsoft(MODEL, partly_trained, [partly_trained], [1.0], x[:300], y[:300], rho=0.5, seed=1)
+    assert torch.allclose(a.vector, b.vector, atol=1e-6)
+
+
+def test_fedsoft_proximal_pulls_to_alpha_weighted_models(digits, partly_trained) -> None:
+    x, y = digits
+    w1 = partly_trained
+    w2 = to_vector(build_model(MODEL, seed=9))
+    target = 0.25 * w1 + 0.75 * w2
+    v = train_fedsoft(MODEL, w1, [w1, w2], [0.25, 0.75], x[:300], y[:300], rho=100.0, epochs=3).vector
+    assert float((v - target).norm()) < 0.2 * float((w1 - target).norm())
+
+
+def test_max_seconds_and_on_epoch_stop_early(digits, partly_trained) -> None:
+    x, y = digits
+    none = train_local(MODEL, partly_trained, x[:500], y[:500], max_seconds=0.0)
+    assert none.stopped_early and none.samples_seen == 0 and none.epochs_done == 0
+    assert torch.equal(none.vector, partly_trained)
+
+    seen: list[int] = []
+    one = train_local(MODEL, partly_trained, x[:500], y[:500], epochs=5,
+                      on_epoch=lambda epoch, loss: seen.append(epoch) or False)
+    assert seen == [0] and one.epochs_done == 1 and one.stopped_early and one.samples_seen == 500
