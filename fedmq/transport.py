@@ -1,0 +1,764 @@
+"""The MQTT transport both sides share: connect, subscribe, publish with a bounded window, ack.
+
+It moves bytes and knows nothing of envelopes (fedmq/protocol.py) or chunking. It wraps one
+paho-mqtt 2.x client whose network loop runs in paho's own thread, because the aggregator and
+the agents are threaded programs:
+
+    settings = BrokerSettings(url="mqtt://127.0.0.1:1883")
+    with MqttTransport("agg-1", settings, will=Will(status_topic, b"offline")) as mqtt:
+        mqtt.subscribe("fedmq/default/agents/+/up", on_update)      # handler on paho's thread
+        mqtt.publish(topic, payload).wait(10)                        # True once PUBACKed
+
+Delivery model (what the aggregator and agents rely on):
+
+- Sessions are persistent by default (MQTT v5 `clean_start` off with a session expiry, or
+  MQTT 3.1.1 `clean_session` off): QoS 1 messages published while a client is away are queued
+  by the broker and delivered when it comes back with the same client id.
+- Those queued messages arrive right after CONNACK, before any SUBSCRIBE could be answered.
+  A message that finds no handler is parked and handed to the first handler later
+  registered with a matching `subscribe()`; so subscribing before or after `connect()` both
+  see the backlog, in order.
+- At most `settings.max_inflight` QoS 1 publishes are unacknowledged at a time (clamped to
+  the broker's MQTT v5 Receive Maximum); `publish()` blocks while the window is full. This is
+  back-pressure, and it keeps paho far from its 65,535 message-id limit.
+- With `manual_ack=True` a received QoS 1 message is acknowledged only by `ack(message)`.
+  Until then the broker keeps it in flight for this client and redelivers it (dup flag set)
+  after the next reconnect with the same session; it is never redelivered on a live
+  connection. Unacked messages occupy the broker's per-client inflight window
+  (`max_inflight_messages`, 64 in broker_config/dev.conf): once it is full the broker stops
+  delivering, so ack promptly.
+- `close()` sends DISCONNECT, so the broker does NOT publish the will: publish your own
+  "offline" status before closing. `kill()` drops the socket without DISCONNECT (tests,
+  crash drills), and the broker publishes the will.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import ssl
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import paho.mqtt.client as paho
+from paho.mqtt.client import topic_matches_sub
+from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode, MQTTProtocolVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+from paho.mqtt.reasoncodes import ReasonCode
+
+from fedmq.config import BrokerSettings
+from fedmq.logs import event, get_logger
+
+log = get_logger("transport")
+
+DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
+PARKED_LIMIT = 10_000
+"""Messages held for lack of a handler (see MqttTransport.subscribe); beyond it they are dropped."""
+PROTOCOL_NAMES = {MQTTProtocolVersion.MQTTv5: "5", MQTTProtocolVersion.MQTTv311: "3.1.1"}
+PROTOCOL_CHOICES = {
+    "auto": (MQTTProtocolVersion.MQTTv5, MQTTProtocolVersion.MQTTv311),
+    "5": (MQTTProtocolVersion.MQTTv5,),
+    "3.1.1": (MQTTProtocolVersion.MQTTv311,),
+}
+
+
+class TransportError(RuntimeError):
+    """The broker could not be reached, refused us, or did not answer in time."""
+
+
+@dataclass(frozen=True)
+class BrokerAddress:
+    host: str
+    port: int
+    tls: bool
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+
+
+def parse_broker_url(url: str) -> BrokerAddress:
+    """`mqtt://[user[:pass]@]host[:port]` (1883) or `mqtts://...` (8883, TLS).
+
+    User and password are percent-decoded, so a password may hold `@` or `:` as %40 / %3A.
+    """
+    try:
+        parts = urlsplit(url.strip())
+    except ValueError as e:
+        raise TransportError(f"broker URL {url!r} is not a valid URL: {e}") from None
+    scheme = parts.scheme.lower()
+    if scheme not in DEFAULT_PORTS:
+        raise TransportError(
+            f"broker URL {url!r}: scheme must be mqtt:// or mqtts://, not {parts.scheme or 'none'!r}"
+        )
+    if not parts.hostname:
+        raise TransportError(f"broker URL {url!r} has no host (expected {scheme}://host[:port])")
+    try:
+        port = parts.port
+    except ValueError:
+        raise TransportError(f"broker URL {url!r}: port must be a number in 1-65535") from None
+    if port == 0:
+        raise TransportError(f"broker URL {url!r}: port must be a number in 1-65535")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise TransportError(f"broker URL {url!r}: unexpected path, query or fragment after the port")
+    username = unquote(parts.username) if parts.username is not None else None
+    password = unquote(parts.password) if parts.password is not None else None
+    if password is not None and not username:
+        raise TransportError(f"broker URL {url!r}: a password needs a user name (user:pass@host)")
+    return BrokerAddress(parts.hostname, port or DEFAULT_PORTS[scheme], scheme == "mqtts",
+                         username or None, password)
+
+
+@dataclass(frozen=True)
+class Will:
+    """Published by the broker when this client vanishes without DISCONNECT."""
+
+    topic: str
+    payload: bytes
+    qos: int = 1
+    retain: bool = True
+
+
+@dataclass(frozen=True)
+class Message:
+    """One received PUBLISH. `mid` and `qos` are what `MqttTransport.ack` needs."""
+
+    topic: str
+    payload: bytes
+    qos: int
+    retain: bool
+    mid: int
+    dup: bool = False
+    """Set by the broker on a redelivery; the application must dedupe (by msg_id)."""
+    connection: int = 0
+    """Which connection of this transport it arrived on; an ack on a later one is void."""
+
+
+Handler = Callable[[Message], None]
+ConnectHook = Callable[["MqttTransport", bool], None]
+DisconnectHook = Callable[["MqttTransport", str], None]
+
+
+class PublishHandle:
+    """The fate of one publish: `wait()` for its PUBACK (QoS 1) or its write (QoS 0)."""
+
+    def __init__(self, mid: int, topic: str, qos: int, on_done: Callable[[], None] | None) -> None:
+        self.mid = mid
+        self.topic = topic
+        self.qos = qos
+        self.reason: str | None = None
+        """None while pending; the broker's reason code name once done; an error text on failure."""
+        self._failed = False
+        self._event = threading.Event()
+        self._on_done = on_done
+
+    @property
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once acknowledged, False on timeout.
+
+        Raises TransportError when the broker refused the message (MQTT v5 reason code, e.g.
+        not authorized) or the transport was closed before the acknowledgement came.
+        """
+        if not self._event.wait(timeout):
+            return False
+        if self._failed:
+            raise TransportError(f"publish to {self.topic!r} (mid {self.mid}) failed: {self.reason}")
+        return True
+
+    def _resolve(self, outcome: ReasonCode | _Abandoned) -> None:
+        """paho's PUBACK reason (or write, at QoS 0), or why it will never come."""
+        if isinstance(outcome, ReasonCode):
+            self._complete(_reason_text(outcome), outcome.is_failure)
+        else:
+            self._complete(str(outcome), True)
+
+    def _complete(self, reason: str, failed: bool) -> None:
+        if self._event.is_set():
+            return
+        self.reason, self._failed = reason, failed
+        self._event.set()  # before freeing the window slot: a waiter never sees a freed slot early
+        if self._on_done is not None:
+            self._on_done()
+
+
+class _Abandoned(str):
+    """Why an awaited acknowledgement will never come (the transport was closed)."""
+
+
+class _MidBook:
+    """Pairs a paho callback for message id `mid` with its waiter, in either order.
+
+    paho may answer (on its thread) before `publish()`/`subscribe()` has returned the mid to
+    us; the answer is then parked until the waiter is registered.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: dict[int, Callable[[Any], None]] = {}
+        self._early: dict[int, Any] = {}
+
+    def expect(self, mid: int, complete: Callable[[Any], None]) -> None:
+        with self._lock:
+            if mid not in self._early:
+                self._waiting[mid] = complete
+                return
+            value = self._early.pop(mid)
+        complete(value)
+
+    def resolve(self, mid: int, value: Any) -> None:
+        with self._lock:
+            complete = self._waiting.pop(mid, None)
+            if complete is None:
+                self._early[mid] = value
+                return
+        complete(value)
+
+    def drain(self) -> list[Callable[[Any], None]]:
+        with self._lock:
+            waiting, self._waiting = list(self._waiting.values()), {}
+            self._early.clear()
+        return waiting
+
+
+class _Window:
+    """A counting window whose limit can shrink to what the broker allows."""
+
+    def __init__(self, limit: int) -> None:
+        self._cond = threading.Condition()
+        self.limit = max(1, limit)
+        self.outstanding = 0
+
+    def acquire(self, timeout: float | None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self.outstanding < self.limit, timeout) and self._take()
+
+    def _take(self) -> bool:
+        self.outstanding += 1
+        return True
+
+    def release(self) -> None:
+        with self._cond:
+            self.outstanding -= 1
+            self._cond.notify()
+
+    def set_limit(self, limit: int) -> None:
+        with self._cond:
+            self.limit = max(1, limit)
+            self._cond.notify_all()
+
+    def wait_empty(self, timeout: float | None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self.outstanding == 0, timeout)
+
+
+@dataclass
+class _Subscription:
+    topic_filter: str
+    qos: int
+    handler: Handler
+    granted: bool = False
+
+
+def _reason_text(reason: ReasonCode | int | None) -> str:
+    if isinstance(reason, ReasonCode):
+        return f"{reason} (0x{reason.value:02x})"
+    return str(reason)
+
+
+class MqttTransport:
+    """One MQTT connection with persistent session, automatic reconnect and a publish window.
+
+    Handlers and hooks run on paho's network thread: keep them short, hand heavy work to your
+    own threads. A handler or hook may publish and subscribe; it then never waits for the
+    window or a SUBACK (that would deadlock the thread that reads them): a publish beyond a
+    full window goes uncounted and paho queues it within its own limit (settings.max_inflight).
+    """
+
+    def __init__(
+        self,
+        client_id: str,
+        settings: BrokerSettings,
+        *,
+        clean_start: bool = False,
+        will: Will | None = None,
+        manual_ack: bool = False,
+        tcp_nodelay: bool = True,
+    ) -> None:
+        if not client_id:
+            raise TransportError("a client id is required: persistent sessions are keyed by it")
+        if settings.protocol not in PROTOCOL_CHOICES:
+            raise TransportError(
+                f"broker.protocol must be one of {', '.join(PROTOCOL_CHOICES)}, not {settings.protocol!r}"
+            )
+        self.client_id = client_id
+        self.settings = settings
+        self.address = parse_broker_url(settings.url)
+        self.clean_start = clean_start
+        self.will = will
+        self.manual_ack = manual_ack
+        self.tcp_nodelay = tcp_nodelay
+        self.on_connect_hooks: list[ConnectHook] = []
+        """Called as hook(transport, session_present) after every successful CONNACK."""
+        self.on_disconnect_hooks: list[DisconnectHook] = []
+        """Called as hook(transport, reason) whenever an established connection ends."""
+
+        self._client: paho.Client | None = None
+        self._protocol: MQTTProtocolVersion | None = None
+        self._connected = threading.Event()
+        self._connection = 0
+        self._ever_connected = False
+        self._closed = False
+        self._first_connack: tuple[ReasonCode, bool] | None = None
+        self._subs: dict[str, _Subscription] = {}
+        self._subs_lock = threading.Lock()
+        self._pubs = _MidBook()
+        self._subacks = _MidBook()
+        self._window = _Window(settings.max_inflight)
+        self._in_callback = threading.local()
+        self._dispatch_lock = threading.RLock()
+        self._parked: deque[Message] = deque()
+
+    # -- state ---------------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    @property
+    def protocol_version(self) -> str | None:
+        """"5" or "3.1.1" once connected, else None."""
+        return PROTOCOL_NAMES.get(self._protocol) if self._protocol is not None else None
+
+    @property
+    def window(self) -> int:
+        """The publish window in force: settings.max_inflight, clamped to the broker's limit."""
+        return self._window.limit
+
+    @property
+    def outstanding(self) -> int:
+        """QoS 1 publishes sent (or queued by paho) and not yet acknowledged."""
+        return self._window.outstanding
+
+    def wait_connected(self, timeout: float | None = None) -> bool:
+        return self._connected.wait(timeout)
+
+    # -- connect -------------------------------------------------------------------------
+
+    def connect(self, timeout: float = 10.0) -> MqttTransport:
+        """Connect once (raising TransportError with the broker's reason), then keep connected.
+
+        With broker.protocol "auto", MQTT v5 is tried first (for up to half of `timeout`) and
+        3.1.1 when the broker refuses v5, hangs up on it, or does not answer it. After this returns, reconnects happen on paho's thread with
+        exponential backoff between reconnect_min_s and reconnect_max_s.
+        """
+        if self._closed:
+            raise TransportError("this transport was closed; make a new one")
+        if self._client is not None:
+            return self
+        deadline = time.monotonic() + timeout
+        attempts = PROTOCOL_CHOICES[self.settings.protocol]
+        for i, protocol in enumerate(attempts):
+            client = self._make_client(protocol)
+            # Set before the handshake so that on_connect hooks may already publish.
+            self._client, self._protocol = client, protocol
+            # A broker that does not speak v5 may refuse it, hang up, or (amqtt) say nothing:
+            # give the first of several attempts half the time, then try the next version.
+            left = deadline - time.monotonic()
+            attempt_deadline = deadline if i + 1 == len(attempts) else time.monotonic() + left / 2
+            failure = self._first_connect(client, attempt_deadline)
+            if failure is None:
+                break
+            self._client = self._protocol = None
+            error, version_refused = failure
+            sock = client.socket()
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.close()
+            if version_refused and i + 1 < len(attempts) and time.monotonic() < deadline:
+                event(log, "transport.fallback", client=self.client_id, reason=error)
+                continue
+            raise TransportError(error)
+        client.loop_start()
+        self._send_pending_subscriptions(wait_deadline=deadline)
+        event(log, "transport.connected", client=self.client_id, host=self.address.host,
+              port=self.address.port, protocol=self.protocol_version, window=self.window)
+        return self
+
+    def _where(self) -> str:
+        scheme = "mqtts" if self.address.tls else "mqtt"
+        return f"{scheme}://{self.address.host}:{self.address.port}"
+
+    def _make_client(self, protocol: MQTTProtocolVersion) -> paho.Client:
+        s, addr = self.settings, self.address
+        v5 = protocol == MQTTProtocolVersion.MQTTv5
+        client = paho.Client(
+            CallbackAPIVersion.VERSION2,
+            client_id=self.client_id,
+            clean_session=None if v5 else self.clean_start,
+            protocol=protocol,
+            manual_ack=self.manual_ack,
+        )
+        if addr.username is not None:
+            client.username_pw_set(addr.username, addr.password)
+        if addr.tls:
+            try:
+                client.tls_set(ca_certs=s.ca_file or None, certfile=s.cert_file or None,
+                               keyfile=s.key_file or None)
+            except (OSError, ValueError) as e:
+                raise TransportError(f"TLS setup for {self._where()} failed: {e}") from None
+            client.tls_insecure_set(s.tls_insecure)
+        if self.will is not None:
+            client.will_set(self.will.topic, self.will.payload, self.will.qos, self.will.retain)
+        # paho holds at most this many on the wire and queues the rest (only publishes made
+        # from the network thread can get past our window, see publish()).
+        client.max_inflight_messages_set(self.settings.max_inflight)
+        client.reconnect_delay_set(s.reconnect_min_s, s.reconnect_max_s)  # type: ignore[arg-type]
+        client.on_socket_open = self._on_socket_open
+        client.on_connect = self._on_connect
+        client.on_connect_fail = self._on_connect_fail
+        client.on_disconnect = self._on_disconnect
+        client.on_message = self._on_message
+        client.on_publish = self._on_publish
+        client.on_subscribe = self._on_subscribe
+        return client
+
+    def _first_connect(self, client: paho.Client, deadline: float) -> tuple[str, bool] | None:
+        """Run the handshake in this thread: None on success, else (error, version_refused)."""
+        addr, v5 = self.address, client.protocol == MQTTProtocolVersion.MQTTv5
+        client.connect_timeout = max(0.1, deadline - time.monotonic())
+        kwargs: dict[str, Any] = {}
+        if v5:
+            props = Properties(PacketTypes.CONNECT)
+            props.SessionExpiryInterval = self.settings.session_expiry_s
+            kwargs = {"clean_start": paho.MQTT_CLEAN_START_FIRST_ONLY if self.clean_start else False,
+                      "properties": props}
+        self._first_connack = None
+        try:
+            client.connect(addr.host, addr.port, self.settings.keepalive_s, **kwargs)
+        except ConnectionRefusedError:
+            return f"connection to {self._where()} refused: no broker listens there", False
+        except TimeoutError:
+            return f"no answer from {self._where()} within the timeout", False
+        except socket.gaierror as e:
+            return f"cannot resolve broker host {addr.host!r}: {e.strerror or e}", False
+        except ssl.SSLError as e:
+            return f"TLS handshake with {self._where()} failed: {e}", False
+        except OSError as e:
+            return f"cannot connect to {self._where()}: {e}", False
+        closed_early = False
+        while self._first_connack is None and time.monotonic() < deadline:
+            rc = client.loop(timeout=min(0.05, max(0.0, deadline - time.monotonic())))
+            if rc != MQTTErrorCode.MQTT_ERR_SUCCESS and self._first_connack is None:
+                closed_early = True
+                break
+        if self._first_connack is None:
+            version = PROTOCOL_NAMES[client.protocol]
+            if closed_early:
+                return (f"{self._where()} closed the connection before answering an MQTT {version} "
+                        f"CONNECT (wrong protocol version, TLS expected, or not an MQTT broker?)", v5)
+            return f"no CONNACK from {self._where()} within the timeout (MQTT {version})", v5
+        reason, _session_present = self._first_connack
+        if not reason.is_failure:
+            return None
+        version_refused = reason.getName() == "Unsupported protocol version" or (
+            not v5 and reason.value == 0x84)
+        if reason.getName() in ("Bad user name or password", "Not authorized"):
+            who = f"user {addr.username!r}" if addr.username else "anonymous client"
+            return f"{self._where()} refused {who} (client id {self.client_id!r}): {_reason_text(reason)}", False
+        return f"{self._where()} refused the connection: {_reason_text(reason)}", version_refused
+
+    # -- paho callbacks (network thread, or the connecting thread during the handshake) -------
+
+    def _on_socket_open(self, client: paho.Client, userdata: Any, sock: Any) -> None:
+        if self.tcp_nodelay:
+            with contextlib.suppress(OSError, AttributeError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _on_connect(self, client: paho.Client, userdata: Any, flags: Any, reason: ReasonCode,
+                    properties: Properties | None) -> None:
+        session_present = bool(flags.session_present)
+        if not self._ever_connected:
+            self._first_connack = (reason, session_present)
+        if reason.is_failure:
+            if self._ever_connected:
+                event(log, "transport.refused", logging.WARNING, client=self.client_id,
+                      reason=_reason_text(reason))
+            return
+        receive_maximum = getattr(properties, "ReceiveMaximum", None) if properties else None
+        if receive_maximum:
+            limit = min(self.settings.max_inflight, int(receive_maximum))
+            # paho cannot change its own inflight limit once connected; our window is what
+            # producers see. (Mosquitto 2.0 does not enforce this on QoS 1; other brokers do.)
+            self._window.set_limit(limit)
+        self._connection += 1
+        first = not self._ever_connected
+        self._ever_connected = True
+        with self._subs_lock:
+            if not session_present:
+                for sub in self._subs.values():
+                    sub.granted = False
+            resend = [s for s in self._subs.values() if not s.granted]
+        self._connected.set()
+        if not first:
+            event(log, "transport.reconnected", client=self.client_id, session_present=session_present,
+                  resubscribed=len(resend))
+            for sub in resend:  # no waiting here: this thread is the one that reads SUBACKs
+                self._send_subscribe(client, sub)
+        self._run_hooks(self.on_connect_hooks, session_present)
+
+    def _on_connect_fail(self, client: paho.Client, userdata: Any) -> None:
+        event(log, "transport.connect_failed", logging.DEBUG, client=self.client_id, broker=self._where())
+
+    def _on_disconnect(self, client: paho.Client, userdata: Any, flags: Any, reason: ReasonCode,
+                       properties: Properties | None) -> None:
+        was_connected = self._connected.is_set()
+        self._connected.clear()
+        if not was_connected:
+            return
+        text = _reason_text(reason)
+        if not self._closed:
+            event(log, "transport.disconnected", logging.WARNING, client=self.client_id, reason=text)
+        self._run_hooks(self.on_disconnect_hooks, text)
+
+    def _on_publish(self, client: paho.Client, userdata: Any, mid: int, reason: ReasonCode,
+                    properties: Properties | None) -> None:
+        self._pubs.resolve(mid, reason)
+
+    def _on_subscribe(self, client: paho.Client, userdata: Any, mid: int,
+                      reasons: list[ReasonCode], properties: Properties | None) -> None:
+        self._subacks.resolve(mid, reasons)
+
+    def _on_message(self, client: paho.Client, userdata: Any, msg: paho.MQTTMessage) -> None:
+        message = Message(topic=msg.topic, payload=msg.payload, qos=msg.qos, retain=bool(msg.retain),
+                          mid=msg.mid, dup=bool(msg.dup), connection=self._connection)
+        with self._dispatch_lock:
+            with self._subs_lock:
+                handlers = [s.handler for s in self._subs.values()
+                            if topic_matches_sub(s.topic_filter, msg.topic)]
+            if handlers:
+                for handler in handlers:
+                    self._call_user(handler, message)
+            elif len(self._parked) < PARKED_LIMIT:
+                self._parked.append(message)
+                event(log, "transport.parked", logging.DEBUG, client=self.client_id, topic=msg.topic)
+            else:  # with manual_ack it stays unacked, so the broker redelivers it on reconnect
+                event(log, "transport.dropped_unhandled", logging.WARNING, client=self.client_id,
+                      topic=msg.topic, parked=len(self._parked))
+
+    def _run_hooks(self, hooks: list[Any], arg: Any) -> None:
+        for hook in list(hooks):
+            self._call_user(hook, self, arg)
+
+    def _call_user(self, fn: Callable[..., None], *args: Any) -> None:
+        """User code must not kill paho's thread: log its exceptions instead."""
+        self._in_callback.active = True
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("handler %s raised (message not acknowledged if manual_ack)",
+                          getattr(fn, "__qualname__", fn))
+        finally:
+            self._in_callback.active = False
+
+    # -- subscribe -----------------------------------------------------------------------
+
+    def subscribe(self, topic_filter: str, handler: Handler, qos: int = 1,
+                  timeout: float = 10.0) -> None:
+        """Route messages matching `topic_filter` to `handler` and subscribe at `qos`.
+
+        Before connect(), this only registers: the SUBSCRIBE goes out at connect time. After
+        connect(), it waits for the SUBACK and raises TransportError if the broker refused.
+        Messages that arrived with no matching handler (a persistent session's backlog comes
+        right after CONNACK) were parked, up to PARKED_LIMIT; they are handed to this handler
+        first, on the calling thread, before it sees newer ones.
+        Mosquitto grants even ACL-denied subscriptions, so a grant does not prove access.
+        """
+        if qos not in (0, 1, 2):
+            raise TransportError(f"qos must be 0, 1 or 2, not {qos!r}")
+        levels = topic_filter.split("/")
+        if not topic_filter or any(
+                ("#" in level and (level != "#" or i != len(levels) - 1)) or ("+" in level and level != "+")
+                for i, level in enumerate(levels)):
+            raise TransportError(f"invalid topic filter {topic_filter!r} (+ and # must fill a whole level, # last)")
+        sub = _Subscription(topic_filter, qos, handler)
+        with self._dispatch_lock:  # parked messages reach the handler before newer ones
+            with self._subs_lock:
+                self._subs[topic_filter] = sub
+            replay = [m for m in self._parked if topic_matches_sub(topic_filter, m.topic)]
+            if replay:
+                taken = {id(m) for m in replay}
+                self._parked = deque(m for m in self._parked if id(m) not in taken)
+                for message in replay:
+                    self._call_user(handler, message)
+        client = self._client
+        if client is None or not self.connected:
+            return  # sent by connect() or on the next CONNACK
+        done = self._send_subscribe(client, sub)
+        if done is not None and not getattr(self._in_callback, "active", False):
+            done.wait(timeout)
+
+    def unsubscribe(self, topic_filter: str) -> None:
+        with self._subs_lock:
+            self._subs.pop(topic_filter, None)
+        if self._client is not None and self.connected:
+            self._client.unsubscribe(topic_filter)
+
+    def _send_subscribe(self, client: paho.Client, sub: _Subscription) -> _SubackWait | None:
+        rc, mid = client.subscribe(sub.topic_filter, sub.qos)
+        if rc != MQTTErrorCode.MQTT_ERR_SUCCESS or mid is None:
+            return None  # not connected: the next CONNACK sends it
+        waiter = _SubackWait(self, sub)
+        self._subacks.expect(mid, waiter)
+        return waiter
+
+    def _send_pending_subscriptions(self, wait_deadline: float) -> None:
+        assert self._client is not None
+        with self._subs_lock:
+            pending = [s for s in self._subs.values() if not s.granted]
+        waits = [(s, self._send_subscribe(self._client, s)) for s in pending]
+        for _sub, done in waits:
+            if done is not None:
+                done.wait(max(0.1, wait_deadline - time.monotonic()))
+
+    # -- publish -------------------------------------------------------------------------
+
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
+                timeout: float | None = None) -> PublishHandle:
+        """Send one message. QoS 1: blocks while `window` publishes await their PUBACK.
+
+        `timeout` bounds that wait (None: as long as it takes, e.g. across a reconnect) and
+        raises TransportError when it runs out. While disconnected, QoS 1 messages wait in
+        paho and go out after the reconnect; QoS 0 ones are refused.
+        """
+        if self._closed:
+            raise TransportError("publish on a closed transport")
+        client = self._client
+        if client is None:
+            raise TransportError("publish before connect()")
+        if qos not in (0, 1, 2):
+            raise TransportError(f"qos must be 0, 1 or 2, not {qos!r}")
+        in_callback = getattr(self._in_callback, "active", False)
+        # On the network thread a full window is never waited for (the PUBACKs that would
+        # free it are read by this very thread): the message goes uncounted, paho queues it.
+        counted = qos > 0 and self._window.acquire(0 if in_callback else timeout)
+        if qos > 0 and not counted and not in_callback:
+            raise TransportError(
+                f"publish to {topic!r}: {self._window.limit} messages still unacknowledged after "
+                f"{timeout}s (broker slow or unreachable)")
+        handle = PublishHandle(0, topic, qos, self._window.release if counted else None)
+        try:
+            info = client.publish(topic, payload, qos, retain)
+        except (ValueError, TypeError) as e:
+            if counted:
+                self._window.release()
+            raise TransportError(f"publish to {topic!r} refused by the client: {e}") from None
+        handle.mid = info.mid
+        ok = info.rc == MQTTErrorCode.MQTT_ERR_SUCCESS or (
+            qos > 0 and info.rc == MQTTErrorCode.MQTT_ERR_NO_CONN)
+        if not ok:
+            if counted:
+                self._window.release()
+            raise TransportError(f"publish to {topic!r} failed: {paho.error_string(info.rc)}")
+        self._pubs.expect(info.mid, handle._resolve)
+        return handle
+
+    # -- ack -----------------------------------------------------------------------------
+
+    def ack(self, message: Message) -> bool:
+        """Acknowledge `message` (manual_ack): the broker forgets it. True if the PUBACK was sent.
+
+        False when it cannot count: the message came on an earlier connection (the broker
+        will redeliver it, and that copy is the one to ack) or the client is disconnected.
+        A no-op returning True without manual_ack or at QoS 0.
+        """
+        if not self.manual_ack or message.qos == 0:
+            return True
+        client = self._client
+        if client is None or not self.connected or message.connection != self._connection:
+            return False
+        return client.ack(message.mid, message.qos) == MQTTErrorCode.MQTT_ERR_SUCCESS
+
+    # -- shutdown ------------------------------------------------------------------------
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Wait up to `timeout` for unacknowledged publishes, then DISCONNECT (no will)."""
+        if self._closed:
+            return
+        client = self._client
+        if client is not None and self.connected:
+            self._window.wait_empty(timeout)
+        self._closed = True
+        if client is not None:
+            client.disconnect()
+            client.loop_stop()
+        self._connected.clear()
+        self._fail_pending("transport closed before the broker acknowledged it")
+        event(log, "transport.closed", client=self.client_id)
+
+    def kill(self) -> None:
+        """Drop the connection without DISCONNECT, as a crash would: the broker sends the will."""
+        if self._closed:
+            return
+        self._closed = True
+        client = self._client
+        if client is not None:
+            sock = client.socket()
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)  # FIN first, so DISCONNECT can't get out
+            client.disconnect()  # stops paho's reconnect loop; nothing reaches the broker
+            client.loop_stop()
+        self._connected.clear()
+        self._fail_pending("transport killed before the broker acknowledged it")
+
+    def _fail_pending(self, why: str) -> None:
+        for complete in self._pubs.drain() + self._subacks.drain():
+            complete(_Abandoned(why))
+
+    def __enter__(self) -> MqttTransport:
+        return self.connect()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "connected" if self.connected else "disconnected"
+        return f"MqttTransport({self.client_id!r}, {self._where()}, {state})"
+
+
+class _SubackWait:
+    """Completion of one SUBSCRIBE: records whether the broker granted it."""
+
+    def __init__(self, transport: MqttTransport, sub: _Subscription) -> None:
+        self.transport, self.sub = transport, sub
+        self.event = threading.Event()
+        self.error: str | None = None
+
+    def wait(self, timeout: float) -> None:
+        if not self.event.wait(timeout):
+            raise TransportError(f"no SUBACK for {self.sub.topic_filter!r} within {timeout:.1f}s")
+        if self.error:
+            raise TransportError(self.error)
+
+    def __call__(self, reasons: list[ReasonCode] | _Abandoned) -> None:
+        if isinstance(reasons, _Abandoned):
+            self.error = f"subscription to {self.sub.topic_filter!r}: {reasons}"
+        else:
+            reason = reasons[0] if reasons else None
+            if reason is None or (isinstance(reason, ReasonCode) and reason.is_failure):
+                self.error = (f"broker refused the subscription to {self.sub.topic_filter!r}: "
+                              f"{_reason_text(reason)}")
+                with self.transport._subs_lock:
+                    if self.transport._subs.get(self.sub.topic_filter) is self.sub:
+                        del self.transport._subs[self.sub.topic_filter]
+            else:
+                self.sub.granted = True
+        self.event.set()
