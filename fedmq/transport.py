@@ -559,6 +559,7 @@ class MqttTransport:
 
     def _call_user(self, fn: Callable[..., None], *args: Any) -> None:
         """User code must not kill paho's thread: log its exceptions instead."""
+        outer = getattr(self._in_callback, "active", False)  # calls nest: subscribe() replays
         self._in_callback.active = True
         try:
             fn(*args)
@@ -566,7 +567,7 @@ class MqttTransport:
             log.exception("handler %s raised (message not acknowledged if manual_ack)",
                           getattr(fn, "__qualname__", fn))
         finally:
-            self._in_callback.active = False
+            self._in_callback.active = outer
 
     # -- subscribe -----------------------------------------------------------------------
 
