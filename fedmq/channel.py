@@ -1,0 +1,115 @@
+"""Envelopes over MQTT: the one place where the protocol meets the transport.
+
+`Channel.send` encodes an envelope and splits it into chunks when it is large; `Channel.
+receive` turns raw MQTT messages back into checked envelopes, reassembling chunks. Both the
+aggregator and the edge agent use it, so chunking and validation cannot differ between them.
+
+Acknowledgement stays with the caller: `receive` returns, with each envelope, every raw
+message that carried a piece of it, so a service using manual acks can ack them all once the
+envelope's effect is durable (never a chunk alone: an acked chunk of a message lost in a crash
+could not be redelivered).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fedmq import protocol
+from fedmq.config import ProtocolSettings
+from fedmq.transport import Message, MqttTransport, PublishHandle
+
+
+@dataclass
+class Received:
+    """A whole, checked envelope and the raw messages that carried it."""
+
+    topic: protocol.Topic
+    envelope: protocol.Envelope
+    messages: list[Message] = field(default_factory=list)
+
+
+class Refused(Exception):
+    """A message (or a partial one) that cannot become an envelope; reply or log, then ack."""
+
+    def __init__(self, error: protocol.ProtocolError, topic: protocol.Topic | None,
+                 msg_id: str, messages: list[Message]) -> None:
+        super().__init__(str(error))
+        self.reason = error.reason
+        self.detail = error.message
+        self.topic = topic
+        self.msg_id = msg_id
+        self.messages = messages
+
+
+class Channel:
+    """Send and receive envelopes on one transport, with chunking both ways."""
+
+    def __init__(self, transport: MqttTransport, settings: ProtocolSettings | None = None) -> None:
+        self.transport = transport
+        self.settings = settings or ProtocolSettings()
+        s = self.settings
+        self.reassembler = protocol.Reassembler(
+            max_message_bytes=s.max_message_bytes,
+            max_pending_bytes=s.max_pending_bytes,
+            timeout_s=s.chunk_timeout_s,
+        )
+        self._pieces: dict[tuple[str, str], list[Message]] = {}
+        self.bytes_sent = 0
+        """Payload bytes published (all pieces), for the simulator's communication metrics."""
+        self.bytes_received = 0
+
+    def send(self, topic: str, envelope: protocol.Envelope, *, retain: bool = False,
+             timeout: float | None = None) -> list[PublishHandle]:
+        payload = protocol.encode(envelope)
+        if len(payload) > self.settings.max_message_bytes:
+            raise protocol.ProtocolError(
+                "too_large", f"{envelope.TYPE} of {len(payload)} bytes exceeds the limit of "
+                             f"{self.settings.max_message_bytes}")
+        pieces = protocol.split(payload, agent=envelope.agent, chunk_bytes=self.settings.chunk_bytes)
+        self.bytes_sent += sum(len(p) for p in pieces)
+        return [self.transport.publish(topic, p, qos=1, retain=retain, timeout=timeout)
+                for p in pieces]
+
+    def receive(self, message: Message) -> Received | None:
+        """The envelope `message` completes, None while a chunked one is incomplete.
+
+        Raises `Refused` (with the messages to acknowledge) for anything malformed.
+        """
+        topic: protocol.Topic | None = None
+        self.bytes_received += len(message.payload)
+        try:
+            topic = protocol.parse_topic(message.topic)
+            # The sender's chunk size is its own: any single message up to the whole-message
+            # limit is acceptable.
+            env = protocol.decode(message.payload, max_bytes=self.settings.max_message_bytes)
+            protocol.check_topic(topic, env)
+        except protocol.ProtocolError as e:
+            raise Refused(e, topic, "", [message]) from None
+        if not isinstance(env, protocol.Chunk):
+            return Received(topic, env, [message])
+        sender = topic.agent or "aggregator"
+        key = (sender, env.of)
+        pieces = self._pieces.setdefault(key, [])
+        pieces.append(message)
+        try:
+            whole = self.reassembler.add(env, sender)
+            if whole is None:
+                return None
+            self._pieces.pop(key, None)
+            full = protocol.decode(whole, max_bytes=self.settings.max_message_bytes)
+            protocol.check_topic(topic, full)
+        except protocol.ProtocolError as e:
+            self.reassembler.drop(sender, env.of)
+            raise Refused(e, topic, env.of, self._pieces.pop(key, pieces)) from None
+        return Received(topic, full, pieces)
+
+    def expire(self) -> list[Refused]:
+        """Partial messages past the chunk timeout, as refusals whose pieces may be acked."""
+        out = []
+        for sender, of, reason in self.reassembler.expire():
+            pieces = self._pieces.pop((sender, of), [])
+            topic = protocol.parse_topic(pieces[0].topic) if pieces else None
+            err = protocol.ProtocolError(reason, f"message {of} from {sender} did not complete "
+                                                 f"within {self.settings.chunk_timeout_s}s")
+            out.append(Refused(err, topic, of, pieces))
+        return out
