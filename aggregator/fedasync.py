@@ -1,0 +1,71 @@
+"""FedAsync: one global model, mixed with every upload by a staleness-discounted weight.
+
+w := (1 - a_t) w + a_t v with a_t = fedasync_alpha * s(t - tau), s the same hinge as CDFL's.
+There is no staleness cut-off (the hinge alone discounts old uploads); the reply is the
+global model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from aggregator.strategy import Reply, Strategy, Upload, check_vector, hinge_staleness
+from fedmq.config import CDFLSettings
+from fedmq.models import ModelSpec
+
+
+class FedAsync(Strategy):
+    name = "fedasync"
+
+    def __init__(self, spec: ModelSpec, initial: Tensor, *, mixing: float = 0.6,
+                 hinge_a: float = 10.0, hinge_b: float = 5.0) -> None:
+        super().__init__()
+        if not 0.0 <= mixing <= 1.0:
+            raise ValueError(f"mixing (fedasync_alpha) must be in [0, 1], got {mixing}")
+        self.spec = spec
+        self.model = check_vector(initial, spec.numel, "initial model").clone()
+        self.mixing = float(mixing)
+        self.hinge_a = float(hinge_a)
+        self.hinge_b = float(hinge_b)
+        self.last_epoch: dict[str, int] = {}
+
+    @classmethod
+    def from_settings(cls, spec: ModelSpec, initial: Tensor, settings: CDFLSettings) -> FedAsync:
+        return cls(spec, initial, mixing=settings.fedasync_alpha, hinge_a=settings.hinge_a,
+                   hinge_b=settings.hinge_b)
+
+    def _reply(self, agent: str, info: dict[str, Any]) -> Reply:
+        self.last_epoch[agent] = self.epoch
+        return Reply(agent=agent, epoch=self.epoch, vectors=[self.model.clone()], kind="global",
+                     alpha=None, info=info)
+
+    def join(self, agent: str, n_samples: int = 0) -> Reply:
+        self.counters["joins"] += 1
+        return self._reply(agent, {"join": True})
+
+    def apply(self, upload: Upload, alpha: list[float] | None = None) -> Reply:
+        vector = check_vector(upload.vector, self.spec.numel, f"upload from {upload.agent}")
+        self.epoch += 1
+        d = self.epoch - int(upload.tau)
+        s = hinge_staleness(d, self.hinge_a, self.hinge_b)
+        a_t = self.mixing * s
+        self.model.mul_(1.0 - a_t).add_(vector, alpha=a_t)
+        self.counters["applied"] += 1
+        return self._reply(upload.agent, {"staleness": d, "stale": False, "s": s, "mixing": a_t})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"algorithm": self.name, "spec": self.spec.hash, "epoch": self.epoch,
+                "model": self.model.clone(), "last_epoch": dict(self.last_epoch),
+                "counters": dict(self.counters)}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        if d.get("algorithm") != self.name or d.get("spec") != self.spec.hash:
+            raise ValueError(f"state for {d.get('algorithm')!r}/{d.get('spec')} does not fit "
+                             f"{self.name}/{self.spec.hash}")
+        self.model = check_vector(d["model"], self.spec.numel, "state model").clone()
+        self.epoch = int(d["epoch"])
+        self.last_epoch = {str(a): int(e) for a, e in d["last_epoch"].items()}
+        self.counters.clear()
+        self.counters.update(d["counters"])

@@ -1,0 +1,119 @@
+"""The server-side algorithm interface: tensors in, replies out, no MQTT.
+
+One small interface in the spirit of Flower's strategies, one module per algorithm. The
+service layer (aggregator/engine.py) validates envelopes, calls a strategy, journals what
+it applied and encodes the replies; a strategy can therefore be tested, benchmarked and
+simulated without a broker.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Upload:
+    """One agent's model update: the trained vector and the epoch of the model it started from."""
+
+    agent: str
+    vector: Tensor
+    tau: int
+    n_samples: int = 0
+    alpha: list[float] | None = None
+    """The agent's own mixture estimate (FedSoft-Async); ignored by CDFL and FedAsync."""
+    msg_id: str = ""
+
+
+@dataclass
+class Reply:
+    """What goes back to one agent: one personalized/global model, or all cluster models."""
+
+    agent: str
+    epoch: int
+    vectors: list[Tensor]
+    kind: str
+    """personalized (CDFL), clusters (FedSoft-Async: all K) or global (FedAsync)."""
+    alpha: list[float] | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    """staleness, stale, betas, estimator diagnostics, seconds: logged and recorded, not sent."""
+
+
+def hinge_staleness(d: float, a: float, b: float) -> float:
+    """s(d) = 1 if d <= b else 1 / (a (d - b) + 1): full weight while fresh, then a hinge."""
+    return 1.0 if d <= b else 1.0 / (a * (d - b) + 1.0)
+
+
+def check_vector(vector: Tensor, numel: int, what: str = "upload") -> Tensor:
+    """A 1-D finite float32 CPU vector of the right length, or ValueError saying why."""
+    if not isinstance(vector, Tensor):
+        raise ValueError(f"{what}: expected a torch.Tensor, got {type(vector).__name__}")
+    if vector.ndim != 1 or vector.numel() != numel:
+        raise ValueError(f"{what}: vector of shape {tuple(vector.shape)}, expected ({numel},)")
+    vector = vector.detach().to("cpu", torch.float32)
+    if not bool(torch.isfinite(vector).all()):
+        raise ValueError(f"{what}: vector has non-finite values")
+    return vector
+
+
+def check_alpha(alpha: Any, k: int, tol: float = 1e-3) -> list[float]:
+    """K non-negative finite values summing to 1 (within tol), or ValueError with the reason."""
+    if alpha is None:
+        raise ValueError(f"alpha missing: expected {k} mixture weights")
+    try:
+        values = [float(a) for a in alpha]
+    except (TypeError, ValueError):
+        raise ValueError(f"alpha must be a list of {k} numbers, got {alpha!r}") from None
+    if len(values) != k:
+        raise ValueError(f"alpha has {len(values)} values, expected {k}")
+    if not all(math.isfinite(a) for a in values):
+        raise ValueError(f"alpha has non-finite values: {values}")
+    if any(a < 0 for a in values):
+        raise ValueError(f"alpha has negative values: {values}")
+    total = sum(values)
+    if abs(total - 1.0) > tol:
+        raise ValueError(f"alpha sums to {total:.6g}, expected 1 (tolerance {tol})")
+    return [a / total for a in values]
+
+
+class Strategy(ABC):
+    """Server side of one algorithm. All state lives here and in `state_dict()`."""
+
+    name: str = "strategy"
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        """t: counts applied uploads (every upload, stale or not, moves it by one)."""
+        self.counters: Counter[str] = Counter()
+
+    @abstractmethod
+    def join(self, agent: str, n_samples: int = 0) -> Reply:
+        """A new (or returning) agent asks for a model to start from."""
+
+    @abstractmethod
+    def apply(self, upload: Upload, alpha: list[float] | None = None) -> Reply:
+        """Apply one upload; a given alpha (journal replay) replaces the strategy's own estimate."""
+
+    def update(self, upload: Upload) -> Reply:
+        return self.update_many([upload])[0]
+
+    def update_many(self, uploads: list[Upload]) -> list[Reply]:
+        """Apply queued uploads in order; strategies with costly estimation batch it."""
+        return [self.apply(u) for u in uploads]
+
+    def tick(self, now: float) -> list[Reply]:
+        """Time passes (round deadlines for synchronous strategies); asynchronous: nothing."""
+        return []
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume exactly (tensors allowed)."""
+
+    @abstractmethod
+    def load_state_dict(self, d: dict[str, Any]) -> None: ...

@@ -1,0 +1,229 @@
+"""CDFL, FedSoft-Async and FedAsync server rules against hand-computed values."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+
+from aggregator.cdfl import CDFL
+from aggregator.estimators import ESTIMATORS, make_estimator
+from aggregator.fedasync import FedAsync
+from aggregator.fedsoft_async import FedSoftAsync
+from aggregator.strategy import Upload, hinge_staleness
+from fedmq.config import CDFLSettings
+from fedmq.models import build_model, model_spec, to_vector
+
+ARCH = "digits-cnn"
+SPEC = model_spec(ARCH)
+
+
+def clusters(k: int, seed: int = 0) -> torch.Tensor:
+    return torch.stack([to_vector(build_model(ARCH, seed=seed + i)) for i in range(k)])
+
+
+def proxies(k: int, n: int = 64, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g)) for _ in range(k)]
+
+
+def vector(seed: int) -> torch.Tensor:
+    return to_vector(build_model(ARCH, seed=100 + seed))
+
+
+def make_cdfl(k: int = 2, **kw) -> CDFL:
+    return CDFL(SPEC, clusters(k), proxies(k), device="cpu", **kw)
+
+
+def test_hinge_staleness_by_hand():
+    assert hinge_staleness(0, 10, 5) == 1.0
+    assert hinge_staleness(5, 10, 5) == 1.0          # d <= b: full weight
+    assert hinge_staleness(6, 10, 5) == pytest.approx(1 / 11)
+    assert hinge_staleness(8, 10, 5) == pytest.approx(1 / 31)
+    assert hinge_staleness(7, 2, 1) == pytest.approx(1 / 13)
+
+
+def test_update_moves_each_cluster_by_beta_toward_v():
+    s = make_cdfl(2, tau0=100)
+    s.join("a")
+    before = s.clusters.clone()
+    v = vector(0)
+    reply = s.apply(Upload("a", v, tau=0), alpha=[0.75, 0.25])
+    assert reply.epoch == 1 and reply.info["staleness"] == 1 and reply.info["stale"] is False
+    assert reply.info["betas"] == pytest.approx([0.025 * 0.75, 0.025 * 0.25])
+    for k, beta in enumerate(reply.info["betas"]):
+        expected = (1 - beta) * before[k] + beta * v
+        torch.testing.assert_close(s.clusters[k], expected, rtol=0, atol=1e-6)
+        # the move is exactly beta of the way toward v
+        torch.testing.assert_close(s.clusters[k] - before[k], beta * (v - before[k]), rtol=0, atol=1e-6)
+    # personalized reply = alpha-mixture of the clusters after the update
+    torch.testing.assert_close(reply.vectors[0], 0.75 * s.clusters[0] + 0.25 * s.clusters[1], rtol=0, atol=1e-6)
+    assert reply.kind == "personalized" and s.cluster_updated == [1, 1]
+
+
+def test_beta_with_hinge_for_an_old_upload():
+    s = make_cdfl(2, tau0=100, beta0=0.1, hinge_a=10, hinge_b=5)
+    for _ in range(7):
+        s.apply(Upload("a", vector(1), tau=s.epoch), alpha=[0.5, 0.5])
+    reply = s.apply(Upload("b", vector(2), tau=0), alpha=[1.0, 0.0])  # t = 8, d = 8
+    assert reply.info["staleness"] == 8
+    assert reply.info["betas"] == pytest.approx([0.1 * 1.0 / (10 * 3 + 1), 0.0])
+    assert s.cluster_updated == [8, 7]  # alpha_2 = 0: cluster 2 untouched
+
+
+def test_stale_upload_leaves_clusters_bit_identical_and_tau0_defaults_to_agents_seen():
+    s = make_cdfl(2)  # tau0 = 0: number of agents seen
+    s.join("a")
+    s.join("b")
+    assert s.staleness_threshold() == 2
+    s.update(Upload("a", vector(0), tau=0))  # t=1, d=1
+    s.update(Upload("b", vector(1), tau=0))  # t=2, d=2 (== tau0: still applied)
+    assert s.counters["applied"] == 2
+    before = s.clusters.clone()
+    versions = list(s.versions)
+    reply = s.update(Upload("a", vector(2), tau=0))  # t=3, d=3 > 2
+    assert reply.info["stale"] is True and reply.info["betas"] == [0.0, 0.0]
+    assert torch.equal(s.clusters, before) and s.versions == versions
+    alpha = reply.alpha
+    assert all(a >= 0 for a in alpha) and math.isclose(sum(alpha), 1.0, abs_tol=1e-9)
+    torch.testing.assert_close(reply.vectors[0], alpha[0] * before[0] + alpha[1] * before[1], rtol=0, atol=1e-6)
+    # a third agent raises the threshold: the same staleness now counts
+    s.join("c")
+    assert s.staleness_threshold() == 3
+    reply = s.update(Upload("c", vector(3), tau=1))  # t=4, d=3
+    assert reply.info["stale"] is False and not torch.equal(s.clusters, before)
+
+
+def test_join_gets_the_uniform_mixture():
+    s = make_cdfl(3)
+    reply = s.join("a")
+    assert reply.alpha == pytest.approx([1 / 3] * 3) and reply.epoch == 0
+    torch.testing.assert_close(reply.vectors[0], s.clusters.mean(0), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_every_estimator_returns_a_distribution(name):
+    s = make_cdfl(3, estimator=name)
+    for a in "abc":
+        s.join(a)
+    replies = s.update_many([Upload(a, vector(i), tau=0) for i, a in enumerate("abc")])
+    for r in replies:
+        assert len(r.alpha) == 3 and all(x >= 0 for x in r.alpha)
+        assert math.isclose(sum(r.alpha), 1.0, abs_tol=1e-9)
+        assert r.info["estimator"] == name
+
+
+def test_unknown_estimator_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown estimator 'nope'; known: direction, evidence, metrics"):
+        make_estimator("nope")
+
+
+def test_batched_update_equals_applying_its_alphas_in_order():
+    a, b = make_cdfl(2, tau0=50), make_cdfl(2, tau0=50)
+    uploads = [Upload(f"agent{i}", vector(i), tau=0) for i in range(4)]
+    replies = a.update_many(uploads)
+    for up, r in zip(uploads, replies, strict=True):
+        rb = b.apply(up, alpha=r.alpha)
+        assert torch.equal(rb.vectors[0], r.vectors[0]) and rb.epoch == r.epoch
+    assert torch.equal(a.clusters, b.clusters)
+
+
+def test_cluster_loss_cache_is_refreshed_after_an_update():
+    s = make_cdfl(2, tau0=50)
+    s.update(Upload("a", vector(0), tau=0))
+    misses = s.evaluator.cache_misses
+    s.update(Upload("a", vector(1), tau=1))  # both clusters changed at the previous step
+    assert s.evaluator.cache_misses == misses + 2
+    s.update(Upload("a", vector(2), tau=-100))  # stale: nothing changes ...
+    misses = s.evaluator.cache_misses
+    s.update(Upload("a", vector(3), tau=3))    # ... so the next estimate hits the cache
+    assert s.evaluator.cache_misses == misses
+
+
+@pytest.mark.parametrize("name", ["metrics", "direction", "evidence"])
+def test_state_round_trip_reproduces_the_next_reply_bit_exactly(name):
+    a = make_cdfl(2, estimator=name)
+    for i, agent in enumerate(["a", "b", "c"]):
+        a.join(agent)
+        a.update(Upload(agent, vector(i), tau=0))
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    b = CDFL(SPEC, clusters(2, seed=50), proxies(2), device="cpu", estimator=name)
+    b.load_state_dict(torch.load(buf))
+    nxt = Upload("b", vector(9), tau=2)
+    ra, rb = a.update(nxt), b.update(nxt)
+    assert ra.alpha == rb.alpha and ra.epoch == rb.epoch == 4
+    assert torch.equal(ra.vectors[0], rb.vectors[0])
+    assert torch.equal(a.clusters, b.clusters)
+    assert a.last_epoch == b.last_epoch and a.counters == b.counters
+
+
+def test_from_settings_reads_every_knob():
+    cfg = CDFLSettings(clusters=2, tau0=7, beta0=0.05, hinge_a=3, hinge_b=2, estimator="evidence")
+    s = CDFL.from_settings(SPEC, clusters(2), proxies(2), cfg, device="cpu")
+    assert (s.tau0, s.beta0, s.hinge_a, s.hinge_b, s.estimator.name) == (7, 0.05, 3.0, 2.0, "evidence")
+
+
+@pytest.mark.parametrize("bad, reason", [
+    ([0.5, 0.6], "sums to 1.1"),
+    ([-0.1, 1.1], "negative"),
+    ([float("nan"), 1.0], "non-finite"),
+    ([1.0], "has 1 values, expected 2"),
+    (None, "missing"),
+    ("ab", "list of 2 numbers"),
+])
+def test_fedsoft_async_rejects_a_bad_alpha_and_changes_nothing(bad, reason):
+    s = FedSoftAsync(SPEC, clusters(2))
+    s.join("a")
+    state = s.state_dict()
+    with pytest.raises(ValueError, match=reason):
+        s.apply(Upload("a", vector(0), tau=0, alpha=bad))
+    after = s.state_dict()
+    assert torch.equal(after.pop("clusters"), state.pop("clusters")) and after == state
+
+
+def test_fedsoft_async_updates_with_the_agents_alpha_and_sends_all_clusters():
+    s = FedSoftAsync(SPEC, clusters(2), tau0=10)
+    join = s.join("a")
+    assert join.kind == "clusters" and len(join.vectors) == 2 and torch.equal(join.vectors[1], s.clusters[1])
+    before = s.clusters.clone()
+    v = vector(0)
+    reply = s.update(Upload("a", v, tau=0, alpha=[0.2, 0.8]))
+    assert reply.info["betas"] == pytest.approx([0.025 * 0.2, 0.025 * 0.8])
+    for k, beta in enumerate(reply.info["betas"]):
+        torch.testing.assert_close(s.clusters[k], (1 - beta) * before[k] + beta * v, rtol=0, atol=1e-6)
+    assert reply.kind == "clusters" and torch.equal(reply.vectors[0], s.clusters[0])
+
+
+def test_fedasync_mixes_with_the_staleness_discounted_weight():
+    w0, v = vector(0), vector(1)
+    s = FedAsync(SPEC, w0, mixing=0.6)
+    assert torch.equal(s.join("a").vectors[0], w0)
+    r = s.update(Upload("a", v, tau=0))  # d = 1
+    assert r.info["mixing"] == pytest.approx(0.6)
+    torch.testing.assert_close(s.model, 0.4 * w0 + 0.6 * v, rtol=0, atol=1e-6)
+    for _ in range(6):
+        s.update(Upload("b", v, tau=s.epoch))
+    w = s.model.clone()
+    r = s.update(Upload("c", w0, tau=0))  # t = 8, d = 8 -> a = 0.6 / 31
+    assert r.info["mixing"] == pytest.approx(0.6 / 31)
+    torch.testing.assert_close(s.model, (1 - 0.6 / 31) * w + 0.6 / 31 * w0, rtol=0, atol=1e-6)
+    assert r.kind == "global" and torch.equal(r.vectors[0], s.model)
+    t = FedAsync(SPEC, vector(5))
+    t.load_state_dict(s.state_dict())
+    assert torch.equal(t.model, s.model) and t.epoch == s.epoch == 8
+
+
+def test_bad_upload_vector_is_refused_before_any_change():
+    s = make_cdfl(2)
+    before = s.clusters.clone()
+    bad = vector(0)
+    bad[3] = float("inf")
+    with pytest.raises(ValueError, match="non-finite"):
+        s.update(Upload("a", bad, tau=0))
+    with pytest.raises(ValueError, match="shape"):
+        s.update(Upload("a", bad[:10], tau=0))
+    assert torch.equal(s.clusters, before) and s.epoch == 0
