@@ -6,7 +6,9 @@ A model (or, better, its delta from a base both sides hold) travels as one map:
 
 `data` is the codec's raw payload (little-endian), optionally compressed by one zstd frame.
 Codec-specific keys are scalars only, so the wire protocol can check the outer shape
-without knowing the codec:
+without knowing the codec. A delta map (`"delta": True`) also carries ``base``, the CRC-32
+of the base's float32 bytes, so a receiver that holds another base refuses it
+(`base_mismatch`) instead of decoding noise.
 
 - ``fp32``: the values as float32, exact. With a base, the payload is the bitwise XOR of
   the float32 bit patterns of vector and base: arithmetic (v - b) + b is not always v in
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import math
 import sys
+import zlib
 from typing import Any
 
 import msgpack
@@ -53,6 +56,7 @@ _VALUE_DTYPE = {"fp32": _F32, "fp16": _F16}
 _FP16_MAX = float(np.finfo(np.float16).max)
 
 _BASE_KEYS = frozenset({"codec", "n", "zstd", "delta", "data"})
+_OPTIONAL_KEYS = frozenset({"base"})
 _CODEC_KEYS = {
     "fp32": frozenset(),
     "fp16": frozenset(),
@@ -303,7 +307,16 @@ def _encode(vector: Any, codec: str, base: Any, zstd: bool, block: int, ratio: f
 
     if zstd:
         payload = zstandard.ZstdCompressor(level=level).compress(payload)
-    return {"codec": codec, "n": n, "zstd": bool(zstd), "delta": b is not None, "data": payload, **params}
+    wire = {"codec": codec, "n": n, "zstd": bool(zstd), "delta": b is not None, "data": payload, **params}
+    if b is not None:
+        wire["base"] = base_checksum(b)
+    return wire
+
+
+def base_checksum(base: Any) -> int:
+    """CRC-32 of the base's float32 bytes: a delta map names the base it was taken against,
+    so a receiver holding another base refuses it ("base_mismatch") instead of decoding noise."""
+    return zlib.crc32(_as_vector(base, "base").tobytes())
 
 
 def _check_int(wire: dict, key: str, low: int, high: int, reason: str) -> int:
@@ -324,13 +337,15 @@ def _check_map(wire: Any, max_n: int) -> tuple[str, int, dict]:
     if not isinstance(codec, str) or codec not in CODECS:
         raise CodecError("unknown_codec", f"codec must be one of {CODECS}, got {codec!r}")
     required = _BASE_KEYS | _CODEC_KEYS[codec]
-    unknown = wire.keys() - required
+    unknown = wire.keys() - required - _OPTIONAL_KEYS
     if unknown:
         raise CodecError("unknown_key", f"{codec} map has unexpected keys {sorted(map(repr, unknown))}")
     missing = required - wire.keys()
     if missing:
         raise CodecError("missing_key", f"{codec} map lacks {', '.join(sorted(missing))}")
     n = _check_int(wire, "n", 0, max_n, "bad_n")
+    if "base" in wire:
+        _check_int(wire, "base", 0, 2**32 - 1, "bad_base")
     for key in ("zstd", "delta"):
         if not isinstance(wire[key], bool):
             raise CodecError("bad_type", f"{key!r} must be a bool, got {type(wire[key]).__name__}")
@@ -394,6 +409,9 @@ def _decode(wire: Any, base: Any, max_n: int) -> np.ndarray:
         if b.size != n:
             raise CodecError("base_length", f"base has {b.size} values, map has n={n}")
         _require_finite(b, "base")
+        if "base" in wire and wire["base"] != base_checksum(b):
+            raise CodecError("base_mismatch", "the delta was taken against another base than "
+                                              "the one held here")
     raw = _payload(wire, _payload_size(codec, n, params))
 
     if codec == "fp32":

@@ -18,6 +18,7 @@ from fedmq.codecs import (
     CODECS,
     CodecError,
     ErrorFeedback,
+    base_checksum,
     decode,
     encode,
     encoded_size,
@@ -373,6 +374,7 @@ def test_delta_base_checks() -> None:
         assert info.value.reason == reason
     # a finite delta on a finite base may still overflow float32
     huge = encode(np.full(4, 3e38, np.float32), "int8", base=np.full(4, 2e38, np.float32))
+    del huge["base"]  # the checksum is optional; without it the overflow is what is caught
     with pytest.raises(CodecError) as info, np.errstate(all="raise"):  # still a CodecError
         decode(huge, base=np.full(4, 3.4e38, np.float32))
     assert info.value.reason == "not_finite"
@@ -509,3 +511,22 @@ def test_reference_cnn_update_bytes_are_ordered() -> None:
         assert sizes["fp32", zstd] > sizes["fp16", zstd] > sizes["int8", zstd] > sizes["topk", zstd]
     assert sizes["fp32", False] >= 4 * v.size
     assert sizes["fp32", False] > sizes["fp32", True]  # XOR delta compresses
+
+
+def test_delta_names_its_base_and_another_base_is_refused() -> None:
+    base = np.linspace(-1, 1, 300, dtype=np.float32)
+    v = base + 0.01
+    for codec in CODECS:
+        wire = encode(v, codec, base=base)
+        assert wire["base"] == base_checksum(base)
+        decode(wire, base=base)  # the right base decodes
+        other = base.copy()
+        other[7] += 1e-3
+        with pytest.raises(CodecError) as info:
+            decode(wire, base=other)
+        assert info.value.reason == "base_mismatch"
+    bad = encode(v, "int8", base=base)
+    bad["base"] = "x"
+    with pytest.raises(CodecError) as info:
+        decode(bad, base=base)
+    assert info.value.reason == "bad_base"
