@@ -83,7 +83,7 @@ def fit(
                     loss = loss + 0.5 * c * torch.sum((v - w) ** 2)
             loss.backward()
             opt.step()
-            total += float(loss)
+            total += loss.item()
             batches += 1
             seen += len(idx)
             if max_seconds is not None and time.perf_counter() - t0 > max_seconds:

@@ -1,0 +1,85 @@
+"""Build an aggregator from a Config: data, proxy sets, cluster models, strategy, engine.
+
+Cluster models are pre-trained on a few thousand samples per cluster (`data.pretrain_per_
+cluster`) starting from one shared initialization, so that their parameter-space mixtures
+are meaningful; when the state dir already holds a snapshot they are loaded from it instead.
+Proxy sets are drawn from the dataset with the config's seed, so a restarted aggregator
+evaluates on exactly the same samples.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from aggregator.engine import Engine
+from aggregator.journal import Journal
+from aggregator.cdfl import CDFL
+from aggregator.fedasync import FedAsync
+from aggregator.fedsoft_async import FedSoftAsync
+from aggregator.strategy import Strategy
+from fedmq.config import Config
+from fedmq.data import RotatedClusters, clusters_from_settings
+from fedmq.logs import event, get_logger
+from fedmq.models import ModelSpec, build_model, model_spec, resolve_model_name, to_vector
+from fedmq.training import fit
+
+log = get_logger("aggregator")
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but torch sees no CUDA device")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {device!r}; use auto, cpu or cuda")
+    return device
+
+
+def pretrain_clusters(cfg: Config, clusters: RotatedClusters, model_name: str) -> list[torch.Tensor]:
+    """One model per cluster, each trained from the same seeded init on its pretrain pool."""
+    start = to_vector(build_model(model_name, seed=cfg.seed))
+    vectors = []
+    for k in range(clusters.num_clusters):
+        data = clusters.pretrain(k, cfg.data.pretrain_per_cluster)
+        t0 = time.perf_counter()
+        result = fit(model_name, start, data.x, data.y, epochs=cfg.aggregator.pretrain_epochs,
+                     batch_size=32, lr=0.05, momentum=0.9, seed=cfg.seed + k)
+        event(log, "cluster.pretrained", cluster=k, samples=len(data),
+              seconds=time.perf_counter() - t0, loss=result.final_loss)
+        vectors.append(result.vector)
+    return vectors
+
+
+def make_strategy(cfg: Config, spec: ModelSpec, clusters: list[torch.Tensor],
+                  proxies: list[tuple[torch.Tensor, torch.Tensor]], device: str = "cpu") -> Strategy:
+    """The strategy named by `aggregator.algorithm`, with its knobs from the config."""
+    algorithm = cfg.aggregator.algorithm
+    if algorithm == "cdfl":
+        return CDFL.from_settings(spec, clusters, proxies, cfg.cdfl, device=device)
+    if algorithm == "fedsoft-async":
+        return FedSoftAsync.from_settings(spec, clusters, cfg.cdfl)
+    if algorithm == "fedasync":
+        # One global model: start from the mean of the pre-trained cluster models.
+        return FedAsync.from_settings(spec, torch.stack(clusters).mean(0), cfg.cdfl)
+    raise ValueError(f"unknown algorithm {algorithm!r}; use cdfl, fedsoft-async or fedasync")
+
+
+def build_engine(cfg: Config, *, clusters: RotatedClusters | None = None) -> Engine:
+    model_name = resolve_model_name(cfg.model, cfg.data.dataset)
+    spec = model_spec(model_name)
+    K = cfg.cdfl.clusters
+    clusters = clusters or clusters_from_settings(cfg.data, K, seed=cfg.seed)
+    if clusters.num_clusters != K:
+        raise ValueError(f"data has {clusters.num_clusters} clusters, config asks for {K}")
+    journal = Journal(cfg.aggregator.state_dir)
+    if journal.has_state():
+        vectors = [to_vector(build_model(model_name, seed=cfg.seed)) for _ in range(K)]
+    else:
+        vectors = pretrain_clusters(cfg, clusters, model_name)
+    proxies = [clusters.proxy(k, cfg.data.proxy_per_cluster) for k in range(K)]
+    strategy: Strategy = make_strategy(cfg, spec, vectors, [(p.x, p.y) for p in proxies],
+                                       device=resolve_device(cfg.device))
+    return Engine(strategy, spec, cfg, journal)

@@ -1,0 +1,56 @@
+"""Run the aggregator: subscribe to a fleet's uplinks, apply the algorithm, reply per agent.
+
+examples:
+  fedmq aggregator --broker mqtt://127.0.0.1:1883 --fleet demo --clusters 3
+  fedmq aggregator --algorithm fedsoft-async --dataset mnist --data-dir ~/data --state-dir st/
+  fedmq aggregator --config aggregator.toml --set cdfl.beta0=0.1
+
+State (cluster models, journal) lives in --state-dir; a restart resumes from it. SIGTERM or
+Ctrl-C stops cleanly (final snapshot, offline status).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import threading
+
+from fedmq.config import add_config_arguments, config_from_args
+from fedmq.logs import setup_logging
+
+ALGORITHMS = ("cdfl", "fedsoft-async", "fedasync")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_arguments(p, ("broker", "fleet", "ca_file", "cert_file", "key_file", "dataset",
+                             "data_dir", "download", "model", "device", "seed", "log_level"))
+    p.add_argument("--algorithm", choices=ALGORITHMS, help="server algorithm (default cdfl)")
+    p.add_argument("--clusters", type=int, metavar="K", help="number of cluster models (default 3)")
+    p.add_argument("--state-dir", metavar="DIR", help="snapshots and journal (default state/aggregator)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="resolve the config, print it and exit without connecting")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args, {"algorithm": "aggregator.algorithm", "clusters": "cdfl.clusters",
+                                  "state_dir": "aggregator.state_dir"})
+    setup_logging(cfg.log.level, cfg.log.json)
+    if args.dry_run:
+        import json
+        from dataclasses import asdict
+
+        print(json.dumps(asdict(cfg), indent=2))
+        return 0
+    from aggregator.bootstrap import build_engine
+    from aggregator.service import AggregatorService
+
+    engine = build_engine(cfg)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with AggregatorService(cfg, engine):
+        print(f"aggregator {cfg.aggregator.algorithm} on {cfg.broker.url} fleet={cfg.fleet} "
+              f"K={cfg.cdfl.clusters} epoch={engine.strategy.epoch}", flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            stop.wait()
+    return 0

@@ -1,0 +1,291 @@
+"""The aggregator's state machine, free of MQTT: uplink envelopes in, downlink envelopes out.
+
+One `handle(batch)` call takes the decoded uplinks of a batch and
+1. refuses what is malformed for this fleet (wrong model spec, shape, codec, NaN, a tau from
+   the future, an unknown agent, a norm beyond the bound) with an `Error` reply and no change;
+2. answers a replay of an applied msg_id with the reply it already sent, applying nothing;
+3. runs joins, then all valid updates through the strategy in one batched call;
+4. appends one journal record per applied message and makes them durable;
+and only then returns the replies. The service publishes them and acknowledges the batch to
+the broker afterwards, so an acknowledged upload is always in the journal. If the journal
+cannot be written, `handle` raises `JournalError` and the caller must `recover()` (reload the
+durable state) before retrying: in-memory effects of the failed batch are discarded.
+
+Replay applies the journal's records through `Strategy.apply` with the alpha that was used,
+then re-derives each agent's base (the model it holds) the way the live path did.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from aggregator.journal import Journal
+from aggregator.strategy import Reply, Strategy, Upload
+from fedmq import codecs, protocol
+from fedmq.config import Config
+from fedmq.logs import event, get_logger
+from fedmq.models import ModelSpec
+
+log = get_logger("aggregator")
+
+RECENT_MSG_IDS = 32
+"""Applied msg_ids remembered per agent: an agent only ever re-sends its latest upload."""
+
+
+class Rejected(Exception):
+    """An uplink refused with a stable reason code and a human detail."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass
+class AgentRecord:
+    """What the aggregator remembers of one agent."""
+
+    base: torch.Tensor | None = None
+    """The model the agent holds (what it reconstructed from our last reply), for deltas."""
+    last_reply: bytes = b""
+    """The encoded reply to the agent's last applied message, re-sent on a replay."""
+    last_msg_id: str = ""
+    recent: deque[str] = field(default_factory=lambda: deque(maxlen=RECENT_MSG_IDS))
+
+    def to_state(self) -> dict[str, Any]:
+        return {"base": self.base, "last_reply": self.last_reply,
+                "last_msg_id": self.last_msg_id, "recent": list(self.recent)}
+
+    @classmethod
+    def from_state(cls, d: dict[str, Any]) -> AgentRecord:
+        rec = cls(base=d["base"], last_reply=d["last_reply"], last_msg_id=d["last_msg_id"])
+        rec.recent.extend(d["recent"])
+        return rec
+
+
+@dataclass
+class Inbound:
+    """One decoded uplink; `agent` comes from the topic (the broker's ACL vouches for it)."""
+
+    agent: str
+    envelope: protocol.Envelope
+
+
+class Engine:
+    def __init__(self, strategy: Strategy, spec: ModelSpec, cfg: Config,
+                 journal: Journal | None = None) -> None:
+        self.strategy = strategy
+        self.spec = spec
+        self.cfg = cfg
+        self.journal = journal
+        self.agents: dict[str, AgentRecord] = {}
+        self.counters: Counter[str] = Counter()
+        self.snapshot_every = max(1, cfg.aggregator.snapshot_every)
+
+    # ------------------------------------------------------------------ durable state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"strategy": self.strategy.state_dict(),
+                "agents": {a: r.to_state() for a, r in self.agents.items()},
+                "counters": dict(self.counters)}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.strategy.load_state_dict(d["strategy"])
+        self.agents = {a: AgentRecord.from_state(r) for a, r in d["agents"].items()}
+        self.counters = Counter(d["counters"])
+
+    def recover(self) -> int:
+        """Load the newest snapshot and replay the journal after it; returns records replayed.
+
+        A fresh state dir gets a first snapshot of the initial state, so that the cluster
+        models a run started from are on disk before any update is acknowledged.
+        """
+        if self.journal is None:
+            return 0
+        self.journal.close()
+        snapshot, records = self.journal.load()
+        if snapshot is None:
+            self.journal.snapshot(self.state_dict())
+            return 0
+        self.load_state_dict(snapshot)
+        for rec in records:
+            self._replay(rec)
+        event(log, "state.recovered", records=len(records), epoch=self.strategy.epoch,
+              agents=len(self.agents))
+        return len(records)
+
+    def _replay(self, rec: dict[str, Any]) -> None:
+        agent = rec["agent"]
+        if rec["op"] == "join":
+            reply = self.strategy.join(agent, rec.get("n_samples", 0))
+        else:
+            upload = Upload(agent=agent, vector=rec["vector"], tau=rec["tau"],
+                            n_samples=rec["n_samples"], alpha=rec.get("upload_alpha"),
+                            msg_id=rec["msg_id"])
+            reply = self.strategy.apply(upload, rec.get("alpha"))
+        self._reply_envelope(reply, rec["msg_id"])
+        self.counters[f"applied.{rec['op']}"] += 1
+
+    def snapshot_if_due(self, force: bool = False) -> bool:
+        if self.journal is None:
+            return False
+        if force or self.journal.records_since_snapshot >= self.snapshot_every:
+            self.journal.snapshot(self.state_dict())
+            return True
+        return False
+
+    # ------------------------------------------------------------------ the batch path
+
+    def handle(self, batch: list[Inbound]) -> list[protocol.Envelope]:
+        """Replies for a batch, after its applied records are durable (see module doc)."""
+        out: list[protocol.Envelope] = []
+        joins: list[protocol.Join] = []
+        updates: list[tuple[protocol.Update, Upload]] = []
+        seen_in_batch: set[tuple[str, str]] = set()
+        for item in batch:
+            env = item.envelope
+            try:
+                if env.agent != item.agent:
+                    raise Rejected("agent_mismatch", f"{env.agent!r} on the topic of {item.agent!r}")
+                key = (env.agent, env.msg_id)
+                if key in seen_in_batch or self._is_replay(env):
+                    out.append(self._answer_replay(env))
+                    continue
+                if isinstance(env, protocol.Join):
+                    self._check_spec(env.model)
+                    joins.append(env)
+                elif isinstance(env, protocol.Update):
+                    updates.append((env, self._validate_update(env)))
+                else:
+                    raise Rejected("unexpected_type", f"{env.TYPE} is not for this aggregator")
+                seen_in_batch.add(key)
+            except Rejected as r:
+                self.counters[f"rejected.{r.reason}"] += 1
+                event(log, "uplink.rejected", agent=item.agent, msg_id=env.msg_id,
+                      reason=r.reason, detail=r.detail)
+                out.append(self._error(item.agent, env.msg_id, r.reason, r.detail))
+
+        records: list[dict[str, Any]] = []
+        for env in joins:
+            reply = self.strategy.join(env.agent, env.n_samples)
+            out.append(self._reply(reply, env.msg_id))
+            records.append({"op": "join", "agent": env.agent, "msg_id": env.msg_id,
+                            "n_samples": env.n_samples})
+        if updates:
+            t0 = time.perf_counter()
+            replies = self.strategy.update_many([u for _, u in updates])
+            seconds = time.perf_counter() - t0
+            for (env, upload), reply in zip(updates, replies, strict=True):
+                out.append(self._reply(reply, env.msg_id))
+                records.append({"op": "update", "agent": env.agent, "msg_id": env.msg_id,
+                                "tau": env.tau, "n_samples": env.n_samples,
+                                "vector": upload.vector, "alpha": reply.alpha,
+                                "upload_alpha": upload.alpha})
+                info = reply.info
+                event(log, "update.applied", agent=env.agent, epoch=reply.epoch,
+                      staleness=info.get("staleness"), stale=info.get("stale"),
+                      alpha=reply.alpha, betas=info.get("betas"),
+                      batch=len(updates), seconds=seconds)
+        if self.journal is not None and records:
+            self.journal.append(records)  # the durability point: raises JournalError
+        for rec in records:
+            self.counters[f"applied.{rec['op']}"] += 1
+        return out
+
+    # ------------------------------------------------------------------ validation
+
+    def _check_spec(self, spec_hash: str) -> None:
+        if spec_hash != self.spec.hash:
+            raise Rejected("wrong_model", f"model spec {spec_hash} is not this fleet's "
+                                          f"{self.spec.arch} ({self.spec.hash})")
+
+    def _validate_update(self, env: protocol.Update) -> Upload:
+        self._check_spec(env.model)
+        record = self.agents.get(env.agent)
+        if record is None:
+            raise Rejected("unknown_agent", f"{env.agent} has not joined; send a join first")
+        if env.tensor.get("n") != self.spec.numel:
+            raise Rejected("wrong_shape", f"tensor has {env.tensor.get('n')} values, "
+                                          f"{self.spec.arch} has {self.spec.numel}")
+        base = record.base.numpy() if record.base is not None else None
+        if env.tensor.get("delta") and base is None:
+            raise Rejected("no_base", "a delta update needs a model this agent received")
+        try:
+            vector = codecs.decode(env.tensor, base=base if env.tensor.get("delta") else None,
+                                   max_n=self.spec.numel)
+        except codecs.CodecError as e:
+            raise Rejected(f"codec_{e.reason}", str(e)) from None
+        if env.tau > self.strategy.epoch:
+            raise Rejected("bad_tau", f"tau {env.tau} is ahead of the aggregator's epoch "
+                                      f"{self.strategy.epoch}")
+        v = torch.from_numpy(np.ascontiguousarray(vector, dtype=np.float32))
+        bound = self.cfg.aggregator.norm_bound
+        if bound > 0 and record.base is not None:
+            dist = float(torch.linalg.vector_norm(v - record.base))
+            if dist > bound:
+                raise Rejected("norm_bound", f"update moves the model by {dist:.3g}, "
+                                             f"above the bound {bound:.3g}")
+        return Upload(agent=env.agent, vector=v, tau=env.tau, n_samples=env.n_samples,
+                      alpha=env.alpha, msg_id=env.msg_id)
+
+    # ------------------------------------------------------------------ replies
+
+    def _is_replay(self, env: protocol.Envelope) -> bool:
+        record = self.agents.get(env.agent)
+        return record is not None and env.msg_id in record.recent
+
+    def _answer_replay(self, env: protocol.Envelope) -> protocol.Envelope:
+        self.counters["duplicates"] += 1
+        record = self.agents.get(env.agent)
+        if record is not None and record.last_msg_id == env.msg_id and record.last_reply:
+            return protocol.decode(record.last_reply, max_bytes=len(record.last_reply))
+        return self._error(env.agent, env.msg_id, "duplicate",
+                           "this message was already applied; its reply was superseded")
+
+    def _error(self, agent: str, msg_id: str, reason: str, detail: str) -> protocol.Error:
+        return protocol.Error(agent=agent, msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
+                              reason=reason, detail=detail[:4096], in_reply_to=msg_id)
+
+    def _reply(self, reply: Reply, in_reply_to: str) -> protocol.Model:
+        env = self._reply_envelope(reply, in_reply_to)
+        return env
+
+    def _reply_envelope(self, reply: Reply, in_reply_to: str) -> protocol.Model:
+        """Encode the reply against what the agent holds and remember what it will hold."""
+        record = self.agents.setdefault(reply.agent, AgentRecord())
+        c = self.cfg.codec
+        tensors = []
+        if reply.kind == "clusters":
+            # All K models, each whole: the agent's next upload is a whole vector too.
+            for vec in reply.vectors:
+                tensors.append(codecs.encode(vec, c.name, zstd=c.zstd, **self._codec_params()))
+            record.base = None
+        else:
+            (vec,) = reply.vectors
+            base = record.base.numpy() if (c.delta and record.base is not None) else None
+            wire = codecs.encode(vec, c.name, base=base, zstd=c.zstd, **self._codec_params())
+            tensors.append(wire)
+            # The agent will hold exactly what it decodes, lossy codec or not.
+            record.base = torch.from_numpy(codecs.decode(wire, base=base).copy())
+        env = protocol.Model(agent=reply.agent, msg_id=protocol.new_msg_id(),
+                             sent_at=protocol.now(), epoch=reply.epoch, model=self.spec.hash,
+                             tensors=tensors, in_reply_to=in_reply_to, alpha=reply.alpha,
+                             kind=reply.kind)
+        record.last_reply = protocol.encode(env)
+        record.last_msg_id = in_reply_to
+        record.recent.append(in_reply_to)
+        return env
+
+    def _codec_params(self) -> dict[str, Any]:
+        c = self.cfg.codec
+        if c.name == "int8":
+            return {"block": c.int8_block}
+        if c.name == "topk":
+            return {"ratio": c.topk_ratio}
+        return {}

@@ -1,0 +1,184 @@
+"""The aggregator as an MQTT service: uplinks in, durable state, replies out.
+
+Threads: paho's network thread only enqueues raw messages; one worker thread owns the
+engine (no locks around algorithm state). The worker drains up to `max_batch` messages,
+turns them into envelopes (`Channel`), lets the engine apply them (journal fsynced), publishes
+the replies and only then acknowledges the raw messages to the broker (manual ack). So:
+- an acknowledged upload is in the journal (kill -9 loses nothing);
+- an upload applied but not yet acknowledged is redelivered after a crash and recognized by
+  its msg_id (applied once, its reply re-sent);
+- back-pressure is the broker's: it sends at most its in-flight window of unacknowledged
+  messages to this client and queues the rest, so the worker's queue stays bounded.
+If the state dir cannot be written, nothing is acknowledged: the worker reloads the durable
+state, logs why, and retries the batch with backoff.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import Counter
+
+from aggregator.engine import Engine, Inbound
+from aggregator.journal import JournalError
+from fedmq import protocol
+from fedmq.channel import Channel, Received, Refused
+from fedmq.config import Config
+from fedmq.logs import event, get_logger
+from fedmq.transport import Message, MqttTransport, Will
+
+log = get_logger("aggregator")
+
+
+class AggregatorService:
+    """Run an `Engine` against a broker. Use as a context manager or start()/stop()."""
+
+    def __init__(self, cfg: Config, engine: Engine, *, client_id: str | None = None) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.fleet = cfg.fleet
+        self.client_id = client_id or f"fedmq-aggregator-{cfg.fleet}"
+        self._inbox: queue.Queue[Message] = queue.Queue()
+        self._stop = threading.Event()
+        self._worker: threading.Thread | None = None
+        self.counters: Counter[str] = Counter()
+        self.presence: dict[str, str] = {}
+        """agent -> online/offline, from the agents' retained status and last wills."""
+        self.transport = MqttTransport(
+            self.client_id, cfg.broker, clean_start=False, manual_ack=True,
+            will=Will(protocol.aggregator_status(self.fleet), self._status("offline")),
+        )
+        self.channel = Channel(self.transport, cfg.protocol)
+
+    def _status(self, state: str) -> bytes:
+        env = protocol.Status(agent="aggregator", msg_id=protocol.new_msg_id(),
+                              sent_at=protocol.now(), state=state, role="aggregator",
+                              algorithm=self.cfg.aggregator.algorithm,
+                              epoch=self.engine.strategy.epoch,
+                              counters={k: v for k, v in self.engine.counters.items()})
+        return protocol.encode(env)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> AggregatorService:
+        replayed = self.engine.recover()
+        self.counters["replayed"] += replayed
+        # After every (re)connect: the broker may have published our will meanwhile.
+        self.transport.on_connect_hooks.append(
+            lambda t, _: t.publish(protocol.aggregator_status(self.fleet), self._status("online"),
+                                   qos=1, retain=True))
+        self.transport.connect()
+        self.transport.subscribe(protocol.all_uplinks(self.fleet), self._inbox.put, qos=1)
+        self.transport.subscribe(protocol.all_agent_status(self.fleet), self._inbox.put, qos=1)
+        self._worker = threading.Thread(target=self._run, name="fedmq-aggregator", daemon=True)
+        self._worker.start()
+        event(log, "aggregator.started", fleet=self.fleet, epoch=self.engine.strategy.epoch,
+              replayed=replayed, broker=self.cfg.broker.url)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._worker is not None:
+            self._worker.join(timeout=30)
+        try:
+            self.engine.snapshot_if_due(force=True)
+        except JournalError as e:
+            event(log, "snapshot.failed", level=40, error=str(e))
+        if self.transport.connected:
+            h = self.transport.publish(protocol.aggregator_status(self.fleet),
+                                       self._status("offline"), qos=1, retain=True)
+            h.wait(5)
+        self.transport.close()
+
+    def __enter__(self) -> AggregatorService:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ the worker
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                first = self._inbox.get(timeout=0.2)
+            except queue.Empty:
+                self._expire()
+                continue
+            raw = [first]
+            while len(raw) < self.cfg.aggregator.max_batch * 4:
+                try:
+                    raw.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                self._process(raw)
+            except Exception:  # a bug must not kill the service silently
+                log.exception("batch failed; its messages stay unacknowledged")
+                self.counters["batch_failures"] += 1
+                time.sleep(1.0)
+
+    def _process(self, raw: list[Message]) -> None:
+        batch: list[Received] = []
+        for msg in raw:
+            try:
+                got = self.channel.receive(msg)
+            except Refused as r:
+                self._refuse(r)
+                continue
+            if got is None:
+                continue  # a chunk of an incomplete message: acked when it completes
+            if got.topic.kind == "status":
+                self._presence(got)
+                continue
+            batch.append(got)
+        if not batch:
+            return
+        inbound = [Inbound(b.topic.agent or "", b.envelope) for b in batch]
+        delay = 0.5
+        while True:
+            try:
+                replies = self.engine.handle(inbound)
+                break
+            except JournalError as e:
+                # Not durable: acknowledge nothing, drop what the failed batch did in memory.
+                self.counters["journal_errors"] += 1
+                event(log, "state.unwritable", level=40, error=str(e),
+                      action="not acknowledging; retrying", retry_in_s=delay)
+                self.engine.recover()
+                if self._stop.wait(delay):
+                    return
+                delay = min(delay * 2, 30.0)
+        for env in replies:
+            self.channel.send(protocol.downlink(self.fleet, env.agent), env)
+            self.counters[f"sent.{env.TYPE}"] += 1
+        for b in batch:
+            for m in b.messages:
+                self.transport.ack(m)
+        try:
+            self.engine.snapshot_if_due()
+        except JournalError as e:
+            event(log, "snapshot.failed", level=40, error=str(e))
+
+    def _presence(self, got: Received) -> None:
+        env = got.envelope
+        if isinstance(env, protocol.Status):
+            self.presence[env.agent] = env.state
+        for m in got.messages:
+            self.transport.ack(m)
+
+    def _refuse(self, r: Refused) -> None:
+        self.counters[f"refused.{r.reason}"] += 1
+        agent = r.topic.agent if r.topic is not None else None
+        event(log, "uplink.refused", agent=agent, reason=r.reason, detail=r.detail)
+        if agent and r.topic is not None and r.topic.kind == "up":
+            err = protocol.Error(agent=agent, msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
+                                 reason=r.reason, detail=r.detail[:4096], in_reply_to=r.msg_id)
+            self.channel.send(protocol.downlink(self.fleet, agent), err)
+        for m in r.messages:
+            self.transport.ack(m)
+
+    def _expire(self) -> None:
+        for r in self.channel.expire():
+            self._refuse(r)

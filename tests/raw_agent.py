@@ -1,0 +1,81 @@
+"""A bare MQTT test client that speaks the protocol by hand (paho + fedmq.protocol only).
+
+Integration tests use it to poke the aggregator exactly as a device would, including with
+bytes no real agent would send.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import numpy as np
+import paho.mqtt.client as mqtt
+
+from fedmq import codecs, protocol
+
+
+class RawAgent:
+    def __init__(self, port: int, fleet: str, agent: str, *, client_id: str | None = None) -> None:
+        self.fleet, self.agent = fleet, agent
+        self.inbox: queue.Queue[protocol.Envelope] = queue.Queue()
+        self._subscribed = threading.Event()
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id or f"raw-{agent}")
+        self.client.on_message = self._on_message
+        self.client.on_subscribe = lambda *a, **k: self._subscribed.set()
+        self.client.connect("127.0.0.1", port)
+        self.client.loop_start()
+        self.client.subscribe(protocol.downlink(fleet, agent), qos=1)
+        assert self._subscribed.wait(5), "no SUBACK"
+        self.base: np.ndarray | None = None
+        self.epoch = 0
+
+    def _on_message(self, client, userdata, msg) -> None:
+        self.inbox.put(protocol.decode(msg.payload, max_bytes=1 << 27))
+
+    def publish_raw(self, payload: bytes, topic: str | None = None) -> None:
+        info = self.client.publish(topic or protocol.uplink(self.fleet, self.agent), payload, qos=1)
+        info.wait_for_publish(10)
+
+    def send(self, env: protocol.Envelope) -> None:
+        self.publish_raw(protocol.encode(env))
+
+    def expect(self, in_reply_to: str, timeout: float = 30.0) -> protocol.Envelope:
+        """The next downlink answering `in_reply_to` (others are dropped)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self.agent}: no reply to {in_reply_to} in {timeout}s")
+            try:
+                env = self.inbox.get(timeout=left)
+            except queue.Empty:
+                continue
+            if getattr(env, "in_reply_to", None) == in_reply_to:
+                return env
+
+    def join(self, spec_hash: str, algorithm: str = "cdfl") -> protocol.Model:
+        env = protocol.Join(agent=self.agent, msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
+                            model=spec_hash, algorithm=algorithm, n_samples=100)
+        self.send(env)
+        reply = self.expect(env.msg_id)
+        assert isinstance(reply, protocol.Model), reply
+        self.install(reply)
+        return reply
+
+    def install(self, reply: protocol.Model) -> None:
+        wire = reply.tensors[0]
+        self.base = codecs.decode(wire, base=self.base if wire["delta"] else None)
+        self.epoch = reply.epoch
+
+    def update_envelope(self, vector: np.ndarray, spec_hash: str, *, codec: str = "int8",
+                        msg_id: str | None = None) -> protocol.Update:
+        wire = codecs.encode(vector, codec, base=self.base, zstd=True)
+        return protocol.Update(agent=self.agent, msg_id=msg_id or protocol.new_msg_id(),
+                               sent_at=protocol.now(), model=spec_hash, tau=self.epoch,
+                               tensor=wire, n_samples=100)
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()

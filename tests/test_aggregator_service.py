@@ -1,0 +1,246 @@
+"""The aggregator over a real Mosquitto, driven by raw MQTT clients.
+
+join -> model; update -> personalized model; bad uploads -> error reply and unchanged state;
+a replayed msg_id -> applied once; kill -9 during a burst -> every upload applied exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from aggregator.bootstrap import build_engine
+from aggregator.journal import Journal
+from aggregator.service import AggregatorService
+from fedmq import codecs, protocol
+from fedmq.config import Config, load_config
+from fedmq.models import model_spec
+from tests.raw_agent import RawAgent
+
+FLEET = "t"
+SPEC = model_spec("digits-cnn")
+SMALL = {
+    "fleet": FLEET, "cdfl.clusters": 2, "data.dataset": "digits", "data.proxy_per_cluster": 150,
+    "data.pretrain_per_cluster": 300, "aggregator.pretrain_epochs": 2, "device": "cpu",
+    "protocol.chunk_bytes": 64 * 1024, "protocol.max_message_bytes": 256 * 1024,
+}
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> Path:
+    """A state dir with pre-trained cluster models, copied by each test (pre-training once)."""
+    state = tmp_path_factory.mktemp("pretrained") / "state"
+    cfg = load_config(None, {**SMALL, "aggregator.state_dir": str(state)})
+    engine = build_engine(cfg)
+    engine.recover()  # writes the first snapshot
+    engine.journal.close()
+    return state
+
+
+def make_cfg(broker_url: str, state: Path, **extra) -> Config:
+    return load_config(None, {**SMALL, "broker.url": broker_url, "aggregator.state_dir": str(state),
+                              **extra})
+
+
+@pytest.fixture
+def service(mosquitto, pretrained, tmp_path):
+    state = tmp_path / "state"
+    shutil.copytree(pretrained, state)
+    cfg = make_cfg(mosquitto.url, state)
+    with AggregatorService(cfg, build_engine(cfg)) as svc:
+        yield svc
+
+
+def clusters_of(svc: AggregatorService) -> list[torch.Tensor]:
+    return [c.clone() for c in svc.engine.strategy.state_dict()["clusters"]]
+
+
+def test_join_then_update_gets_personalized_model(service, mosquitto) -> None:
+    a = RawAgent(mosquitto.port, FLEET, "car-1")
+    try:
+        joined = a.join(SPEC.hash)
+        assert joined.kind == "personalized" and joined.epoch == 0
+        assert joined.alpha is not None and np.allclose(joined.alpha, [0.5, 0.5])
+        assert a.base.shape == (SPEC.numel,) and np.isfinite(a.base).all()
+        v = a.base + np.random.default_rng(0).normal(0, 0.01, SPEC.numel).astype(np.float32)
+        up = a.update_envelope(v, SPEC.hash)
+        a.send(up)
+        reply = a.expect(up.msg_id)
+        assert isinstance(reply, protocol.Model), reply
+        assert reply.epoch == 1
+        assert reply.alpha is not None and abs(sum(reply.alpha) - 1) < 1e-6
+        assert min(reply.alpha) >= 0
+        a.install(reply)
+        assert service.engine.counters["applied.update"] == 1
+    finally:
+        a.close()
+
+
+def _nan_update(a: RawAgent) -> protocol.Update:
+    bad = np.zeros(SPEC.numel, dtype=np.float32)
+    bad[3] = np.nan
+    wire = codecs.encode(np.zeros(SPEC.numel, dtype=np.float32), "fp32", zstd=False)
+    wire["data"] = bad.tobytes()  # a codec never emits NaN; a hostile sender can
+    return protocol.Update(agent=a.agent, msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
+                           model=SPEC.hash, tau=0, tensor=wire, n_samples=1)
+
+
+def test_bad_uploads_get_errors_and_change_nothing(service, mosquitto) -> None:
+    a = RawAgent(mosquitto.port, FLEET, "car-2")
+    try:
+        a.join(SPEC.hash)
+        before = clusters_of(service)
+        epoch = service.engine.strategy.epoch
+        cases: list[tuple[str, bytes, str]] = []
+
+        ok = a.update_envelope(a.base, SPEC.hash)
+        wrong_shape = protocol.Update(**{**ok.__dict__, "msg_id": protocol.new_msg_id(),
+                                         "tensor": codecs.encode(np.zeros(10, np.float32), "fp32")})
+        cases.append(("wrong_shape", protocol.encode(wrong_shape), wrong_shape.msg_id))
+        nan = _nan_update(a)
+        cases.append(("codec_not_finite", protocol.encode(nan), nan.msg_id))
+        wrong_spec = protocol.Update(**{**ok.__dict__, "msg_id": protocol.new_msg_id(), "model": "0" * 16})
+        cases.append(("wrong_model", protocol.encode(wrong_spec), wrong_spec.msg_id))
+        future = protocol.Update(**{**ok.__dict__, "msg_id": protocol.new_msg_id(), "tau": 999})
+        cases.append(("bad_tau", protocol.encode(future), future.msg_id))
+        cases.append(("malformed", b"\x93not msgpack at all", ""))
+        oversize = msgpack.packb({"v": 1, "type": "update", "pad": b"x" * (300 * 1024)})
+        cases.append(("too_large", oversize, ""))
+
+        for reason, payload, msg_id in cases:
+            a.publish_raw(payload)
+            err = a.expect(msg_id)
+            assert isinstance(err, protocol.Error), (reason, err)
+            assert err.reason == reason, (reason, err.reason, err.detail)
+            assert err.detail
+
+        stranger = RawAgent(mosquitto.port, FLEET, "never-joined")
+        try:
+            up = protocol.Update(agent="never-joined", msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
+                                 model=SPEC.hash, tau=0, n_samples=1,
+                                 tensor=codecs.encode(np.zeros(SPEC.numel, np.float32), "fp32"))
+            stranger.send(up)
+            assert stranger.expect(up.msg_id).reason == "unknown_agent"
+        finally:
+            stranger.close()
+
+        after = clusters_of(service)
+        assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
+        assert service.engine.strategy.epoch == epoch
+        assert service.engine.counters["applied.update"] == 0
+    finally:
+        a.close()
+
+
+def test_same_msg_id_twice_is_applied_once(service, mosquitto) -> None:
+    a = RawAgent(mosquitto.port, FLEET, "car-3")
+    try:
+        a.join(SPEC.hash)
+        up = a.update_envelope(a.base * 1.01, SPEC.hash)
+        a.send(up)
+        first = a.expect(up.msg_id)
+        a.send(up)  # e.g. re-sent after a reconnect
+        second = a.expect(up.msg_id)
+        assert isinstance(first, protocol.Model) and isinstance(second, protocol.Model)
+        assert second.epoch == first.epoch == 1
+        assert service.engine.counters["applied.update"] == 1
+        assert service.engine.counters["duplicates"] == 1
+    finally:
+        a.close()
+
+
+def _start_aggregator(url: str, state: Path, log: Path) -> subprocess.Popen:
+    args = [sys.executable, "-m", "fedmq.cli", "aggregator", "--broker", url, "--state-dir", str(state),
+            "--log-level", "info"]
+    for k, v in {**SMALL, "aggregator.snapshot_every": 7}.items():
+        args += ["--set", f"{k}={v}"]
+    return subprocess.Popen(args, stdout=log.open("ab"), stderr=subprocess.STDOUT,
+                            cwd=Path(__file__).resolve().parent.parent)
+
+
+def test_kill_9_during_burst_applies_every_upload_exactly_once(mosquitto, pretrained, tmp_path) -> None:
+    state = tmp_path / "state"
+    shutil.copytree(pretrained, state)
+    log = tmp_path / "aggregator.log"
+    proc = _start_aggregator(mosquitto.url, state, log)
+    agents = [RawAgent(mosquitto.port, FLEET, f"burst-{i}") for i in range(6)]
+    rounds = 4
+    sent: list[str] = []
+    lock = threading.Lock()
+    failures: list[str] = []
+
+    def agent_loop(a: RawAgent) -> None:
+        try:
+            join = protocol.Join(agent=a.agent, msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
+                                 model=SPEC.hash, algorithm="cdfl")
+            reply = _send_until_answered(a, join)
+            a.install(reply)
+            rng = np.random.default_rng(abs(hash(a.agent)) % 2**32)
+            for _ in range(rounds):
+                v = a.base + rng.normal(0, 0.01, SPEC.numel).astype(np.float32)
+                up = a.update_envelope(v, SPEC.hash)
+                with lock:
+                    sent.append(up.msg_id)
+                reply = _send_until_answered(a, up)
+                assert isinstance(reply, protocol.Model), reply
+                a.install(reply)
+        except Exception as e:  # noqa: BLE001 (reported below)
+            failures.append(f"{a.agent}: {e!r}")
+
+    threads = [threading.Thread(target=agent_loop, args=(a,)) for a in agents]
+    for t in threads:
+        t.start()
+    kills = 0
+    try:
+        for _ in range(3):  # kill -9 while uploads are in flight, restart, repeat
+            deadline = time.monotonic() + 60
+            while len(sent) < (kills + 1) * 6 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+            kills += 1
+            proc = _start_aggregator(mosquitto.url, state, log)
+        for t in threads:
+            t.join(timeout=120)
+        assert not failures, failures + [log.read_text()[-3000:]]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        for a in agents:
+            a.close()
+    assert kills == 3
+    assert len(sent) == len(agents) * rounds
+    # The journal (snapshots every 7 records) plus the final epoch tell what was applied.
+    snapshot, records = Journal(state).load()
+    assert snapshot["strategy"]["epoch"] + sum(r["op"] == "update" for r in records) == len(sent)
+    applied = snapshot["counters"].get("applied.update", 0) + sum(r["op"] == "update" for r in records)
+    assert applied == len(sent), "an upload was lost or applied twice"
+    ids = [r["msg_id"] for r in records if r["op"] == "update"]
+    assert len(ids) == len(set(ids))
+
+
+def _send_until_answered(a: RawAgent, env: protocol.Envelope, tries: int = 20) -> protocol.Envelope:
+    """What a real agent does: the same msg_id again until a reply comes (the aggregator may be down)."""
+    for _ in range(tries):
+        a.send(env)
+        try:
+            return a.expect(env.msg_id, timeout=6)
+        except TimeoutError:
+            continue
+    raise TimeoutError(f"{a.agent}: {env.msg_id} never answered")
+
+
+if os.environ.get("FEDMQ_KEEP"):  # pragma: no cover - debugging aid
+    pass
