@@ -13,11 +13,11 @@ import time
 
 import torch
 
-from aggregator.engine import Engine
-from aggregator.journal import Journal
 from aggregator.cdfl import CDFL
+from aggregator.engine import Engine
 from aggregator.fedasync import FedAsync
 from aggregator.fedsoft_async import FedSoftAsync
+from aggregator.journal import Journal
 from aggregator.strategy import Strategy
 from fedmq.config import Config
 from fedmq.data import RotatedClusters, clusters_from_settings
