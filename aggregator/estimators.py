@@ -54,13 +54,19 @@ def uniform(k: int) -> list[float]:
     return [1.0 / k] * k
 
 
-def normalize_simplex(weights: Tensor | np.ndarray | Sequence[float]) -> tuple[list[float], bool]:
-    """Clip at 0 and divide by the sum; (uniform, True) when nothing positive is left."""
+def normalize_simplex(weights: Tensor | np.ndarray | Sequence[float], floor: float = 0.0) -> tuple[list[float], bool]:
+    """Clip at 0, divide by the sum, then mix with uniform: (1 - floor) p + floor / K.
+
+    Returns (uniform, True) when nothing positive is left. The floor keeps every cluster
+    possible: an estimate of exactly 0 makes KL(true || estimate) infinite and starves a
+    cluster of an update the client did contribute to.
+    """
     w = np.clip(np.nan_to_num(np.asarray(weights, dtype=np.float64), nan=0.0), 0.0, None)
     total = float(w.sum())
     if total <= 0.0 or not np.isfinite(total):
         return uniform(len(w)), True
-    return [float(x) for x in w / total], False
+    p = (1.0 - floor) * (w / total) + floor / len(w)
+    return [float(x) for x in p / p.sum()], False
 
 
 def kl_divergence(p: Sequence[float], q: Sequence[float], eps: float = 1e-8) -> float:
@@ -160,10 +166,13 @@ class DirectionEstimator(Estimator):
 
     name = "direction"
 
-    def __init__(self, at: str = "midpoint", cache_size: int = 8, **_: Any) -> None:
+    def __init__(self, at: str = "base", floor: float = 0.05, cache_size: int = 8, **_: Any) -> None:
         if at not in ("base", "upload", "midpoint"):
             raise ValueError(f"at must be base, upload or midpoint, got {at!r}")
+        if not 0.0 <= floor <= 1.0:
+            raise ValueError(f"floor must be in [0, 1], got {floor}")
         self.at = at
+        self.floor = float(floor)
         self.cache: _DigestCache | None = None
         self.cache_size = cache_size
 
@@ -183,7 +192,7 @@ class DirectionEstimator(Estimator):
                     grads = 0.5 * (grads + batch.evaluator.gradients(v))
             a = -grads.double().T.numpy()  # [P, K]
             c, resid = nnls(a, delta.numpy(), maxiter=50 * a.shape[1])
-            alpha, fallback = normalize_simplex(c)
+            alpha, fallback = normalize_simplex(c, self.floor)
             norm = float(delta.norm())
             out.append((alpha, {"coefficients": [float(x) for x in c],
                                 "relative_residual": resid / norm if norm > 0 else 0.0,
@@ -203,10 +212,13 @@ class EvidenceEstimator(Estimator):
 
     name = "evidence"
 
-    def __init__(self, mode: str = "gain", cache_size: int = 8, **_: Any) -> None:
+    def __init__(self, mode: str = "gain", floor: float = 0.05, cache_size: int = 8, **_: Any) -> None:
         if mode not in ("gain", "share"):
             raise ValueError(f"mode must be gain or share, got {mode!r}")
+        if not 0.0 <= floor <= 1.0:
+            raise ValueError(f"floor must be in [0, 1], got {floor}")
         self.mode = mode
+        self.floor = float(floor)
         self.cache: _DigestCache | None = None
         self.cache_size = cache_size
 
@@ -223,12 +235,67 @@ class EvidenceEstimator(Estimator):
                 score = ev.per_set_mean((mine[b] - ref)[None])[0]
             else:
                 score = ev.per_set_mean((mine[b] < ref).float()[None])[0]
-            alpha, fallback = normalize_simplex(score.cpu())
+            alpha, fallback = normalize_simplex(score.cpu(), self.floor)
             out.append((alpha, {"scores": score.cpu().tolist(), "fallback": fallback}))
         return out
 
 
+class TrajectoryEstimator(Estimator):
+    """Fit the update to local runs the server simulates itself, one per cluster.
+
+    From the model u the agent received, the server trains briefly on each proxy set D_k
+    alone (the same kind of local run an agent does: SGD with the proximal term toward u),
+    giving a per-cluster displacement d_k = v_k - u. The upload's step delta = v - u is then
+    fitted as delta ~ sum_k c_k d_k with c >= 0 (NNLS) and alpha = c / sum(c). Unlike the
+    one-gradient linearization ("direction"), this follows the curved multi-step path of
+    local training. Costs K short trainings per distinct u (cached by content).
+    """
+
+    name = "trajectory"
+
+    def __init__(self, epochs: int = 2, lr: float = 0.05, momentum: float = 0.9, batch_size: int = 32,
+                 rho: float = 0.1, floor: float = 0.05, seed: int = 0, cache_size: int = 8, **_: Any) -> None:
+        if epochs < 1 or lr <= 0 or not 0.0 <= floor <= 1.0:
+            raise ValueError(f"need epochs >= 1, lr > 0, 0 <= floor <= 1; got {epochs}, {lr}, {floor}")
+        self.options = {"epochs": int(epochs), "lr": float(lr), "momentum": float(momentum),
+                        "batch_size": int(batch_size)}
+        self.rho = float(rho)
+        self.floor = float(floor)
+        self.seed = int(seed)
+        self.cache: _DigestCache | None = None
+        self.cache_size = cache_size
+
+    def displacements(self, evaluator: ProxyEvaluator, u: Tensor) -> Tensor:
+        """[K, P] v_k - u for a short proximal run from u on each proxy set."""
+        from fedmq.training import fit
+
+        u = u.detach().to("cpu", torch.float32)
+        out = []
+        for k, (x, y) in enumerate(evaluator.proxies):
+            v = fit(evaluator.spec.arch, u, x.cpu(), y.cpu(), anchors=[(u, self.rho)] if self.rho > 0 else (),
+                    seed=self.seed + k, **self.options).vector
+            out.append(v - u)
+        return torch.stack(out)
+
+    def estimate(self, batch: EstimationBatch) -> list[Estimate]:
+        if self.cache is None:
+            self.cache = _DigestCache(self.cache_size)
+        out = []
+        for b in range(batch.vectors.shape[0]):
+            u = reference_vector(batch, b)
+            disp = self.cache.get(u, lambda ref: self.displacements(batch.evaluator, ref))
+            delta = (batch.vectors[b] - u).double()
+            c, resid = nnls(disp.double().T.numpy(), delta.numpy(), maxiter=50 * disp.shape[0])
+            alpha, fallback = normalize_simplex(c, self.floor)
+            norm = float(delta.norm())
+            out.append((alpha, {"coefficients": [float(x) for x in c],
+                                "relative_residual": resid / norm if norm > 0 else 0.0,
+                                "step_norm": norm, "fallback": fallback}))
+        return out
+
+
 ESTIMATORS: dict[str, type[Estimator]] = {
+    TrajectoryEstimator.name: TrajectoryEstimator,
     MetricsEstimator.name: MetricsEstimator,
     DirectionEstimator.name: DirectionEstimator,
     EvidenceEstimator.name: EvidenceEstimator,

@@ -88,6 +88,8 @@ class ProxyEvaluator:
         self.set_of_sample = torch.repeat_interleave(
             torch.arange(self.num_sets, device=self.device), torch.tensor(sizes, device=self.device))
         self._proxies = [(x.to(self.device), y.to(self.device)) for x, y in zip(xs, ys, strict=True)]
+        self.proxies = self._proxies
+        """The proxy sets as given (NCHW, on the evaluator's device)."""
         self._cluster_cache: dict[int, tuple[object, float]] = {}
         self.cache_hits = 0
         self._naive_module: torch.nn.Module | None = None

@@ -1,0 +1,102 @@
+"""How well the server-side estimators recover a client's mixture, on real rotated digits.
+
+Cluster models are pre-trained briefly on rotated scikit-learn digits; clients start from
+the uniform mixture the server sends at join, train a short proximal local run on a known
+mixture, and upload. Every estimator sees the same uploads; FedSoft's per-sample argmin
+(computed on the client's own data with the cluster models) is the reference. The
+measured KL(true || estimate) of each is printed (pytest -s) and summarized in docs/cdfl.md.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from aggregator.cdfl import CDFL
+from aggregator.estimators import (
+    ESTIMATORS,
+    fedsoft_argmin_alpha,
+    kl_divergence,
+    make_estimator,
+    uniform,
+)
+from aggregator.strategy import Upload
+from fedmq.data import RotatedClusters, load_dataset, sample_agent_data
+from fedmq.models import build_model, model_spec, to_vector
+from fedmq.training import fit
+
+ARCH = "digits-cnn"
+MIXTURES = {
+    2: [[0.8, 0.2], [0.5, 0.5], [0.2, 0.8], [0.9, 0.1]],
+    3: [[0.6, 0.3, 0.1], [0.1, 0.8, 0.1], [0.34, 0.33, 0.33], [0.2, 0.2, 0.6]],
+}
+
+
+def measure(k: int) -> dict[str, float]:
+    """Mean KL(true || estimate) per estimator and for the argmin baseline (and uniform)."""
+    spec = model_spec(ARCH)
+    rc = RotatedClusters(load_dataset("digits"), load_dataset("digits", train=False), k, seed=0,
+                         proxy_per_cluster=150, pretrain_per_cluster=300)
+    init = to_vector(build_model(ARCH, seed=0))
+    clusters = torch.stack([fit(ARCH, init, rc.pretrain(j).x, rc.pretrain(j).y, epochs=10, lr=0.05, seed=j).vector
+                            for j in range(k)])
+    proxies = [(rc.proxy(j).x, rc.proxy(j).y) for j in range(k)]
+    # beta0 = 0: the clusters stay fixed, so every client is estimated against the same models
+    strategies = {name: CDFL(spec, clusters, proxies, device="cpu", beta0=0.0, estimator=make_estimator(name))
+                  for name in sorted(ESTIMATORS)}
+    kl: dict[str, list[float]] = {name: [] for name in [*strategies, "argmin", "uniform"]}
+    rng = np.random.default_rng(1)
+    for i, mixture in enumerate(MIXTURES[k]):
+        agent = f"agent{i}"
+        local = sample_agent_data(rc, np.array(mixture), 400, rng)
+        true = local.alpha
+        sent = [strategy.join(agent).vectors[0] for strategy in strategies.values()]
+        u = sent[0]  # the uniform mixture every strategy sends at join
+        assert all(torch.equal(s, u) for s in sent)
+        torch.testing.assert_close(u, clusters.mean(0))
+        v = fit(ARCH, u, local.data.x, local.data.y, epochs=2, lr=0.05, anchors=[(u, 0.1)], seed=i).vector
+        for name, strategy in strategies.items():
+            reply = strategy.update(Upload(agent, v, tau=0))
+            kl[name].append(kl_divergence(true, reply.alpha))
+            print(f"K={k} true={np.round(true, 2)} {name:10s} {np.round(reply.alpha, 3)}")
+        argmin = fedsoft_argmin_alpha(strategies["metrics"].evaluator, clusters, local.data.x, local.data.y)
+        kl["argmin"].append(kl_divergence(true, argmin))
+        kl["uniform"].append(kl_divergence(true, uniform(k)))
+        print(f"K={k} true={np.round(true, 2)} {'argmin':10s} {np.round(argmin, 3)}")
+    means = {name: float(np.mean(v)) for name, v in kl.items()}
+    print(f"K={k} mean KL(true || estimate): " + ", ".join(f"{n} {m:.4f}" for n, m in means.items()))
+    return means
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[int, dict[str, float]]:
+    torch.manual_seed(0)
+    return {k: measure(k) for k in MIXTURES}
+
+
+@pytest.mark.slow
+def test_best_server_estimator_is_informative(results):
+    for k, means in results.items():
+        ours = {n: m for n, m in means.items() if n in ESTIMATORS}
+        best = min(ours, key=ours.get)
+        # a sane bound: well under the KL of knowing nothing (the uniform estimate)
+        assert ours[best] < 0.5 * means["uniform"], (k, means)
+        assert ours[best] < 0.06, (k, means)
+
+
+@pytest.mark.slow
+def test_trajectory_fitting_beats_the_metric_softmax_baseline(results):
+    traj = np.mean([results[k]["trajectory"] for k in results])
+    metrics = np.mean([results[k]["metrics"] for k in results])
+    assert traj < 0.7 * metrics, results
+
+
+@pytest.mark.slow
+def test_fedsoft_argmin_on_client_data_is_still_better_with_well_separated_clusters(results):
+    """The issue asks for a server estimate closer than FedSoft's client-side argmin. Measured:
+    at K = 2 (180 degrees, weak cluster models) the best server estimator is about even with
+    argmin; at K = 3 argmin, which sees the client's own samples, is ~10x closer. This test
+    records that; if it fails, an estimator has overtaken argmin: update docs/cdfl.md."""
+    ours = min(results[3][n] for n in ESTIMATORS)
+    assert results[3]["argmin"] < ours, results
