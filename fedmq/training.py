@@ -1,12 +1,13 @@
-"""Supervised training of a zoo model from a flat vector, with optional proximal anchors.
+"""Supervised training of a zoo model from a flat vector, with proximal anchors.
 
-One loop serves the server (pre-training cluster models) and the device (local training
-with the proximal term (rho/2)||v - u||^2, or FedSoft's sum_k alpha_k (rho/2)||v - w_k||^2).
-Deterministic for a given seed on a given machine.
+One loop serves the server (pre-training cluster models, distillation later) and the device
+(CDFL's local objective, loss + (rho/2)||v - u||^2, and FedSoft's sum_k alpha_k (rho/2)
+||v - w_k||^2; see edge_agent/trainer.py). Deterministic for a given seed on a given machine.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -14,11 +15,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fedmq.models import build_model, load_vector, to_vector
+from fedmq.models import build_model, load_vector, model_spec, to_vector
+
+OPTIMIZERS = ("sgd", "adam")
 
 
 @dataclass
 class TrainResult:
+    """What one local training run produced. `epochs_done` counts complete epochs."""
+
     vector: torch.Tensor
     epochs_done: int
     samples_seen: int
@@ -27,86 +32,134 @@ class TrainResult:
     stopped_early: bool = False
 
 
-def fit(
-    model_name: str,
-    start: torch.Tensor,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    *,
-    epochs: int = 1,
-    batch_size: int = 32,
-    lr: float = 0.01,
-    optimizer: str = "sgd",
-    momentum: float = 0.9,
-    weight_decay: float = 0.0,
-    anchors: Sequence[tuple[torch.Tensor, float]] = (),
-    seed: int = 0,
-    max_seconds: float | None = None,
-    should_stop: Callable[[int, float], bool] | None = None,
-    on_epoch: Callable[[int, float], None] | None = None,
-) -> TrainResult:
+EpochCallback = Callable[[int, float], "bool | None"]
+"""on_epoch(epoch_index, mean_loss_of_that_epoch); returning False stops training."""
+
+
+def _check_data(model_name: str, x: torch.Tensor, y: torch.Tensor) -> None:
+    spec = model_spec(model_name)
+    if x.ndim != 4 or tuple(x.shape[1:]) != tuple(spec.input_shape):
+        raise ValueError(f"{model_name} wants inputs (N, {', '.join(map(str, spec.input_shape))}), "
+                         f"got {tuple(x.shape)}")
+    if y.shape != (x.shape[0],):
+        raise ValueError(f"labels must be ({x.shape[0]},), got {tuple(y.shape)}")
+
+
+def _model_at(model_name: str, vector: torch.Tensor) -> nn.Module:
+    spec = model_spec(model_name)
+    if vector.ndim != 1 or vector.numel() != spec.numel:
+        raise ValueError(f"{model_name} has {spec.numel} parameters, got a vector of shape {tuple(vector.shape)}")
+    return load_vector(build_model(model_name), vector.detach().float().cpu())
+
+
+def fit(model_name: str, start: torch.Tensor, x: torch.Tensor, y: torch.Tensor, *,
+        anchors: Sequence[tuple[torch.Tensor, float]] = (), epochs: int = 1, batch_size: int = 32,
+        lr: float = 0.01, optimizer: str = "sgd", momentum: float = 0.9, weight_decay: float = 0.0,
+        seed: int = 0, max_seconds: float | None = None,
+        on_epoch: EpochCallback | None = None) -> TrainResult:
     """Train from `start` on (x, y); each anchor (w, c) adds (c/2)||v - w||^2 to the loss.
 
-    `max_seconds` stops mid-epoch; `should_stop(epochs_done, elapsed)` is asked before each
-    epoch (deadline-aware training stops when the next epoch would not fit).
+    Anchors are folded into one proximal centre: sum_k c_k (v - w_k) = C (v - w_bar) with
+    C = sum_k c_k and w_bar = sum_k c_k w_k / C, and that gradient is added to the
+    parameters' gradients directly (no second pass); `final_loss` is the data loss alone.
+    Deterministic given `seed`. `max_seconds` stops at the first batch boundary past the
+    budget; `on_epoch(epoch, mean_loss)` may return False to stop after that epoch.
     """
-    if len(x) != len(y) or len(x) == 0:
-        raise ValueError(f"need matching, non-empty x and y, got {len(x)} and {len(y)}")
-    model: nn.Module = load_vector(build_model(model_name), start)
+    center, rho = _fold_anchors(anchors)
+    _check_data(model_name, x, y)
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    if epochs < 0 or batch_size < 1 or lr <= 0 or rho < 0:
+        raise ValueError("need epochs >= 0, batch_size >= 1, lr > 0, rho >= 0")
+    if optimizer == "sgd" and lr * rho >= 2 * (1 + momentum):
+        # the proximal term alone is a quadratic: heavy-ball SGD on it diverges beyond this
+        raise ValueError(f"unstable: SGD with lr * rho = {lr * rho:g} >= 2 * (1 + momentum) "
+                         f"= {2 * (1 + momentum):g} diverges; lower lr or rho")
+    t0 = time.perf_counter()
+    model = _model_at(model_name, start)
     model.train()
     params = list(model.parameters())
+    centers: list[torch.Tensor] = []
+    if center is not None and rho > 0:
+        offset = 0
+        for p in params:
+            centers.append(center[offset:offset + p.numel()].view_as(p).detach().float())
+            offset += p.numel()
     if optimizer == "sgd":
-        opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=lr, momentum=momentum,
-                                                     weight_decay=weight_decay)
-    elif optimizer == "adam":
-        opt = torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+        opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     else:
-        raise ValueError(f"unknown optimizer {optimizer!r}; use sgd or adam")
-    anchor_views = [(w.detach().to(x.device), float(c)) for w, c in anchors if c > 0]
-    gen = torch.Generator().manual_seed(seed)
-    t0 = time.perf_counter()
-    seen, done, loss_value, stopped = 0, 0, float("nan"), False
+        opt = torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    loss_fn = nn.CrossEntropyLoss()
+    generator = torch.Generator().manual_seed(seed)
+    n = x.shape[0]
+    samples_seen = 0
+    epochs_done = 0
+    final_loss = math.nan
+    stopped_early = False
     for epoch in range(epochs):
-        elapsed = time.perf_counter() - t0
-        if should_stop is not None and should_stop(epoch, elapsed):
-            stopped = True
-            break
-        order = torch.randperm(len(x), generator=gen)
-        total, batches = 0.0, 0
-        for i in range(0, len(x), batch_size):
-            idx = order[i : i + batch_size]
-            opt.zero_grad(set_to_none=True)
-            loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
-            if anchor_views:
-                v = torch.cat([p.reshape(-1) for p in params])
-                for w, c in anchor_views:
-                    loss = loss + 0.5 * c * torch.sum((v - w) ** 2)
-            loss.backward()
-            opt.step()
-            total += loss.item()
-            batches += 1
-            seen += len(idx)
-            if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
-                stopped = True
+        order = torch.randperm(n, generator=generator)
+        total, count = 0.0, 0
+        for i in range(0, n, batch_size):
+            if max_seconds is not None and time.perf_counter() - t0 >= max_seconds:
+                stopped_early = True
                 break
-        loss_value = total / max(batches, 1)
-        if stopped:
+            idx = order[i:i + batch_size]
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x[idx]), y[idx])
+            loss.backward()
+            if centers:
+                with torch.no_grad():
+                    for p, c in zip(params, centers, strict=True):
+                        p.grad.add_(p - c, alpha=rho)
+            opt.step()
+            total += float(loss.detach()) * len(idx)
+            count += len(idx)
+        samples_seen += count
+        if count:
+            final_loss = total / count
+        if stopped_early:
             break
-        done += 1
-        if on_epoch is not None:
-            on_epoch(epoch, loss_value)
-    return TrainResult(to_vector(model), done, seen, time.perf_counter() - t0, loss_value, stopped)
+        epochs_done += 1
+        if on_epoch is not None and on_epoch(epoch, final_loss) is False:
+            stopped_early = epochs_done < epochs
+            break
+    return TrainResult(to_vector(model), epochs_done, samples_seen, time.perf_counter() - t0,
+                       final_loss, stopped_early)
+
+
+def _fold_anchors(anchors: Sequence[tuple[torch.Tensor, float]]) -> tuple[torch.Tensor | None, float]:
+    kept = [(w.detach().float().cpu(), float(c)) for w, c in anchors if float(c) > 0]
+    if any(c < 0 for _, c in anchors):
+        raise ValueError("anchor strengths must be >= 0")
+    if not kept:
+        return None, 0.0
+    mass = sum(c for _, c in kept)
+    center = sum(c * w.double() for w, c in kept) / mass
+    return center.float(), mass
+
+
+@torch.no_grad()
+def per_sample_losses(model_name: str, vector: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                      batch_size: int = 1024) -> torch.Tensor:
+    """Cross-entropy of each sample under the model `vector`, shape (N,)."""
+    _check_data(model_name, x, y)
+    model = _model_at(model_name, vector).eval()
+    out = [nn.functional.cross_entropy(model(x[i:i + batch_size]), y[i:i + batch_size], reduction="none")
+           for i in range(0, x.shape[0], batch_size)]
+    return torch.cat(out) if out else torch.empty(0)
 
 
 @torch.no_grad()
 def evaluate(model_name: str, vector: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
              batch_size: int = 1024) -> tuple[float, float]:
-    """(mean cross-entropy, accuracy) of the model `vector` on (x, y)."""
-    model = load_vector(build_model(model_name), vector).eval()
-    loss, correct = 0.0, 0
-    for i in range(0, len(x), batch_size):
-        logits = model(x[i : i + batch_size])
-        loss += float(nn.functional.cross_entropy(logits, y[i : i + batch_size], reduction="sum"))
-        correct += int((logits.argmax(1) == y[i : i + batch_size]).sum())
-    n = max(len(x), 1)
-    return loss / n, correct / n
+    """(accuracy, mean loss) of the model `vector` on (x, y): the agent's reference accuracy."""
+    _check_data(model_name, x, y)
+    if x.shape[0] == 0:
+        return math.nan, math.nan
+    model = _model_at(model_name, vector).eval()
+    correct, loss = 0, 0.0
+    for i in range(0, x.shape[0], batch_size):
+        logits = model(x[i:i + batch_size])
+        correct += int((logits.argmax(1) == y[i:i + batch_size]).sum())
+        loss += float(nn.functional.cross_entropy(logits, y[i:i + batch_size], reduction="sum"))
+    return correct / x.shape[0], loss / x.shape[0]

@@ -110,13 +110,13 @@ def run(args: argparse.Namespace) -> int:
                         train, test = draw_agent(clusters, rng, min_samples=200, max_samples=400,
                                                  test_samples=200)
                         held = agent.installed.vector
-                        _, acc_before = evaluate(agent.model_name, held, test.data.x, test.data.y)
+                        acc_before, _ = evaluate(agent.model_name, held, test.data.x, test.data.y)
                         result = fit(agent.model_name, held, train.data.x, train.data.y, epochs=2,
                                      lr=0.02, anchors=[(held, 0.1)], seed=int(rng.integers(2**31)))
-                        _, acc_local = evaluate(agent.model_name, result.vector, test.data.x, test.data.y)
+                        acc_local, _ = evaluate(agent.model_name, result.vector, test.data.x, test.data.y)
                         env = agent.update_envelope(result.vector, len(train))
                         installed, up = agent.upload(env)
-                        _, acc_pers = evaluate(agent.model_name, installed.vector, test.data.x, test.data.y)
+                        acc_pers, _ = evaluate(agent.model_name, installed.vector, test.data.x, test.data.y)
                         with lock:
                             records.append(CycleRecord(agent.agent_id, c, acc_before, acc_local,
                                                        acc_pers, up, installed.bytes_down, installed.epoch))
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         accs = []
         for k, w in enumerate(engine.strategy.state_dict()["clusters"]):
             test = clusters.test(k)
-            accs.append(f"{evaluate(engine.spec.arch, w, test.x, test.y)[1]:.3f}")
+            accs.append(f"{evaluate(engine.spec.arch, w, test.x, test.y)[0]:.3f}")
         print(f"cluster models on their clusters' test sets: {', '.join(accs)}")
     return 1 if errors or not records else 0
 
