@@ -138,7 +138,8 @@ class CDFL(SoftClusters):
             options.update(estimator_options or {})
             self.estimator = make_estimator(estimator, **options)
         self.last_sent: dict[str, Tensor] = {}
-        """Agent -> the personalized vector it was last sent (u_m, for the estimators)."""
+        """Agent -> the personalized vector it was last sent (u_m), kept only when the
+        estimator needs it (P floats per agent, in memory and in checkpoints)."""
 
     @classmethod
     def from_settings(cls, spec: ModelSpec, clusters: Tensor | Sequence[Tensor], proxies: Sequence[Proxy],
@@ -150,7 +151,8 @@ class CDFL(SoftClusters):
 
     def _personalized(self, agent: str, alpha: list[float], info: dict[str, Any]) -> Reply:
         u = self.mixture(alpha)
-        self.last_sent[agent] = u
+        if self.estimator.needs_base:
+            self.last_sent[agent] = u
         self.last_epoch[agent] = self.epoch
         return Reply(agent=agent, epoch=self.epoch, vectors=[u], kind="personalized", alpha=alpha, info=info)
 
@@ -162,8 +164,13 @@ class CDFL(SoftClusters):
     def estimate_many(self, uploads: Sequence[Upload], vectors: Tensor) -> list[tuple[list[float], dict[str, Any]]]:
         """Alpha for every upload against the clusters as they are now (one batched evaluation)."""
         batch = EstimationBatch(evaluator=self.evaluator, clusters=self.clusters, versions=list(self.versions),
-                                vectors=vectors, bases=[self.last_sent.get(u.agent) for u in uploads])
+                                vectors=vectors, bases=[self._base_of(u) for u in uploads])
         return self.estimator.estimate(batch)
+
+    def _base_of(self, upload: Upload) -> Tensor | None:
+        if upload.base is not None:
+            return check_vector(upload.base, self.spec.numel, f"base of {upload.agent}")
+        return self.last_sent.get(upload.agent)
 
     def update_many(self, uploads: list[Upload]) -> list[Reply]:
         """Estimate all uploads at once, then apply steps 1, 3 and 4 one by one, in order.

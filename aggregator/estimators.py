@@ -80,6 +80,8 @@ def kl_divergence(p: Sequence[float], q: Sequence[float], eps: float = 1e-8) -> 
 
 class Estimator(ABC):
     name = "estimator"
+    needs_base = True
+    """Whether it uses the model each agent received (the strategy then remembers it)."""
 
     @abstractmethod
     def estimate(self, batch: EstimationBatch) -> list[Estimate]: ...
@@ -94,6 +96,7 @@ class MetricsEstimator(Estimator):
     """
 
     name = "metrics"
+    needs_base = False
 
     def __init__(self, metric_weights: Sequence[float] = (1.0, 1.0, 1.0), temperature: float = 1.0,
                  normalize: str = "mean", **_: Any) -> None:

@@ -8,8 +8,8 @@ Two formulations compute the same numbers:
 - "stacked" (default): one model at a time (`torch.func.functional_call` with views of the
   flat vector from `spec.unflatten`, no copies into an nn.Module) over the concatenated
   proxy samples, cut into chunks of `chunk` samples. On CPU the inputs and conv weights are
-  channels_last and the chunks small (32): the activations of a chunk stay in cache, which
-  measured 3-5x faster than one NCHW batch of 1000 on this machine's CPU (bench/bench_aggregator.py).
+  channels_last and the chunks small (64): the activations of a chunk stay in cache, which
+  measured 2-5x faster than one NCHW batch of 1000 on a 2-core EPYC (bench/bench_aggregator.py).
 - "vmap": `torch.func.vmap` over the stacked vectors (convolutions become grouped
   convolutions). Slower on CPU here; kept selectable for accelerators.
 
@@ -51,7 +51,8 @@ class ProxyEvaluator:
 
     def __init__(self, spec: ModelSpec, proxies: Sequence[Proxy], device: str = "auto",
                  batch: int = 1000, *, chunk: int | None = None,
-                 formulation: str = "stacked", channels_last: bool | None = None) -> None:
+                 formulation: str = "stacked", channels_last: bool | None = None,
+                 compile: bool = False) -> None:
         if not proxies:
             raise ValueError("need at least one proxy set")
         if formulation not in ("stacked", "vmap"):
@@ -60,12 +61,17 @@ class ProxyEvaluator:
         self.device = resolve_device(device)
         self.batch = int(batch)
         on_cpu = self.device.type == "cpu"
-        self.chunk = int(chunk) if chunk else (32 if on_cpu else max(self.batch, 1) * len(proxies))
+        self.chunk = int(chunk) if chunk else (64 if on_cpu else max(self.batch, 1) * len(proxies))
         self.formulation = formulation
         self.channels_last = on_cpu if channels_last is None else channels_last
         self.module = build_model(spec.arch).to(self.device).eval()
         for p in self.module.parameters():
             p.requires_grad_(False)
+        self._forward = self._eager_forward
+        if compile:
+            # torch.compile (inductor) of the functional forward: ~20 s to compile once per
+            # chunk shape on CPU, then ~1.6x the eager rate (bench_aggregator).
+            self._forward = torch.compile(self._eager_forward, dynamic=False)
         xs, ys, sizes = [], [], []
         for k, (x, y) in enumerate(proxies):
             if tuple(x.shape[1:]) != tuple(spec.input_shape):
@@ -104,10 +110,12 @@ class ProxyEvaluator:
                       for n, p in params.items()}
         return params
 
+    def _eager_forward(self, params: dict[str, Tensor], x: Tensor) -> Tensor:
+        return functional_call(self.module, params, (x,))
+
     def _logits(self, vector: Tensor, x: Tensor) -> Tensor:
         params = self._params(vector)
-        outs = [functional_call(self.module, params, (x[i : i + self.chunk],))
-                for i in range(0, x.shape[0], self.chunk)]
+        outs = [self._forward(params, x[i : i + self.chunk]) for i in range(0, x.shape[0], self.chunk)]
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _per_sample(self, vectors: Tensor, what: str, x: Tensor, y: Tensor) -> Tensor:

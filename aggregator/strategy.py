@@ -29,6 +29,9 @@ class Upload:
     alpha: list[float] | None = None
     """The agent's own mixture estimate (FedSoft-Async); ignored by CDFL and FedAsync."""
     msg_id: str = ""
+    base: Tensor | None = None
+    """The model the agent started from (as it decoded it), when the service knows it; CDFL
+    otherwise uses its own record of what it sent (only kept for estimators that need it)."""
 
 
 @dataclass

@@ -227,3 +227,22 @@ def test_bad_upload_vector_is_refused_before_any_change():
     with pytest.raises(ValueError, match="shape"):
         s.update(Upload("a", bad[:10], tau=0))
     assert torch.equal(s.clusters, before) and s.epoch == 0
+
+
+def test_base_given_by_the_service_equals_the_strategys_own_record():
+    a, b = make_cdfl(2, estimator="direction"), make_cdfl(2, estimator="direction")
+    sent = a.join("x").vectors[0]
+    b.join("x")
+    ra = a.update(Upload("x", vector(0), tau=0))
+    rb = b.update(Upload("x", vector(0), tau=0, base=sent.clone()))
+    assert ra.alpha == rb.alpha and torch.equal(ra.vectors[0], rb.vectors[0])
+    # a different base changes the estimate: the base is really used
+    rc = make_cdfl(2, estimator="direction").update(Upload("x", vector(0), tau=0, base=vector(7)))
+    assert rc.alpha != ra.alpha
+
+
+def test_metrics_estimator_keeps_no_per_agent_vectors():
+    s = make_cdfl(2, estimator="metrics")
+    s.join("a")
+    s.update(Upload("a", vector(0), tau=0))
+    assert s.last_sent == {} and s.state_dict()["last_sent"] == {}

@@ -1,0 +1,195 @@
+"""CDFL aggregator throughput: naive vs batched evaluation, and the evaluation's GFLOP/s.
+
+cnn28, K = 4 clusters, 1000 random 28x28 proxy samples per cluster (random inputs cost the
+same as real ones). Side by side in one run, on CUDA when available, else this CPU:
+
+- updates/s of CDFL with the naive evaluator (one upload, one proxy set at a time through a
+  regular nn.Module, NCHW, one batch of 1000) against `update_many` on queued batches of
+  8/16/32 uploads through ProxyEvaluator. Both keep the same F(w_k; D_k) cache, so the ratio
+  is the evaluation alone;
+- GFLOP/s of the evaluation (forward FLOPs of cnn28 counted per layer, 2 x MACs) for each
+  formulation (NCHW big batch, channels_last small chunks, vmap, torch.compile), against a
+  dense float32 2048 x 2048 matmul measured in the same run.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from aggregator.cdfl import CDFL
+from aggregator.evaluator import ProxyEvaluator
+from aggregator.strategy import Upload
+from fedmq.models import build_model, model_spec, to_vector
+
+ARCH = "cnn28"
+K = 4
+
+
+def forward_flops(arch: str) -> int:
+    """Forward FLOPs per sample (2 x multiply-accumulates of convs and linears)."""
+    model = build_model(arch, seed=0).eval()
+    total = 0
+
+    def conv_hook(mod: nn.Conv2d, _inp, out) -> None:
+        nonlocal total
+        kh, kw = mod.kernel_size
+        total += 2 * out[0].numel() * (mod.in_channels // mod.groups) * kh * kw
+
+    def linear_hook(mod: nn.Linear, _inp, out) -> None:
+        nonlocal total
+        total += 2 * mod.in_features * mod.out_features
+
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            m.register_forward_hook(conv_hook)
+        elif isinstance(m, nn.Linear):
+            m.register_forward_hook(linear_hook)
+    with torch.no_grad():
+        model(torch.zeros(1, *model_spec(arch).input_shape))
+    return total
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def best_seconds(fn, device: torch.device, repeats: int) -> float:
+    """Best of `repeats` after one warm-up: the machine is shared, the minimum is the signal."""
+    fn()
+    _sync(device)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def matmul_gflops(device: torch.device, n: int = 2048, repeats: int = 5) -> float:
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    return 2 * n**3 / best_seconds(lambda: a @ b, device, repeats) / 1e9
+
+
+def layer_breakdown(device: torch.device, n: int, repeats: int) -> dict:
+    """Where the forward time of cnn28 goes (chunks of 64, channels_last on CPU): ms and GFLOP/s
+    per stage over n samples. Explains the gap to the matmul rate."""
+    model = build_model(ARCH, seed=0).to(device).eval()
+    chunk = 64 if device.type == "cpu" else n
+    fmt = torch.channels_last if device.type == "cpu" else torch.contiguous_format
+    model = model.to(memory_format=fmt)
+    x = torch.randn(n, 1, 28, 28, device=device).contiguous(memory_format=fmt)
+    with torch.inference_mode():
+        a1 = model.conv1(x)
+        p1 = torch.max_pool2d(torch.relu(a1), 2)
+        a2 = model.conv2(p1)
+        p2 = torch.max_pool2d(torch.relu(a2), 2).flatten(1)
+        stages = {
+            "conv1": (lambda t: model.conv1(t), x, 2 * 28 * 28 * 16 * 9),
+            "relu_pool1": (lambda t: torch.max_pool2d(torch.relu(t), 2), a1, 0),
+            "conv2": (lambda t: model.conv2(t), p1, 2 * 14 * 14 * 32 * 16 * 9),
+            "relu_pool2": (lambda t: torch.max_pool2d(torch.relu(t), 2), a2, 0),
+            "fc1_fc2": (lambda t: model.fc2(torch.relu(model.fc1(t))), p2, 2 * (1568 * 64 + 640)),
+        }
+        out = {}
+        for name, (fn, inp, flops) in stages.items():
+            dt = best_seconds(lambda fn=fn, inp=inp: [fn(inp[i : i + chunk]) for i in range(0, n, chunk)],
+                              device, repeats)
+            out[name] = {"ms": round(dt * 1e3, 1), "gflops": round(n * flops / dt / 1e9, 1) if flops else None}
+    return out
+
+
+class NaiveEvaluator(ProxyEvaluator):
+    """losses() one vector and one proxy set at a time through a regular nn.Module."""
+
+    def losses(self, vectors: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([[self.losses_naive(v, k) for k in range(self.num_sets)] for v in vectors])
+
+
+def make_uploads(clusters: torch.Tensor, n: int, seed: int) -> list[Upload]:
+    g = torch.Generator().manual_seed(seed)
+    return [Upload(f"agent{i % 50}", clusters[i % K] + 0.01 * torch.randn(clusters.shape[1], generator=g), tau=0)
+            for i in range(n)]
+
+
+def run(quick: bool = False) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    n_proxy = 250 if quick else 1000
+    repeats = 2 if quick else 3
+    spec = model_spec(ARCH)
+    g = torch.Generator().manual_seed(0)
+    proxies = [(torch.randn(n_proxy, 1, 28, 28, generator=g), torch.randint(0, 10, (n_proxy,), generator=g))
+               for _ in range(K)]
+    clusters = torch.stack([to_vector(build_model(ARCH, seed=k)) for k in range(K)])
+    flops_per_sample = forward_flops(ARCH)
+    out: dict = {"device": str(device), "torch_threads": torch.get_num_threads(), "arch": ARCH, "K": K,
+                 "proxy_per_cluster": n_proxy, "forward_mflop_per_sample": round(flops_per_sample / 1e6, 3)}
+    out["matmul_gflops"] = round(matmul_gflops(device), 1)
+
+    # -- evaluation rate per formulation: M vectors on all K proxy sets
+    m = 4 if quick else 8
+    vectors = torch.stack([clusters[i % K] + 0.01 * i for i in range(m)])
+    work = m * K * n_proxy * flops_per_sample
+    on_cpu = device.type == "cpu"
+    variants = {
+        "naive_nchw_per_set": dict(cls=NaiveEvaluator),
+        "stacked_nchw_batch1000": dict(chunk=1000, channels_last=False),
+        "stacked_channels_last_chunk16": dict(chunk=16, channels_last=True),
+        "stacked_channels_last_chunk32": dict(chunk=32, channels_last=True),
+        "stacked_channels_last_chunk64": dict(chunk=64, channels_last=True),
+        "stacked_channels_last_chunk128": dict(chunk=128, channels_last=True),
+        "vmap_chunk250": dict(formulation="vmap", chunk=250, channels_last=False),
+    }
+    if not on_cpu:
+        variants = {"naive_nchw_per_set": dict(cls=NaiveEvaluator),
+                    "stacked_batch4000": dict(chunk=K * n_proxy),
+                    "stacked_batch1000": dict(chunk=1000),
+                    "vmap_chunk1000": dict(formulation="vmap", chunk=1000)}
+    rates = {}
+    for name, opts in variants.items():
+        opts = dict(opts)
+        cls = opts.pop("cls", ProxyEvaluator)
+        ev = cls(spec, proxies, device=str(device), **opts)
+        dt = best_seconds(lambda ev=ev: ev.losses(vectors), device, repeats)
+        rates[name] = round(work / dt / 1e9, 2)
+    try:
+        t0 = time.perf_counter()
+        ev = ProxyEvaluator(spec, proxies, device=str(device), compile=True)
+        ev.losses(vectors[:1])
+        compile_s = time.perf_counter() - t0
+        dt = best_seconds(lambda: ev.losses(vectors), device, repeats)
+        rates["compiled" + ("_channels_last_chunk64" if on_cpu else "")] = round(work / dt / 1e9, 2)
+        out["compile_seconds"] = round(compile_s, 1)
+    except Exception as e:  # compile needs a working C++ toolchain; report, don't fail
+        out["compile_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    out["eval_gflops"] = rates
+    out["layer_breakdown"] = layer_breakdown(device, K * n_proxy, repeats)
+    best_name = max(rates, key=rates.get)
+    out["eval_best"] = best_name
+    out["eval_best_fraction_of_matmul"] = round(rates[best_name] / out["matmul_gflops"], 3)
+    default_name = "stacked_channels_last_chunk64" if on_cpu else "stacked_batch4000"
+    out["eval_default_fraction_of_matmul"] = round(rates[default_name] / out["matmul_gflops"], 3)
+
+    # -- CDFL updates per second: naive vs batched update_many (best of `repeats` passes
+    # over the same queue; the clusters move between passes but the work is the same)
+    n_naive = 4 if quick else 8
+    naive = CDFL(spec, clusters, proxies, evaluator=NaiveEvaluator(spec, proxies, device=str(device)), tau0=10**6)
+    queue = make_uploads(clusters, n_naive, seed=1)
+    dt = best_seconds(lambda: [naive.update(u) for u in queue], device, repeats - 1)
+    ups = {"naive": round(n_naive / dt, 3)}
+    batched = {f"batched_{b}": (b, None) for b in ([8] if quick else [8, 16, 32])}
+    if "compile_seconds" in out:
+        batched[f"batched_{8 if quick else 32}_compiled"] = (8 if quick else 32, ev)
+    for name, (batch, evaluator) in batched.items():
+        s = CDFL(spec, clusters, proxies, device=str(device), tau0=10**6, evaluator=evaluator)
+        queue = make_uploads(clusters, batch, seed=3)
+        dt = best_seconds(lambda s=s, queue=queue: s.update_many(queue), device, repeats - 1)
+        ups[name] = round(batch / dt, 3)
+    out["updates_per_s"] = ups
+    out["batched_speedup_over_naive"] = {k: round(v / ups["naive"], 2) for k, v in ups.items() if k != "naive"}
+    return out
