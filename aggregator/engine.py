@@ -174,7 +174,7 @@ class Engine:
         records: list[dict[str, Any]] = []
         for env in joins:
             reply = self.strategy.join(env.agent, env.n_samples)
-            out.append(self._reply(reply, env.msg_id))
+            out.append(self._reply_envelope(reply, env.msg_id))
             records.append({"op": "join", "agent": env.agent, "msg_id": env.msg_id,
                             "n_samples": env.n_samples})
         if updates:
@@ -182,7 +182,7 @@ class Engine:
             replies = self.strategy.update_many([u for _, u in updates])
             seconds = time.perf_counter() - t0
             for (env, upload), reply in zip(updates, replies, strict=True):
-                out.append(self._reply(reply, env.msg_id))
+                out.append(self._reply_envelope(reply, env.msg_id))
                 records.append({"op": "update", "agent": env.agent, "msg_id": env.msg_id,
                                 "tau": env.tau, "n_samples": env.n_samples,
                                 "vector": upload.vector, "alpha": reply.alpha,
@@ -232,7 +232,7 @@ class Engine:
                 raise Rejected("norm_bound", f"update moves the model by {dist:.3g}, "
                                              f"above the bound {bound:.3g}")
         return Upload(agent=env.agent, vector=v, tau=env.tau, n_samples=env.n_samples,
-                      alpha=env.alpha, msg_id=env.msg_id)
+                      alpha=env.alpha, msg_id=env.msg_id, base=record.base)
 
     # ------------------------------------------------------------------ replies
 
@@ -251,10 +251,6 @@ class Engine:
     def _error(self, agent: str, msg_id: str, reason: str, detail: str) -> protocol.Error:
         return protocol.Error(agent=agent, msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
                               reason=reason, detail=detail[:4096], in_reply_to=msg_id)
-
-    def _reply(self, reply: Reply, in_reply_to: str) -> protocol.Model:
-        env = self._reply_envelope(reply, in_reply_to)
-        return env
 
     def _reply_envelope(self, reply: Reply, in_reply_to: str) -> protocol.Model:
         """Encode the reply against what the agent holds and remember what it will hold."""
