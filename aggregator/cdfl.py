@@ -144,10 +144,19 @@ class CDFL(SoftClusters):
     @classmethod
     def from_settings(cls, spec: ModelSpec, clusters: Tensor | Sequence[Tensor], proxies: Sequence[Proxy],
                       settings: CDFLSettings, device: str = "auto", **kwargs: Any) -> CDFL:
+        options = {"normalize": settings.metrics_normalize, "at": settings.direction_at,
+                   "mode": settings.evidence_mode, "floor": settings.estimator_floor,
+                   "epochs": settings.trajectory_epochs, "lr": settings.trajectory_lr,
+                   "rho": settings.trajectory_rho}
+        if "evaluator" not in kwargs:
+            kwargs["evaluator"] = ProxyEvaluator(spec, proxies, device=device, batch=settings.proxy_batch,
+                                                 chunk=settings.eval_chunk or None,
+                                                 compile=settings.eval_compile)
         return cls(spec, clusters, proxies, tau0=settings.tau0, beta0=settings.beta0,
                    hinge_a=settings.hinge_a, hinge_b=settings.hinge_b, estimator=settings.estimator,
                    metric_weights=settings.metric_weights, temperature=settings.temperature,
-                   device=device, proxy_batch=settings.proxy_batch, **kwargs)
+                   estimator_options=options, device=device, proxy_batch=settings.proxy_batch,
+                   **kwargs)
 
     def _personalized(self, agent: str, alpha: list[float], info: dict[str, Any]) -> Reply:
         u = self.mixture(alpha)
