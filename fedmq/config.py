@@ -179,6 +179,68 @@ class AggregatorSettings:
 
 
 @dataclass
+class AgentSettings:
+    """One edge agent (`fedmq agent`): identity, drift detection, local training, inference, data."""
+
+    id: str = ""
+    """Agent id (also its MQTT client id suffix and topic level); required to run an agent."""
+    algorithm: str = "cdfl"
+    """cdfl, fedsoft-async (the agent downloads all K models and estimates alpha) or local (never talks to a server)."""
+    profile: str = "device"
+    """Device profile: car, phone or device (always online); it gates uploads and drives the dataset source's mixture."""
+    state_dir: str = "state/agent"
+    """Model, tau, pending upload, detector state and counters (agent_state.msgpack) and model.onnx; a restart resumes from here."""
+    detector: str = "threshold"
+    """Drift detector: threshold, page_hinkley or adwin (docs/edge_agent.md)."""
+    detector_knobs: list[str] = field(default_factory=list)
+    """The detector's knobs as name=value items, e.g. window=100,delta=0.15 (numbers only)."""
+    min_update_interval_s: float = 60.0
+    """Fewest seconds between two drift-triggered uploads (a manual trigger ignores it)."""
+    buffer_size: int = 1000
+    """Newest labelled samples kept: the local training set and the data a new model is scored on."""
+    min_samples_to_train: int = 200
+    """Drift waits until the buffer holds this many samples before training."""
+    train_on_newest: int = 0
+    """Train on only the newest N buffered samples (0 = all): after a shift, older samples describe the old mixture."""
+    epochs: int = 2
+    """Local epochs per update."""
+    batch_size: int = 32
+    """Local mini-batch size."""
+    lr: float = 0.01
+    """Local learning rate."""
+    optimizer: str = "sgd"
+    """sgd or adam."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    weight_decay: float = 0.0
+    """L2 weight decay of the local optimizer."""
+    rho: float = 0.1
+    """Proximal weight: local loss + (rho/2)||v - u||^2 (FedSoft-Async: toward each cluster model, weighted by alpha)."""
+    max_train_seconds: float = 120.0
+    """Local training stops at the first batch past this budget (0 = no limit)."""
+    inference: str = "onnx"
+    """onnx (ONNX Runtime, torch as the fallback) or torch."""
+    onnx_exporter: str = "auto"
+    """auto (dynamo, then legacy), dynamo or legacy."""
+    onnx_threads: int = 1
+    """ONNX Runtime intra-op threads (a device runs other things)."""
+    source: str = "dataset"
+    """dataset (rotation clusters of data.dataset, mixture from the profile) or directory (files dropped into source_dir)."""
+    source_dir: str = ""
+    """Folder the directory source reads (<dir>/<label>/<name>.png|.npy)."""
+    time_scale: float = 1.0
+    """Profile seconds per wall-clock second for the dataset source (e.g. 60 replays a car's hour in a minute)."""
+    poll_interval_s: float = 1.0
+    """Seconds between polls of the data source."""
+    poll_batch: int = 20
+    """Most samples taken per poll."""
+    reply_timeout_s: float = 20.0
+    """An unanswered request is re-sent (same msg_id) after this many seconds."""
+    save_every_s: float = 10.0
+    """Longest time between state saves while nothing else changes (detector state, counters)."""
+
+
+@dataclass
 class LogSettings:
     """Structured logs on stderr, quiet by default."""
 
@@ -207,6 +269,7 @@ class Config:
     log: LogSettings = field(default_factory=LogSettings)
     cdfl: CDFLSettings = field(default_factory=CDFLSettings)
     aggregator: AggregatorSettings = field(default_factory=AggregatorSettings)
+    agent: AgentSettings = field(default_factory=AgentSettings)
 
 
 def _coerce(value: Any, typ: Any, key: str) -> Any:
