@@ -241,6 +241,16 @@ class AgentSettings:
 
 
 @dataclass
+class MetricsSettings:
+    """The aggregator's Prometheus endpoint (`--metrics-port`); docs/deploy.md lists the metrics."""
+
+    port: int = 0
+    """HTTP port serving /metrics; 0 = no endpoint."""
+    host: str = "127.0.0.1"
+    """Address the endpoint binds to; 0.0.0.0 in a container, so that Prometheus can reach it."""
+
+
+@dataclass
 class LogSettings:
     """Structured logs on stderr, quiet by default."""
 
@@ -270,6 +280,7 @@ class Config:
     cdfl: CDFLSettings = field(default_factory=CDFLSettings)
     aggregator: AggregatorSettings = field(default_factory=AggregatorSettings)
     agent: AgentSettings = field(default_factory=AgentSettings)
+    metrics: MetricsSettings = field(default_factory=MetricsSettings)
 
 
 def _coerce(value: Any, typ: Any, key: str) -> Any:
