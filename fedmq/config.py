@@ -161,6 +161,51 @@ class CDFLSettings:
 
 
 @dataclass
+class CataFedSettings:
+    """Deadline rounds: CATA-Fed and its FedAvg / FedProx baselines, server and agent side.
+    See docs/catafed.md for our reading of the paper and why each default is what it is."""
+
+    groups: int = 3
+    """P, the number of data-size clusters (1-D k-means over the agents' per-round data sizes)."""
+    per_group: int = 5
+    """N, agents invited per round: the best N of the chosen group (FedAvg / FedProx: N at random)."""
+    deadline_s: float = 10.0
+    """T, the round deadline the agents train against, counted from their receipt of the invite."""
+    grace_s: float = 1.0
+    """The server's cut-off is T + grace after sending the invites; later reports are dropped."""
+    close_early: bool = True
+    """End a round as soon as every invited agent has reported (else always wait for the cut-off)."""
+    rounds: int = 50
+    """E, the most rounds to run."""
+    target_accuracy: float = 0.0
+    """Stop once the global model reaches this test accuracy (0 = run all E rounds)."""
+    rate: str = "samples"
+    """r_i in the PF priority: samples (the agent's per-round data size) or throughput (samples/s it reported)."""
+    pf_window: float = 10.0
+    """t_c of the PF average: A_i := (1 - 1/t_c) A_i + (1/t_c) r_i [i was invited], every round."""
+    pf_initial: float = 1.0
+    """A_i of an agent never invited (small: newcomers get a high priority r_i / A_i)."""
+    weights: str = "samples"
+    """psi_i: samples (proportional to the samples an agent trained on) or uniform; normalized over finishers."""
+    min_shard: int = 32
+    """pi, the smallest shard a straggler may halve its data to."""
+    epochs: int = 2
+    """Local epochs per round (CATA-Fed and FedProx stop earlier when the deadline is near)."""
+    batch_size: int = 32
+    """Local minibatch size."""
+    lr: float = 0.05
+    """Local SGD learning rate (momentum 0.9)."""
+    prox_mu: float = 0.01
+    """FedProx: strength of the proximal term (mu/2)||w - W_t||^2."""
+    eps_initial_s: float = 0.2
+    """eps_i before the agent has measured an upload: time kept back from T for sending the report."""
+    eps_factor: float = 2.0
+    """eps_i = eps_factor x the mean of the agent's measured upload times (safety margin)."""
+    eps_min_s: float = 0.05
+    """Floor of eps_i."""
+
+
+@dataclass
 class AggregatorSettings:
     """The aggregator service: algorithm, state, batching, input guards."""
 
@@ -278,6 +323,7 @@ class Config:
     data: DataSettings = field(default_factory=DataSettings)
     log: LogSettings = field(default_factory=LogSettings)
     cdfl: CDFLSettings = field(default_factory=CDFLSettings)
+    catafed: CataFedSettings = field(default_factory=CataFedSettings)
     aggregator: AggregatorSettings = field(default_factory=AggregatorSettings)
     agent: AgentSettings = field(default_factory=AgentSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
