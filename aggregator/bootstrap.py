@@ -15,6 +15,7 @@ import torch
 
 from aggregator.cdfl import CDFL
 from aggregator.engine import Engine
+from aggregator.evaluator import ProxyEvaluator
 from aggregator.fedasync import FedAsync
 from aggregator.fedsoft_async import FedSoftAsync
 from aggregator.journal import Journal
@@ -80,6 +81,10 @@ def build_engine(cfg: Config, *, clusters: RotatedClusters | None = None) -> Eng
     else:
         vectors = pretrain_clusters(cfg, clusters, model_name)
     proxies = [clusters.proxy(k, cfg.data.proxy_per_cluster) for k in range(K)]
-    strategy: Strategy = make_strategy(cfg, spec, vectors, [(p.x, p.y) for p in proxies],
-                                       device=resolve_device(cfg.device))
-    return Engine(strategy, spec, cfg, journal)
+    device = resolve_device(cfg.device)
+    proxy_sets = [(p.x, p.y) for p in proxies]
+    strategy: Strategy = make_strategy(cfg, spec, vectors, proxy_sets, device=device)
+    # CDFL evaluates on its proxies anyway; the baselines get an evaluator for the metric only.
+    evaluator = getattr(strategy, "evaluator", None) or ProxyEvaluator(
+        spec, proxy_sets, device=device, batch=cfg.cdfl.proxy_batch)
+    return Engine(strategy, spec, cfg, journal, evaluator=evaluator)

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from aggregator.evaluator import ProxyEvaluator
 from aggregator.journal import Journal
 from aggregator.strategy import Reply, Strategy, Upload
 from fedmq import codecs, protocol
@@ -79,8 +80,14 @@ class Inbound:
 
 class Engine:
     def __init__(self, strategy: Strategy, spec: ModelSpec, cfg: Config,
-                 journal: Journal | None = None) -> None:
+                 journal: Journal | None = None, evaluator: ProxyEvaluator | None = None) -> None:
         self.strategy = strategy
+        self.evaluator = evaluator or getattr(strategy, "evaluator", None)
+        """Proxy sets for the per-cluster accuracy metric (None: no such metric)."""
+        self.cluster_accuracy: list[float] = []
+        """Accuracy of cluster model k on proxy set k (the global model on each set for
+        FedAsync), refreshed by the worker between batches; read by metrics."""
+        self._accuracy_epoch = -1
         self.spec = spec
         self.cfg = cfg
         self.journal = journal
@@ -131,6 +138,18 @@ class Engine:
             reply = self.strategy.apply(upload, rec.get("alpha"))
         self._reply_envelope(reply, rec["msg_id"])
         self.counters[f"applied.{rec['op']}"] += 1
+
+    def refresh_cluster_accuracy(self, every_epochs: int = 1) -> None:
+        """Recompute `cluster_accuracy` when the models moved by `every_epochs` since."""
+        if self.evaluator is None or self.strategy.epoch - self._accuracy_epoch < every_epochs:
+            return
+        clusters = getattr(self.strategy, "clusters", None)
+        if clusters is None:  # one global model (FedAsync): its accuracy on each proxy set
+            acc = self.evaluator.accuracies(self.strategy.model[None])[0]
+        else:
+            acc = torch.diagonal(self.evaluator.accuracies(clusters))
+        self.cluster_accuracy = [float(a) for a in acc]
+        self._accuracy_epoch = self.strategy.epoch
 
     def snapshot_if_due(self, force: bool = False) -> bool:
         if self.journal is None:
@@ -231,8 +250,14 @@ class Engine:
             if dist > bound:
                 raise Rejected("norm_bound", f"update moves the model by {dist:.3g}, "
                                              f"above the bound {bound:.3g}")
-        return Upload(agent=env.agent, vector=v, tau=env.tau, n_samples=env.n_samples,
-                      alpha=env.alpha, msg_id=env.msg_id, base=record.base)
+        upload = Upload(agent=env.agent, vector=v, tau=env.tau, n_samples=env.n_samples,
+                        alpha=env.alpha, msg_id=env.msg_id, base=record.base)
+        try:
+            self.strategy.check(upload)
+        except ValueError as e:
+            reason = "bad_alpha" if "alpha" in str(e) else "refused"
+            raise Rejected(reason, str(e)) from None
+        return upload
 
     # ------------------------------------------------------------------ replies
 

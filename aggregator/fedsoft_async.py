@@ -34,6 +34,9 @@ class FedSoftAsync(SoftClusters):
         self.counters["joins"] += 1
         return self._clusters_reply(agent, {"join": True}, None)
 
+    def check(self, upload: Upload) -> None:
+        check_alpha(upload.alpha, self.k)
+
     def apply(self, upload: Upload, alpha: list[float] | None = None) -> Reply:
         """Validates everything before any change: a bad alpha or vector raises ValueError."""
         alpha = check_alpha(alpha if alpha is not None else upload.alpha, self.k)

@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 from collections import Counter
+from typing import TYPE_CHECKING
 
 from aggregator.engine import Engine, Inbound
 from aggregator.journal import JournalError
@@ -27,6 +28,9 @@ from fedmq.channel import Channel, Received, Refused
 from fedmq.config import Config
 from fedmq.logs import event, get_logger
 from fedmq.transport import Message, MqttTransport, Will
+
+if TYPE_CHECKING:
+    from aggregator.metrics import AggregatorMetrics
 
 log = get_logger("aggregator")
 
@@ -45,6 +49,8 @@ class AggregatorService:
         self.counters: Counter[str] = Counter()
         self.presence: dict[str, str] = {}
         """agent -> online/offline, from the agents' retained status and last wills."""
+        self.metrics: AggregatorMetrics | None = None
+        """Set by `AggregatorMetrics(service)`; told about each finished batch."""
         self.transport = MqttTransport(
             self.client_id, cfg.broker, clean_start=False, manual_ack=True,
             will=Will(protocol.aggregator_status(self.fleet), self._status("offline")),
@@ -135,12 +141,43 @@ class AggregatorService:
             batch.append(got)
         if not batch:
             return
+        self._process_received(batch)
+
+    def _process_received(self, batch: list[Received]) -> None:
+        started = time.perf_counter()
+        try:
+            replies = self._handle_durably(batch)
+        except Exception as e:  # a bug or an input no check foresaw: never wedge the queue
+            self.engine.recover()  # drop whatever the failed batch did in memory
+            if len(batch) > 1:
+                for b in batch:  # isolate the message that fails
+                    self._process_received([b])
+                return
+            self._poison(batch[0], e)
+            return
+        if replies is None:
+            return
+        for env in replies:
+            self.channel.send(protocol.downlink(self.fleet, env.agent), env)
+            self.counters[f"sent.{env.TYPE}"] += 1
+        for b in batch:
+            for m in b.messages:
+                self.transport.ack(m)
+        if self.metrics is not None:
+            self.metrics.observe_batch([b.envelope for b in batch], time.perf_counter() - started)
+        try:
+            self.engine.snapshot_if_due()
+        except JournalError as e:
+            event(log, "snapshot.failed", level=40, error=str(e))
+        self.engine.refresh_cluster_accuracy(self.cfg.aggregator.accuracy_every)
+
+    def _handle_durably(self, batch: list[Received]) -> list[protocol.Envelope] | None:
+        """The engine's replies once durable; None if stopped while the disk refused."""
         inbound = [Inbound(b.topic.agent or "", b.envelope) for b in batch]
         delay = 0.5
         while True:
             try:
-                replies = self.engine.handle(inbound)
-                break
+                return self.engine.handle(inbound)
             except JournalError as e:
                 # Not durable: acknowledge nothing, drop what the failed batch did in memory.
                 self.counters["journal_errors"] += 1
@@ -148,18 +185,21 @@ class AggregatorService:
                       action="not acknowledging; retrying", retry_in_s=delay)
                 self.engine.recover()
                 if self._stop.wait(delay):
-                    return
+                    return None
                 delay = min(delay * 2, 30.0)
-        for env in replies:
-            self.channel.send(protocol.downlink(self.fleet, env.agent), env)
-            self.counters[f"sent.{env.TYPE}"] += 1
-        for b in batch:
-            for m in b.messages:
-                self.transport.ack(m)
-        try:
-            self.engine.snapshot_if_due()
-        except JournalError as e:
-            event(log, "snapshot.failed", level=40, error=str(e))
+
+    def _poison(self, got: Received, error: Exception) -> None:
+        """A message that makes the engine fail: refuse it with a reason and ack it."""
+        self.counters["refused.internal_error"] += 1
+        log.exception("message %s from %s failed the engine; refused", got.envelope.msg_id,
+                      got.envelope.agent, exc_info=error)
+        err = protocol.Error(agent=got.envelope.agent, msg_id=protocol.new_msg_id(),
+                             sent_at=protocol.now(), reason="internal_error",
+                             detail=f"{type(error).__name__}: {error}"[:4096],
+                             in_reply_to=got.envelope.msg_id)
+        self.channel.send(protocol.downlink(self.fleet, got.envelope.agent), err)
+        for m in got.messages:
+            self.transport.ack(m)
 
     def _presence(self, got: Received) -> None:
         env = got.envelope

@@ -103,6 +103,10 @@ class Strategy(ABC):
     def apply(self, upload: Upload, alpha: list[float] | None = None) -> Reply:
         """Apply one upload; a given alpha (journal replay) replaces the strategy's own estimate."""
 
+    def check(self, upload: Upload) -> None:
+        """Refuse an upload this strategy cannot apply (raise ValueError with the reason)
+        before it joins a batch; the service answers it with an error and applies the rest."""
+
     def update(self, upload: Upload) -> Reply:
         return self.update_many([upload])[0]
 

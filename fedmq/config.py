@@ -217,6 +217,8 @@ class AggregatorSettings:
     """Most queued uploads evaluated together."""
     pretrain_epochs: int = 5
     """Epochs of server-side pre-training of each cluster model on its pretrain pool."""
+    accuracy_every: int = 10
+    """Epochs between refreshes of the per-cluster proxy accuracy metric (0 = after every batch)."""
     snapshot_every: int = 200
     """Journal records between snapshots (a snapshot bounds replay time after a crash)."""
     norm_bound: float = 0.0

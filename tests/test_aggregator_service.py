@@ -244,3 +244,78 @@ def _send_until_answered(a: RawAgent, env: protocol.Envelope, tries: int = 20) -
 
 if os.environ.get("FEDMQ_KEEP"):  # pragma: no cover - debugging aid
     pass
+
+
+@pytest.mark.parametrize("algorithm", ["fedsoft-async", "fedasync"])
+def test_baselines_over_the_broker(mosquitto, tmp_path, algorithm: str) -> None:
+    """FedSoft-Async sends all K models and takes the agent's alpha; FedAsync one global model."""
+    cfg = make_cfg(mosquitto.url, tmp_path / "state", **{"aggregator.algorithm": algorithm,
+                                                         "aggregator.accuracy_every": 0})
+    with AggregatorService(cfg, build_engine(cfg)) as svc:
+        a = RawAgent(mosquitto.port, FLEET, "phone-1")
+        try:
+            join = protocol.Join(agent=a.agent, msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
+                                 model=SPEC.hash, algorithm=algorithm)
+            a.send(join)
+            got = a.expect(join.msg_id)
+            assert isinstance(got, protocol.Model)
+            if algorithm == "fedsoft-async":
+                assert got.kind == "clusters" and len(got.tensors) == 2
+                assert not any(w["delta"] for w in got.tensors)
+                models = [codecs.decode(w) for w in got.tensors]
+                v = 0.5 * (models[0] + models[1])
+                bad = protocol.Update(agent=a.agent, msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
+                                      model=SPEC.hash, tau=got.epoch, n_samples=10, alpha=[0.9, 0.9],
+                                      tensor=codecs.encode(v, "fp32"))
+                a.send(bad)
+                err = a.expect(bad.msg_id)
+                assert isinstance(err, protocol.Error) and err.reason == "bad_alpha", err
+                before = clusters_of(svc)
+                up = protocol.Update(agent=a.agent, msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
+                                     model=SPEC.hash, tau=got.epoch, n_samples=10, alpha=[0.75, 0.25],
+                                     tensor=codecs.encode(v, "int8"))
+                a.send(up)
+                reply = a.expect(up.msg_id)
+                assert reply.kind == "clusters" and reply.epoch == 1
+                after = clusters_of(svc)
+                # Cluster 0 moved 3x as far toward v as cluster 1 (beta = beta0 * alpha_k).
+                moved = [float((x - y).norm()) for x, y in zip(after, before, strict=True)]
+                d = [float((torch.from_numpy(v) - y).norm()) for y in before]
+                assert moved[0] / d[0] == pytest.approx(3 * moved[1] / d[1], rel=0.05)
+            else:
+                assert got.kind == "global" and len(got.tensors) == 1
+                a.install(got)
+                up = a.update_envelope(a.base + 0.01, SPEC.hash)
+                a.send(up)
+                reply = a.expect(up.msg_id)
+                assert reply.kind == "global" and reply.epoch == 1
+            assert svc.engine.counters["applied.update"] == 1
+            assert len(svc.engine.cluster_accuracy) == 2
+            assert all(0.0 <= acc <= 1.0 for acc in svc.engine.cluster_accuracy)
+        finally:
+            a.close()
+
+
+def test_a_message_that_breaks_the_strategy_is_refused_and_the_queue_moves_on(service, mosquitto) -> None:
+    """A poison message must not wedge the service (unacked messages block the broker's window)."""
+    a = RawAgent(mosquitto.port, FLEET, "car-poison")
+    try:
+        a.join(SPEC.hash)
+        real = service.engine.strategy.update_many
+
+        def breaks_on_poison(uploads):
+            if any(u.n_samples == 666 for u in uploads):
+                raise RuntimeError("an input no check foresaw")
+            return real(uploads)
+
+        service.engine.strategy.update_many = breaks_on_poison
+        poison = protocol.Update(**{**a.update_envelope(a.base, SPEC.hash).__dict__, "n_samples": 666})
+        a.send(poison)
+        err = a.expect(poison.msg_id)
+        assert isinstance(err, protocol.Error) and err.reason == "internal_error", err
+        good = a.update_envelope(a.base + 0.01, SPEC.hash)
+        a.send(good)
+        assert isinstance(a.expect(good.msg_id), protocol.Model)
+        assert service.engine.counters["applied.update"] == 1
+    finally:
+        a.close()
