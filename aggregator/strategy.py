@@ -103,7 +103,7 @@ class Strategy(ABC):
     def apply(self, upload: Upload, alpha: list[float] | None = None) -> Reply:
         """Apply one upload; a given alpha (journal replay) replaces the strategy's own estimate."""
 
-    def check(self, upload: Upload) -> None:
+    def check(self, upload: Upload) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Refuse an upload this strategy cannot apply (raise ValueError with the reason)
         before it joins a batch; the service answers it with an error and applies the rest."""
 
