@@ -28,13 +28,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algorithm", choices=ALGORITHMS, help="server algorithm (default cdfl)")
     p.add_argument("--clusters", type=int, metavar="K", help="number of cluster models (default 3)")
     p.add_argument("--state-dir", metavar="DIR", help="snapshots and journal (default state/aggregator)")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics on http://HOST:PORT/metrics (default 0: off)")
+    p.add_argument("--metrics-host", metavar="ADDR",
+                   help="address of the metrics endpoint (default 127.0.0.1; 0.0.0.0 in a container)")
     p.add_argument("--dry-run", action="store_true",
                    help="resolve the config, print it and exit without connecting")
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, {"algorithm": "aggregator.algorithm", "clusters": "cdfl.clusters",
-                                  "state_dir": "aggregator.state_dir"})
+                                  "state_dir": "aggregator.state_dir",
+                                  "metrics_port": "metrics.port", "metrics_host": "metrics.host"})
     setup_logging(cfg.log.level, cfg.log.json)
     if args.dry_run:
         import json
@@ -48,9 +53,20 @@ def run(args: argparse.Namespace) -> int:
     engine = build_engine(cfg)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with AggregatorService(cfg, engine):
+    service = AggregatorService(cfg, engine)
+    metrics = None
+    if cfg.metrics.port:
+        from aggregator.metrics import AggregatorMetrics
+
+        metrics = AggregatorMetrics(service)
+    with service:
+        if metrics is not None:
+            port = metrics.serve(cfg.metrics.port, cfg.metrics.host)
+            print(f"metrics: http://{cfg.metrics.host}:{port}/metrics", flush=True)
         print(f"aggregator {cfg.aggregator.algorithm} on {cfg.broker.url} fleet={cfg.fleet} "
               f"K={cfg.cdfl.clusters} epoch={engine.strategy.epoch}", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             stop.wait()
+    if metrics is not None:
+        metrics.close()
     return 0
