@@ -247,6 +247,8 @@ class AgentSettings:
     """Newest labelled samples kept: the local training set and the data a new model is scored on."""
     min_samples_to_train: int = 200
     """Drift waits until the buffer holds this many samples before training."""
+    samples_after_drift: int = 100
+    """Samples to collect after a drift is detected before training: they describe the new data."""
     train_on_newest: int = 0
     """Train on only the newest N buffered samples (0 = all): after a shift, older samples describe the old mixture."""
     epochs: int = 2
