@@ -1,0 +1,59 @@
+"""The deadline baselines' server sides: FedAvg with a deadline, and FedProx.
+
+Both invite N agents drawn uniformly at random from the pool each round, with the same
+deadline T and cut-off T + grace as CATA-Fed, and aggregate exactly as CATA-Fed does
+(`aggregate` in aggregator/catafed.py: psi normalized over the finishers). What differs is
+on the agent (edge_agent/deadline.py): a FedAvg agent trains its E epochs whatever the
+deadline, so a slow one reports late and its update is dropped (wasted work); a FedProx agent
+trains with the proximal term (mu/2)||w - W_t||^2 and sends whatever it has at T - eps_i
+(partial work is accepted). Neither resizes shards nor clusters anything, and an agent that
+misses a cut-off stays in the pool: these baselines know only presence (online/offline).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from aggregator.catafed import CataFed, RoundPlan, RoundStrategy
+from fedmq.config import CataFedSettings
+
+
+class FedAvgDeadline(RoundStrategy):
+    """FedAvg (McMahan et al.) under a round deadline: random N, late updates dropped."""
+
+    name = "fedavg"
+    leave_on_silence = False
+
+    def __init__(self, settings: CataFedSettings, initial: torch.Tensor, *, seed: int = 0) -> None:
+        super().__init__(settings, initial, seed=seed)
+        self.rng = np.random.default_rng([seed, 0xFEDA])
+
+    def select(self) -> RoundPlan:
+        pool = self.pool()
+        n = min(self.settings.per_group, len(pool))
+        picked = sorted(self.rng.choice(pool, size=n, replace=False).tolist()) if n else []
+        return RoundPlan(self.round, picked, None, {})
+
+
+class FedProx(FedAvgDeadline):
+    """FedProx (Li et al.): FedAvg's server; agents add the proximal term and send partial work."""
+
+    name = "fedprox"
+
+
+STRATEGIES: dict[str, type[RoundStrategy]] = {"catafed": CataFed, "fedavg": FedAvgDeadline,
+                                              "fedprox": FedProx}
+"""Algorithm name -> round strategy, for the service and the simulator."""
+
+
+def make_strategy(algorithm: str, settings: CataFedSettings, initial: torch.Tensor, *,
+                  seed: int = 0) -> RoundStrategy:
+    """The round strategy called `algorithm` (catafed, fedavg or fedprox)."""
+    try:
+        cls = STRATEGIES[algorithm]
+    except KeyError:
+        raise ValueError(f"round algorithm must be one of {', '.join(STRATEGIES)}, "
+                         f"got {algorithm!r}") from None
+    return cls(settings, initial, seed=seed)
+
