@@ -1,0 +1,211 @@
+"""The agent side of deadline rounds over MQTT (CATA-Fed, FedAvg, FedProx).
+
+A `RoundAgent` connects with its last will (offline), announces itself with a `Join` carrying
+its per-round data size after every (re)connect, and waits for `RoundInvite`s on its
+downlink. Time is measured from the *receipt* of an invite (the aggregator's clock is not
+ours): paho's thread stamps it, the agent's own thread decodes W_t, trains under the
+deadline (edge_agent/deadline.py) and sends a `Report`: with the trained model as a delta
+against the W_t it decoded when it finished, or `finished=False` and its new, halved shard
+size when the watchdog stopped it (CATA-Fed). The time from publishing the report to the
+broker's PUBACK is its measured upload time, from which eps_i follows.
+
+An invite that is already past its deadline when the agent gets to it (it arrived while the
+agent was busy with an older one) is skipped: the server has closed that round anyway.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from edge_agent.deadline import DeadlineLearner, RealEpochRunner, RoundWork, TrainSettings, Watchdog
+from fedmq import codecs, protocol
+from fedmq.channel import Channel, Refused
+from fedmq.config import Config
+from fedmq.logs import event, get_logger
+from fedmq.models import model_spec, resolve_model_name
+from fedmq.transport import Message, MqttTransport, Will
+
+log = get_logger("agent.rounds")
+
+
+@dataclass
+class RoundLog:
+    """One round as this agent lived it (for tests, the simulator and debugging)."""
+
+    round: int
+    finished: bool
+    shard_used: int
+    shard_size: int
+    n_samples: int
+    epochs: int
+    train_s: float
+    upload_s: float
+    eps_s: float
+
+
+class RoundAgent:
+    """One device in a round-based fleet. start(); it answers invites on its own thread."""
+
+    def __init__(self, cfg: Config, agent_id: str, x: torch.Tensor, y: torch.Tensor, *,
+                 algorithm: str = "catafed", extra_s_per_sample: float = 0.0,
+                 seed: int = 0) -> None:
+        self.cfg = cfg
+        self.agent_id = protocol.validate_id(agent_id, "agent id")
+        self.fleet = cfg.fleet
+        self.algorithm = algorithm
+        self.model_name = resolve_model_name(cfg.model, cfg.data.dataset)
+        self.spec = model_spec(self.model_name)
+        self.learner = DeadlineLearner(x, y, cfg.catafed, algorithm=algorithm, seed=seed)
+        self.train = TrainSettings(self.model_name, cfg.catafed.lr, cfg.catafed.batch_size,
+                                   cfg.catafed.prox_mu if algorithm == "fedprox" else 0.0, seed)
+        self.extra_s_per_sample = extra_s_per_sample
+        self.log: list[RoundLog] = []
+        self.errors: list[str] = []
+        self.counters: dict[str, int] = {"invites": 0, "reports": 0, "skipped": 0}
+        self._invites: queue.Queue[tuple[protocol.RoundInvite, float]] = queue.Queue()
+        self._stop = threading.Event()
+        self._worker: threading.Thread | None = None
+        self.transport = MqttTransport(
+            f"fedmq-agent-{self.agent_id}", cfg.broker, clean_start=False,
+            will=Will(protocol.agent_status(self.fleet, self.agent_id), self._status("offline")))
+        self.channel = Channel(self.transport, cfg.protocol)
+
+    def _status(self, state: str) -> bytes:
+        return protocol.encode(protocol.Status(
+            agent=self.agent_id, msg_id=protocol.new_msg_id(), sent_at=protocol.now(), state=state,
+            role="agent", algorithm=self.algorithm))
+
+    def _join(self) -> protocol.Join:
+        return protocol.Join(agent=self.agent_id, msg_id=protocol.new_msg_id(),
+                             sent_at=protocol.now(), model=self.spec.hash,
+                             algorithm=self.algorithm, n_samples=self.learner.shard_size)
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self, timeout: float = 10.0) -> RoundAgent:
+        def announce(t: MqttTransport, _: bool) -> None:
+            t.publish(protocol.agent_status(self.fleet, self.agent_id), self._status("online"),
+                      qos=1, retain=True)
+            self.channel.send(protocol.uplink(self.fleet, self.agent_id), self._join())
+
+        self.transport.on_connect_hooks.append(announce)
+        self.transport.connect(timeout)
+        self.transport.subscribe(protocol.downlink(self.fleet, self.agent_id), self._on_down, qos=1)
+        self._worker = threading.Thread(target=self._run, name=f"round-agent-{self.agent_id}",
+                                        daemon=True)
+        self._worker.start()
+        return self
+
+    def stop(self) -> None:
+        """Leave cleanly: offline status, then disconnect."""
+        self._stop.set()
+        if self._worker is not None:
+            self._worker.join(timeout=30)
+        if self.transport.connected:
+            self.transport.publish(protocol.agent_status(self.fleet, self.agent_id),
+                                   self._status("offline"), qos=1, retain=True).wait(5)
+        self.transport.close()
+
+    def kill(self) -> None:
+        """Vanish as a crash or a lost network would: no goodbye, the broker sends the will."""
+        self._stop.set()
+        self.transport.kill()
+
+    def __enter__(self) -> RoundAgent:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---------------------------------------------------------------- downlink
+
+    def _on_down(self, message: Message) -> None:
+        received_at = time.monotonic()
+        try:
+            got = self.channel.receive(message)
+        except Refused as r:
+            self.errors.append(r.reason)
+            return
+        if got is None:
+            return
+        env = got.envelope
+        if isinstance(env, protocol.RoundInvite):
+            self._invites.put((env, received_at))
+        elif isinstance(env, protocol.Error):
+            self.errors.append(env.reason)
+            event(log, "agent.refused", agent=self.agent_id, reason=env.reason, detail=env.detail)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                invite, received_at = self._invites.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            try:
+                self.handle_invite(invite, received_at)
+            except Exception:  # a bad round must not kill the agent
+                log.exception("round %s failed", invite.round)
+                self.errors.append("round_failed")
+
+    def handle_invite(self, invite: protocol.RoundInvite, received_at: float) -> None:
+        self.counters["invites"] += 1
+        dog = Watchdog(self.learner.budget_s(invite.deadline_s), started_at=received_at)
+        if invite.deadline_s - dog.elapsed() <= 0:
+            self.counters["skipped"] += 1
+            return
+        if invite.model != self.spec.hash:
+            self.errors.append("wrong_model")
+            return
+        try:
+            start = codecs.decode(invite.tensor, max_n=self.spec.numel)
+        except codecs.CodecError as e:
+            self.errors.append(f"codec_{e.reason}")
+            return
+        base = torch.from_numpy(np.ascontiguousarray(start))
+
+        def make_runner(x: torch.Tensor, y: torch.Tensor, anchor: torch.Tensor | None):
+            return RealEpochRunner(self.train, x, y, anchor=anchor,
+                                   extra_s_per_sample=self.extra_s_per_sample, cancel=self._stop)
+
+        eps = self.learner.uploads.eps
+        work = self.learner.run_round(base, make_runner, dog.left)
+        if self._stop.is_set():
+            return
+        upload_s = self._send_report(invite, work, start)
+        self.log.append(RoundLog(invite.round, work.finished, work.shard_used, work.shard_size,
+                                 work.n_samples, work.result.epochs_done, work.result.seconds,
+                                 upload_s, eps))
+
+    def _send_report(self, invite: protocol.RoundInvite, work: RoundWork, base: np.ndarray) -> float:
+        c = self.cfg.codec
+        tensor: dict[str, Any] | None = None
+        if work.finished and work.vector is not None:
+            params: dict[str, Any] = {"block": c.int8_block} if c.name == "int8" else (
+                {"ratio": c.topk_ratio} if c.name == "topk" else {})
+            tensor = codecs.encode(work.vector.detach().cpu().numpy(), c.name,
+                                   base=base if c.delta else None, zstd=c.zstd, **params)
+        r = work.result
+        metrics = {"epochs": float(r.epochs_done), "train_s": float(r.seconds),
+                   "eps_s": float(self.learner.uploads.eps), "shard_index": float(work.shard_index)}
+        if r.seconds > 0 and r.samples_seen > 0:
+            metrics["samples_per_s"] = r.samples_seen / r.seconds
+        report = protocol.Report(
+            agent=self.agent_id, msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
+            round=invite.round, finished=work.finished, n_samples=work.n_samples,
+            shard_size=work.shard_size, model=self.spec.hash if tensor is not None else "",
+            tensor=tensor, metrics=metrics)
+        t0 = time.monotonic()
+        handles = self.channel.send(protocol.uplink(self.fleet, self.agent_id), report)
+        for h in handles:
+            h.wait(invite.deadline_s)
+        upload_s = time.monotonic() - t0
+        self.learner.uploads.record(upload_s)
+        self.counters["reports"] += 1
+        return upload_s

@@ -1,0 +1,141 @@
+"""Deadline rounds over a real Mosquitto, in real time: RoundService + RoundAgents.
+
+CATA-Fed: a round with one straggler (an emulated slow device) and one dropout (killed on
+receipt of the invite: the broker publishes its will) ends at the cut-off with the straggler
+reported and the dropout out of the pool; the straggler's next round trains on a halved shard
+and finishes; the dropout comes back online, re-enters the pool and is invited again.
+FedAvg: a late update is dropped and the late agent stays in the pool.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from aggregator.catafed import CataFed
+from aggregator.fedavg import FedAvgDeadline
+from aggregator.rounds import RoundService
+from edge_agent.rounds import RoundAgent
+from fedmq import protocol
+from fedmq.config import Config, load_config
+from fedmq.data import load_dataset
+from fedmq.models import build_model, to_vector
+from fedmq.training import evaluate
+
+MODEL = "digits-cnn"
+
+
+def make_cfg(url: str, **extra) -> Config:
+    return load_config(None, {"fleet": "r", "broker.url": url, "data.dataset": "digits",
+                              "catafed.groups": 1, "catafed.per_group": 3, "catafed.epochs": 1,
+                              "catafed.min_shard": 16, "catafed.lr": 0.05, **extra})
+
+
+def data(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ds = load_dataset("digits")
+    return ds.x[lo:hi], ds.y[lo:hi]
+
+
+class VanishingAgent(RoundAgent):
+    """Gets the invite, then its connection dies (no report, no goodbye)."""
+
+    def handle_invite(self, invite: protocol.RoundInvite, received_at: float) -> None:
+        self.counters["invites"] += 1
+        self.transport.kill()
+
+
+def test_catafed_round_with_straggler_and_dropout(mosquitto) -> None:
+    # T = 4 s and eps_i = 0.2 s before any upload was measured: a 3.8 s budget. The slow
+    # device needs 25 ms per sample: 5 s for its 200 samples (the watchdog aborts), 2.5 s
+    # for a 100-sample shard (it finishes).
+    cfg = make_cfg(mosquitto.url, **{"catafed.deadline_s": 4.0, "catafed.grace_s": 1.0})
+    test = load_dataset("digits", train=False)
+    start = to_vector(build_model(MODEL, seed=0))
+    strategy = CataFed(cfg.catafed, start)
+    service = RoundService(cfg, strategy, model_name=MODEL,
+                           evaluate=lambda v: evaluate(MODEL, v, test.x, test.y)[0])
+    fast = RoundAgent(cfg, "fast", *data(0, 100))
+    slow = RoundAgent(cfg, "slow", *data(100, 300), extra_s_per_sample=0.025)
+    gone = VanishingAgent(cfg, "gone", *data(300, 400))
+    back = None
+    with service:
+        try:
+            for a in (fast, slow, gone):
+                a.start()
+            assert service.wait_for_pool(3, 15)
+            first = service.run_round()
+            assert sorted(first.selected) == ["fast", "gone", "slow"]
+            assert first.sizes == {"fast": 100, "gone": 100, "slow": 200}
+            assert (first.finished, first.stragglers, first.dropouts) == (["fast"], ["slow"], ["gone"])
+            assert first.ended == "cutoff"
+            assert not torch.equal(strategy.vector, start)  # the finisher's update is in
+            assert slow.log[-1].finished is False and slow.log[-1].shard_used == 200
+            assert strategy.agents["slow"].size == 100  # the straggler's report: halved
+            assert strategy.pool() == ["fast", "slow"]  # the dropout left the pool
+            assert service.counters["status.offline"] >= 1  # its last will
+
+            second = service.run_round()
+            assert sorted(second.selected) == ["fast", "slow"] and second.sizes["slow"] == 100
+            assert sorted(second.finished) == ["fast", "slow"] and second.ended == "all_reported"
+            assert slow.log[-1].shard_used == 100 and slow.log[-1].n_samples == 100
+            assert slow.log[-1].upload_s > 0
+
+            back = RoundAgent(cfg, "gone", *data(300, 400))  # online again, same id
+            back.start()
+            assert service.wait_for_pool(3, 15)
+            third = service.run_round()
+            assert "gone" in third.selected and "gone" in third.finished
+            assert third.accuracy is not None and 0.0 <= third.accuracy <= 1.0
+            assert strategy.round == 3
+        finally:
+            for a in (fast, slow, back):
+                if a is not None:
+                    a.stop()
+
+
+def test_fedavg_drops_a_late_update_and_keeps_the_agent(mosquitto) -> None:
+    cfg = make_cfg(mosquitto.url, **{"catafed.deadline_s": 1.5, "catafed.grace_s": 0.5,
+                                     "catafed.per_group": 2})
+    strategy = FedAvgDeadline(cfg.catafed, to_vector(build_model(MODEL, seed=0)))
+    service = RoundService(cfg, strategy, model_name=MODEL)
+    on_time = RoundAgent(cfg, "on-time", *data(0, 100), algorithm="fedavg")
+    late = RoundAgent(cfg, "late", *data(100, 200), algorithm="fedavg", extra_s_per_sample=0.03)
+    wrong = RoundAgent(cfg, "wrong", *data(200, 300), algorithm="catafed")
+    with service:
+        try:
+            for a in (on_time, late, wrong):
+                a.start()
+            assert service.wait_for_pool(2, 15)
+            record = service.run_round()
+            assert sorted(record.selected) == ["late", "on-time"]  # "wrong" never entered the pool
+            assert record.finished == ["on-time"] and record.dropouts == ["late"]
+            assert record.ended == "cutoff"
+            deadline = time.monotonic() + 10
+            while late.counters["reports"] == 0 and time.monotonic() < deadline:
+                service.pump(time.monotonic() + 0.2)
+            service.pump(time.monotonic() + 0.5)
+            assert late.log[-1].finished  # it did finish: 3 s of work, after the cut-off
+            assert service.counters["reports.late"] == 1
+            assert sorted(strategy.pool()) == ["late", "on-time"]
+            assert "wrong_algorithm" in wrong.errors
+        finally:
+            for a in (on_time, late, wrong):
+                a.stop()
+
+
+def test_report_for_a_closed_round_changes_nothing(mosquitto) -> None:
+    cfg = make_cfg(mosquitto.url, **{"catafed.deadline_s": 2.0})
+    strategy = CataFed(cfg.catafed, to_vector(build_model(MODEL, seed=0)))
+    with RoundService(cfg, strategy, model_name=MODEL) as service, \
+            RoundAgent(cfg, "a", *data(0, 60)) as agent:
+        assert service.wait_for_pool(1, 15)
+        service.run_round()
+        before = strategy.vector.clone()
+        # Replay the agent's last report after its round closed: counted late, ignored.
+        stale = protocol.Report(agent="a", msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
+                                round=0, finished=False, n_samples=0, shard_size=5)
+        agent.channel.send(protocol.uplink(cfg.fleet, "a"), stale).pop().wait(5)
+        service.pump(time.monotonic() + 1.0, stop=lambda: service.counters["reports.late"] > 0)
+        assert service.counters["reports.late"] == 1
+        assert torch.equal(strategy.vector, before) and strategy.agents["a"].size == 60
