@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("sim.cli", "simulated fleets: run experiments and report"),
     "broker": ("fedmq.broker_cli", "start a broker for development (Mosquitto or embedded)"),
     "creds": ("fedmq.creds", "make CA, server cert, per-agent passwords and ACL for the prod broker"),
+    "fleet": ("fedmq.fleet_status", "operator view of a fleet: `fleet status` lists agents online/offline, last tau, accuracy, upload"),
 }
 
 
