@@ -30,12 +30,24 @@ Delivery model (what the aggregator and agents rely on):
 - `close()` sends DISCONNECT, so the broker does NOT publish the will: publish your own
   "offline" status before closing. `kill()` drops the socket without DISCONNECT (tests,
   crash drills), and the broker publishes the will.
+
+Many connections in one process (the fleet simulator): paho's own loop is one thread per
+client and uses select(), which fails once a file descriptor passes 1023 (about 340
+clients, each holding a socket and a wake-up socket pair). A `NetworkLoop` serves any
+number of transports from one thread with epoll, through paho's external-loop API
+(loop_read / loop_write / loop_misc), and needs one descriptor per client:
+
+    network = NetworkLoop()
+    agents = [MqttTransport(f"a{i}", settings, network=network) for i in range(1000)]
+    with use_network(network):          # or: transports made meanwhile (e.g. inside EdgeAgent)
+        ...                             # that are given no network= use this one
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import selectors
 import socket
 import ssl
 import threading
@@ -71,6 +83,179 @@ PROTOCOL_CHOICES = {
 
 class TransportError(RuntimeError):
     """The broker could not be reached, refused us, or did not answer in time."""
+
+
+class NetworkLoop:
+    """One network thread (epoll) for many paho clients, in place of one thread per client.
+
+    Socket registration and write interest come from paho's socket callbacks (any thread);
+    reads, writes, keepalive (`loop_misc`, once a second per client) and reconnects with
+    backoff run on this loop's thread, so every transport handler runs there: a handler that
+    blocks stalls every connection of the loop. Started on first use, stopped by `close()`.
+    """
+
+    MISC_INTERVAL_S = 1.0
+
+    def __init__(self, name: str = "fedmq-network") -> None:
+        self.name = name
+        self._sel = selectors.DefaultSelector()
+        self._lock = threading.RLock()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._clients: dict[paho.Client, MqttTransport] = {}
+        self._reconnect: dict[paho.Client, tuple[float, float]] = {}
+        """client -> (when, current delay)."""
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    @property
+    def clients(self) -> int:
+        with self._lock:
+            return len(self._clients)
+
+    def _ensure_started(self) -> None:
+        with self._lock:
+            if self._thread is None and not self._stopping:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            self._wake_w.send(b"x")
+
+    # -- paho socket callbacks (any thread) ----------------------------------------------
+
+    def register(self, sock: Any, client: paho.Client) -> None:
+        with self._lock:
+            with contextlib.suppress(KeyError, ValueError):
+                self._sel.unregister(sock)
+            self._sel.register(sock, selectors.EVENT_READ, client)
+        self._ensure_started()
+        self._wake()
+
+    def forget(self, sock: Any) -> None:
+        with self._lock, contextlib.suppress(KeyError, ValueError, OSError):
+            self._sel.unregister(sock)
+
+    def _on_socket_close(self, client: paho.Client, userdata: Any, sock: Any) -> None:
+        self.forget(sock)
+
+    def _on_register_write(self, client: paho.Client, userdata: Any, sock: Any) -> None:
+        with self._lock, contextlib.suppress(KeyError, ValueError, OSError):
+            self._sel.modify(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, client)
+        self._wake()
+
+    def _on_unregister_write(self, client: paho.Client, userdata: Any, sock: Any) -> None:
+        with self._lock, contextlib.suppress(KeyError, ValueError, OSError):
+            self._sel.modify(sock, selectors.EVENT_READ, client)
+
+    def install(self, client: paho.Client) -> None:
+        """Route a new client's socket callbacks here (before its first connect)."""
+        client.on_socket_close = self._on_socket_close
+        client.on_socket_register_write = self._on_register_write
+        client.on_socket_unregister_write = self._on_unregister_write
+
+    # -- transports ------------------------------------------------------------------------
+
+    def attach(self, client: paho.Client, transport: MqttTransport) -> None:
+        with self._lock:
+            self._clients[client] = transport
+        self._ensure_started()
+
+    def detach(self, client: paho.Client) -> None:
+        with self._lock:
+            self._clients.pop(client, None)
+            self._reconnect.pop(client, None)
+            sock = client.socket()
+            if sock is not None:
+                self.forget(sock)
+
+    def reconnect_later(self, client: paho.Client, min_s: float, max_s: float) -> None:
+        with self._lock:
+            if client not in self._clients:
+                return
+            _, delay = self._reconnect.get(client, (0.0, 0.0))
+            delay = min(max(min_s, delay * 2), max_s)
+            self._reconnect[client] = (time.monotonic() + delay, delay)
+        self._wake()
+
+    # -- the loop thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        next_misc = time.monotonic() + self.MISC_INTERVAL_S
+        while not self._stopping:
+            try:
+                events = self._sel.select(timeout=0.2)
+            except OSError:  # a socket closed under us: its callback will unregister it
+                time.sleep(0.001)
+                continue
+            for key, mask in events:
+                client = key.data
+                if client is None:
+                    with contextlib.suppress(BlockingIOError, OSError):
+                        self._wake_r.recv(4096)
+                    continue
+                if client.socket() is not key.fileobj:
+                    self.forget(key.fileobj)
+                    continue
+                if mask & selectors.EVENT_READ:
+                    client.loop_read()
+                if mask & selectors.EVENT_WRITE and client.socket() is not None:
+                    client.loop_write()
+            now = time.monotonic()
+            if now >= next_misc:
+                next_misc = now + self.MISC_INTERVAL_S
+                with self._lock:
+                    clients = list(self._clients)
+                for client in clients:
+                    client.loop_misc()
+            self._reconnect_due(now)
+
+    def _reconnect_due(self, now: float) -> None:
+        with self._lock:
+            due = [(c, d) for c, (when, d) in self._reconnect.items() if when <= now]
+        for client, delay in due:
+            with self._lock:
+                transport = self._clients.get(client)
+                self._reconnect.pop(client, None)
+            if transport is None or transport._closed:
+                continue
+            try:
+                client.reconnect()
+            except (OSError, ssl.SSLError, ValueError) as e:
+                event(log, "transport.reconnect_failed", logging.DEBUG, client=transport.client_id,
+                      error=str(e), retry_in_s=min(delay * 2, transport.settings.reconnect_max_s))
+                with self._lock:
+                    self._reconnect[client] = (now + delay, delay)
+                self.reconnect_later(client, transport.settings.reconnect_min_s,
+                                     transport.settings.reconnect_max_s)
+
+    def close(self) -> None:
+        """Stop the thread (transports still attached lose their network)."""
+        self._stopping = True
+        self._wake()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        with contextlib.suppress(OSError):
+            self._sel.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+
+_default_network: NetworkLoop | None = None
+
+
+@contextlib.contextmanager
+def use_network(network: NetworkLoop | None):
+    """Transports created in this block without `network=` use `network` (process-wide)."""
+    global _default_network
+    previous, _default_network = _default_network, network
+    try:
+        yield network
+    finally:
+        _default_network = previous
 
 
 @dataclass(frozen=True)
@@ -291,6 +476,7 @@ class MqttTransport:
         will: Will | None = None,
         manual_ack: bool = False,
         tcp_nodelay: bool = True,
+        network: NetworkLoop | None = None,
     ) -> None:
         if not client_id:
             raise TransportError("a client id is required: persistent sessions are keyed by it")
@@ -305,6 +491,8 @@ class MqttTransport:
         self.will = will
         self.manual_ack = manual_ack
         self.tcp_nodelay = tcp_nodelay
+        self.network = network if network is not None else _default_network
+        """The shared network loop serving this connection, or None for paho's own thread."""
         self.on_connect_hooks: list[ConnectHook] = []
         """Called as hook(transport, session_present) after every successful CONNACK."""
         self.on_disconnect_hooks: list[DisconnectHook] = []
@@ -379,6 +567,8 @@ class MqttTransport:
             self._client = self._protocol = None
             error, version_refused = failure
             sock = client.socket()
+            if sock is not None and self.network is not None:
+                self.network.forget(sock)
             if sock is not None:
                 with contextlib.suppress(OSError):
                     sock.close()
@@ -386,7 +576,10 @@ class MqttTransport:
                 event(log, "transport.fallback", client=self.client_id, reason=error)
                 continue
             raise TransportError(error)
-        client.loop_start()
+        if self.network is not None:
+            self.network.attach(client, self)
+        else:
+            client.loop_start()
         self._send_pending_subscriptions(wait_deadline=deadline)
         event(log, "transport.connected", client=self.client_id, host=self.address.host,
               port=self.address.port, protocol=self.protocol_version, window=self.window)
@@ -428,6 +621,8 @@ class MqttTransport:
         client.on_message = self._on_message
         client.on_publish = self._on_publish
         client.on_subscribe = self._on_subscribe
+        if self.network is not None:
+            self.network.install(client)
         return client
 
     def _first_connect(self, client: paho.Client, deadline: float) -> tuple[str, bool] | None:
@@ -454,7 +649,12 @@ class MqttTransport:
         except OSError as e:
             return f"cannot connect to {self._where()}: {e}", False
         closed_early = False
-        while self._first_connack is None and time.monotonic() < deadline:
+        while self.network is not None and self._first_connack is None and time.monotonic() < deadline:
+            if client.socket() is None:  # the loop thread read EOF: the broker hung up
+                closed_early = True
+                break
+            time.sleep(0.002)
+        while self.network is None and self._first_connack is None and time.monotonic() < deadline:
             rc = client.loop(timeout=min(0.05, max(0.0, deadline - time.monotonic())))
             if rc != MQTTErrorCode.MQTT_ERR_SUCCESS and self._first_connack is None:
                 closed_early = True
@@ -481,6 +681,8 @@ class MqttTransport:
         if self.tcp_nodelay:
             with contextlib.suppress(OSError, AttributeError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.network is not None:
+            self.network.register(sock, client)
 
     def _on_connect(self, client: paho.Client, userdata: Any, flags: Any, reason: ReasonCode,
                     properties: Properties | None) -> None:
@@ -521,6 +723,9 @@ class MqttTransport:
                        properties: Properties | None) -> None:
         was_connected = self._connected.is_set()
         self._connected.clear()
+        if self.network is not None and self._ever_connected and not self._closed:
+            # paho's own thread reconnects by itself; the shared loop does it on request
+            self.network.reconnect_later(client, self.settings.reconnect_min_s, self.settings.reconnect_max_s)
         if not was_connected:
             return
         text = _reason_text(reason)
@@ -699,7 +904,14 @@ class MqttTransport:
         self._closed = True
         if client is not None:
             client.disconnect()
-            client.loop_stop()
+            if self.network is not None:
+                # the loop thread writes the DISCONNECT, then paho closes the socket
+                end = time.monotonic() + min(timeout, 2.0)
+                while client.socket() is not None and time.monotonic() < end:
+                    time.sleep(0.002)
+                self.network.detach(client)
+            else:
+                client.loop_stop()
         self._connected.clear()
         self._fail_pending("transport closed before the broker acknowledged it")
         event(log, "transport.closed", client=self.client_id)
@@ -710,7 +922,14 @@ class MqttTransport:
             return
         self._closed = True
         client = self._client
-        if client is not None:
+        if client is not None and self.network is not None:
+            self.network.detach(client)  # the loop no longer reads, writes or reconnects it
+            sock = client.socket()
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                    sock.close()
+        elif client is not None:
             sock = client.socket()
             if sock is not None:
                 with contextlib.suppress(OSError):

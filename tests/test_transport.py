@@ -21,6 +21,7 @@ from fedmq.transport import (
     BrokerAddress,
     Message,
     MqttTransport,
+    NetworkLoop,
     TransportError,
     Will,
     parse_broker_url,
@@ -91,6 +92,25 @@ def transports() -> Iterator:
         t.close(timeout=1)
 
 
+@pytest.fixture(params=["own-thread", "shared-loop"])
+def any_transports(request) -> Iterator:
+    """`transports`, once with paho's thread per client and once all on one NetworkLoop."""
+    network = NetworkLoop() if request.param == "shared-loop" else None
+    made: list[MqttTransport] = []
+
+    def make(client_id: str, settings: BrokerSettings, **kw) -> MqttTransport:
+        t = MqttTransport(client_id, settings, network=network, **kw)
+        made.append(t)
+        return t
+
+    yield make
+    for t in made:
+        t.close(timeout=1)
+    if network is not None:
+        assert network.clients == 0  # close() detached every client
+        network.close()
+
+
 # -- URLs ------------------------------------------------------------------------------
 
 
@@ -130,12 +150,12 @@ def test_password_is_not_in_repr():
 # -- basic traffic -----------------------------------------------------------------------
 
 
-def test_round_trip_qos1(mosquitto, transports):
+def test_round_trip_qos1(mosquitto, any_transports):
     s = settings_for(mosquitto)
     inbox = Inbox()
-    sub = transports("sub", s).connect()
+    sub = any_transports("sub", s).connect()
     sub.subscribe("fedmq/t/agents/+/up", inbox)
-    pub = transports("pub", s).connect()
+    pub = any_transports("pub", s).connect()
     assert sub.protocol_version == pub.protocol_version == "5"
     payload = bytes(range(256)) * 4096  # 1 MiB, every byte value
     handle = pub.publish("fedmq/t/agents/a1/up", payload, qos=1)
@@ -263,19 +283,19 @@ def test_clean_start_drops_the_backlog(mosquitto, transports):
 # -- manual ack ------------------------------------------------------------------------
 
 
-def test_manual_ack_redelivers_until_acked(mosquitto, transports):
+def test_manual_ack_redelivers_until_acked(mosquitto, any_transports):
     s = settings_for(mosquitto)
     first = Inbox()
-    agg = transports("agg", s, manual_ack=True).connect()
+    agg = any_transports("agg", s, manual_ack=True).connect()
     agg.subscribe("fedmq/t/agents/+/up", first)
-    pub = transports("pub", s).connect()
+    pub = any_transports("pub", s).connect()
     pub.publish("fedmq/t/agents/a1/up", b"update-1").wait(WAIT)
     (m,) = first.wait_for(1)
     assert not m.dup
     agg.close()  # crash-equivalent for the message: never acked
 
     second = Inbox()
-    agg = transports("agg", s, manual_ack=True)
+    agg = any_transports("agg", s, manual_ack=True)
     agg.subscribe("fedmq/t/agents/+/up", second)
     agg.connect()
     (again,) = second.wait_for(1)
@@ -285,7 +305,7 @@ def test_manual_ack_redelivers_until_acked(mosquitto, transports):
 
     pub.publish("fedmq/t/agents/a1/up", b"marker").wait(WAIT)
     third = Inbox()
-    agg = transports("agg", s, manual_ack=True)
+    agg = any_transports("agg", s, manual_ack=True)
     agg.subscribe("fedmq/t/agents/+/up", third)
     agg.connect()
     third.wait_for(1)
@@ -312,25 +332,25 @@ def test_ack_from_an_earlier_connection_is_void(mosquitto, transports):
 # -- will, close, kill -------------------------------------------------------------------
 
 
-def test_will_is_sent_on_kill_not_on_close(mosquitto, transports):
+def test_will_is_sent_on_kill_not_on_close(mosquitto, any_transports):
     s = settings_for(mosquitto)
     watcher = Inbox()
-    w = transports("watcher", s).connect()
+    w = any_transports("watcher", s).connect()
     w.subscribe("fedmq/t/agents/+/status", watcher)
 
-    crashed = transports("a1", s, will=Will("fedmq/t/agents/a1/status", b"offline"))
+    crashed = any_transports("a1", s, will=Will("fedmq/t/agents/a1/status", b"offline"))
     crashed.connect().publish("fedmq/t/agents/a1/status", b"online", retain=True).wait(WAIT)
     watcher.wait_for(1)
     crashed.kill()
     assert watcher.wait_for(2)[1].payload == b"offline"
     assert not crashed.connected
 
-    polite = transports("a2", s, will=Will("fedmq/t/agents/a2/status", b"offline"))
+    polite = any_transports("a2", s, will=Will("fedmq/t/agents/a2/status", b"offline"))
     polite.connect().publish("fedmq/t/agents/a2/status", b"online", retain=True).wait(WAIT)
     watcher.wait_for(3)
     polite.close()
     # The same client id comes back: the broker handled the old connection's DISCONNECT first.
-    again = transports("a2", s).connect()
+    again = any_transports("a2", s).connect()
     again.publish("fedmq/t/agents/a2/status", b"back", retain=True).wait(WAIT)
     got = watcher.wait_for(4)
     assert [m.payload for m in got if m.topic.endswith("a2/status")] == [b"online", b"back"]
@@ -381,12 +401,12 @@ def test_auto_falls_back_to_311_on_a_broker_without_v5(transports):
 # -- reconnect and errors ----------------------------------------------------------------
 
 
-def test_reconnects_after_broker_restart(mosquitto, transports):
+def test_reconnects_after_broker_restart(mosquitto, any_transports):
     s = settings_for(mosquitto)
     inbox = Inbox()
-    sub = transports("sub", s).connect()
+    sub = any_transports("sub", s).connect()
     sub.subscribe("rs/#", inbox)
-    pub = transports("pub", s).connect()
+    pub = any_transports("pub", s).connect()
     ups, downs = Counter(), Counter()
     pub.on_connect_hooks.append(ups)
     pub.on_disconnect_hooks.append(downs)
@@ -419,12 +439,12 @@ def test_resubscribes_when_the_session_is_gone(tmp_path, transports):
         assert inbox.wait_for(1)[0].payload == b"still subscribed"
 
 
-def test_publish_while_broker_is_down_goes_out_after_reconnect(mosquitto, transports):
+def test_publish_while_broker_is_down_goes_out_after_reconnect(mosquitto, any_transports):
     s = settings_for(mosquitto)
     inbox = Inbox()
-    sub = transports("sub", s).connect()
+    sub = any_transports("sub", s).connect()
     sub.subscribe("down/#", inbox)
-    pub = transports("pub", s).connect()
+    pub = any_transports("pub", s).connect()
     downs, ups = Counter(), Counter()
     pub.on_disconnect_hooks.append(downs)
     pub.on_connect_hooks.append(ups)
@@ -510,3 +530,28 @@ def test_acl_denied_publish_fails_its_handle_on_v5(prod, transports):
     with pytest.raises(TransportError, match="Not authorized"):
         a1.publish("fedmq/f1/agents/someone-else/up", b"x").wait(WAIT)
     assert a1.publish("fedmq/f1/agents/a1/up", b"mine").wait(WAIT)
+
+
+def test_one_network_loop_serves_more_clients_than_select_can(mosquitto):
+    # paho's own loop uses select(), which fails past descriptor 1023 (~340 clients of 3
+    # descriptors each); one NetworkLoop (epoll) carries them all on one thread.
+    s = settings_for(mosquitto)
+    network = NetworkLoop()
+    inbox = Inbox()
+    clients = []
+    try:
+        for i in range(400):
+            t = MqttTransport(f"many-{i}", s, network=network).connect()
+            t.subscribe(f"many/{i}", inbox)
+            clients.append(t)
+        assert network.clients == 400
+        assert threading.active_count() < 20  # not one thread per client
+        for i, t in enumerate(clients):
+            t.publish(f"many/{(i + 1) % 400}", str(i).encode())
+        got = inbox.wait_for(400, timeout=60)
+        assert sorted(int(m.payload) for m in got) == list(range(400))
+    finally:
+        for t in clients:
+            t.close(timeout=1)
+        network.close()
+    assert network.clients == 0
