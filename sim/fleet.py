@@ -1,0 +1,437 @@
+"""One simulated fleet run: a broker, the aggregator, N edge agents, a seeded schedule.
+
+The agents are the edge agent's own code (`edge_agent.runtime.EdgeAgent`), each a real MQTT
+client with its own connection, client id and persistent session; they share this process
+and a few worker threads. What an agent does in one cycle:
+
+1. new data arrives (a new mixture: `sim.scenarios.draw_cycle`, a pure function of
+   (seed, agent, cycle));
+2. it trains from the model it holds (CDFL: proximal to the received model; FedSoft-Async:
+   estimates its mixture by per-sample argmin over the K received models, then trains with
+   proximal terms toward each; Local: from its own model, and never talks to anyone);
+3. it uploads the encoded delta and installs the reply (CDFL: one personalized model;
+   FedSoft-Async: all K models).
+
+When agents update is drawn from the seed: each agent's update times are a Poisson process
+(on average `updates_per_agent` in the run), merged into one order of events. `workers`
+threads take events in that order; an agent's cycles run one after another. With one
+worker the run is a pure function of the seed; with more, arrivals at the aggregator depend
+on thread timing, and the order they really happened in is recorded (`arrival`).
+
+Every `eval_every` events all workers drain and the cluster models are scored on each
+cluster's test set (the aggregator is idle then: every agent has its reply).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedmq.config import Config
+from fedmq.logs import event, get_logger
+from fedmq.transport import NetworkLoop, use_network
+from sim.scenarios import Scenario, apply_defaults, build_clusters, draw_cycle, get_scenario
+
+log = get_logger("sim")
+
+METHODS: dict[str, str] = {"cdfl": "cdfl", "fedsoft-async": "fedsoft-async", "fedasync": "fedasync",
+                           "local": ""}
+"""Simulator method -> aggregator algorithm ('' = no server)."""
+
+
+@dataclass
+class RunSpec:
+    """Everything that decides one run (written to summary.json)."""
+
+    scenario: str = "rotated-digits"
+    method: str = "cdfl"
+    clusters: int = 3
+    agents: int = 0
+    """0: 20 * K, the paper's fleet size."""
+    seed: int = 0
+    updates_per_agent: float = 25.0
+    """Mean number of updates per agent (Poisson)."""
+    workers: int = 1
+    test_samples: int = 300
+    eval_every: int = 0
+    """Events between cluster-accuracy checkpoints (0: about ten per run)."""
+    local_epochs: int = 2
+    local_lr: float = 0.01
+    rho: float = 0.1
+
+    def resolved_agents(self) -> int:
+        return self.agents or 20 * self.clusters
+
+    @property
+    def label(self) -> str:
+        return f"{self.scenario}_K{self.clusters}_{self.method}_s{self.seed}"
+
+
+@dataclass
+class UpdateRecord:
+    """One upload-download cycle of one agent (one row of updates.csv)."""
+
+    event: int
+    """Position in the seeded schedule."""
+    arrival: int
+    """Order in which the cycle finished (thread timing; = event with one worker)."""
+    agent: str
+    cycle: int
+    n_samples: int
+    tau: int
+    epoch: int
+    staleness: int
+    acc_held: float
+    """The model held when new data arrived, on the new test mixture."""
+    acc_before: float
+    """The agent's trained model (before the download)."""
+    acc_after: float
+    """The model installed from the download (Local: its trained model)."""
+    kl: float
+    """KL(true alpha || estimated alpha); NaN for Local."""
+    alpha_true: list[float]
+    alpha_est: list[float] | None
+    bytes_up: int
+    bytes_down: int
+    compute_s: float
+    """Agent CPU seconds for this update: mixture estimate (FedSoft) + local training."""
+    encode_s: float
+    round_trip_s: float
+    """Upload sent -> reply installed (broker + aggregator + codec on the way back)."""
+    t: float
+    """Seconds since the first event."""
+
+
+@dataclass
+class RunResult:
+    spec: RunSpec
+    updates: list[UpdateRecord]
+    cluster_acc: list[dict[str, Any]]
+    """Checkpoints: {'events': n, 'acc': [per cluster]}."""
+    agent_bytes: dict[str, dict[str, int]]
+    """Per agent: up and down bytes in total, the join included."""
+    wall_s: float
+    broker: str
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        u = self.updates
+        def mean(xs: list[float]) -> float:
+            xs = [x for x in xs if not math.isnan(x)]
+            return float(np.mean(xs)) if xs else math.nan
+        final = self.cluster_acc[-1]["acc"] if self.cluster_acc else []
+        n_agents = max(1, len(self.agent_bytes))
+        return {
+            "spec": asdict(self.spec), "label": self.spec.label, "broker": self.broker,
+            "updates": len(u), "wall_s": round(self.wall_s, 2),
+            "client_acc": mean([r.acc_after for r in u]),
+            "client_acc_before": mean([r.acc_before for r in u]),
+            "client_acc_held": mean([r.acc_held for r in u]),
+            "cluster_acc": float(np.mean(final)) if final else math.nan,
+            "cluster_acc_per_cluster": final,
+            "kl": mean([r.kl for r in u]),
+            "bytes_up_per_update": mean([float(r.bytes_up) for r in u]),
+            "bytes_down_per_update": mean([float(r.bytes_down) for r in u]),
+            "bytes_up_per_agent": sum(b["up"] for b in self.agent_bytes.values()) / n_agents,
+            "bytes_down_per_agent": sum(b["down"] for b in self.agent_bytes.values()) / n_agents,
+            "compute_s_per_update": mean([r.compute_s for r in u]),
+            "staleness_mean": mean([float(r.staleness) for r in u]),
+            "round_trip_s_mean": mean([r.round_trip_s for r in u]),
+            **self.info,
+        }
+
+
+def kl_divergence(p: list[float] | np.ndarray, q: list[float] | np.ndarray, eps: float = 1e-6) -> float:
+    """KL(p || q) in nats, q floored at eps and renormalized (an estimate of exactly 0 is finite)."""
+    p = np.asarray(p, dtype=np.float64)
+    q = np.maximum(np.asarray(q, dtype=np.float64), eps)
+    q = q / q.sum()
+    mask = p > 0
+    return float(np.sum(p[mask] * np.log(p[mask] / q[mask])))
+
+
+def make_schedule(seed: int, agents: int, updates_per_agent: float) -> list[tuple[int, int]]:
+    """(agent, cycle) in time order: each agent's updates are Poisson(mean) uniform times."""
+    rng = np.random.default_rng([seed, 0x5343484544])
+    times: list[tuple[float, int]] = []
+    for a in range(agents):
+        count = int(rng.poisson(updates_per_agent))
+        times.extend((float(t), a) for t in rng.uniform(0.0, 1.0, size=count))
+    times.sort()
+    next_cycle = [0] * agents
+    out = []
+    for _, a in times:
+        out.append((a, next_cycle[a]))
+        next_cycle[a] += 1
+    return out
+
+
+@contextlib.contextmanager
+def running_broker(url: str | None) -> Iterator[tuple[str, str]]:
+    """(url, kind): the broker given, else Mosquitto (dev.conf), else the embedded one."""
+    if url:
+        yield url, "external"
+        return
+    from fedmq.broker import MosquittoBroker, find_mosquitto
+
+    if find_mosquitto():
+        with MosquittoBroker.dev() as b:
+            yield b.url, "mosquitto"
+        return
+    from fedmq.embedded_broker import EmbeddedBroker
+
+    with EmbeddedBroker() as b:
+        yield b.url, "embedded"
+
+
+class _Dispatcher:
+    """Hands out events in schedule order; pauses everyone at checkpoints; keeps agents' cycles in order."""
+
+    def __init__(self, schedule: list[tuple[int, int]], eval_every: int,
+                 checkpoint: Callable[[int], None]) -> None:
+        self.schedule = schedule
+        self.eval_every = eval_every
+        self.checkpoint = checkpoint
+        self.cond = threading.Condition()
+        self.next = 0
+        self.done = 0
+        self.done_cycles: dict[int, int] = {}
+        self.failed: BaseException | None = None
+
+    def take(self) -> tuple[int, int, int] | None:
+        with self.cond:
+            if self.next >= len(self.schedule) or self.failed:
+                return None
+            i = self.next
+            self.next += 1
+            if self.eval_every and i and i % self.eval_every == 0:
+                self.cond.wait_for(lambda: self.done == i or self.failed is not None)
+                if self.failed:
+                    return None
+                self.checkpoint(i)  # others are blocked in take() or waiting for their turn
+            agent, cycle = self.schedule[i]
+            self.cond.wait_for(lambda: self.done_cycles.get(agent, 0) == cycle or self.failed is not None)
+            return (None if self.failed else (i, agent, cycle))  # type: ignore[return-value]
+
+    def finish(self, agent: int) -> int:
+        with self.cond:
+            self.done += 1
+            self.done_cycles[agent] = self.done_cycles.get(agent, 0) + 1
+            self.cond.notify_all()
+            return self.done - 1
+
+    def fail(self, e: BaseException) -> None:
+        with self.cond:
+            self.failed = self.failed or e
+            self.cond.notify_all()
+
+
+def configure(spec: RunSpec, base: Config | None = None) -> tuple[Scenario, Config]:
+    """The run's Config: the scenario's dataset, K, tau0 = number of agents, the method's algorithm."""
+    scenario = get_scenario(spec.scenario)
+    if spec.method not in METHODS:
+        raise ValueError(f"unknown method {spec.method!r}; one of {', '.join(METHODS)}")
+    if scenario.fixed_clusters and spec.clusters != scenario.fixed_clusters:
+        raise ValueError(f"{scenario.name} has {scenario.fixed_clusters} clusters; use --clusters "
+                         f"{scenario.fixed_clusters}")
+    cfg = copy.deepcopy(base) if base is not None else Config()
+    cfg.seed = spec.seed
+    cfg.data.dataset = scenario.dataset
+    apply_defaults(scenario, cfg)
+    cfg.cdfl.clusters = spec.clusters
+    if cfg.cdfl.tau0 == 0:
+        cfg.cdfl.tau0 = spec.resolved_agents()
+    cfg.aggregator.algorithm = METHODS[spec.method] or "cdfl"
+    return scenario, cfg
+
+
+def run_fleet(spec: RunSpec, base: Config | None = None, *, broker_url: str | None = None,
+              progress: Callable[[int], None] | None = None, clusters=None) -> RunResult:
+    """Run one scenario x method x seed end to end; returns every record."""
+    from aggregator.bootstrap import build_engine, pretrain_clusters
+    from aggregator.service import AggregatorService
+    from edge_agent.runtime import EdgeAgent
+    from edge_agent.trainer import estimate_alpha_argmin, train_fedsoft, train_local
+    from fedmq.models import resolve_model_name
+    from fedmq.training import evaluate
+
+    scenario, cfg = configure(spec, base)
+    n_agents = spec.resolved_agents()
+    clusters = clusters or build_clusters(scenario, cfg, spec.clusters)
+    model_name = resolve_model_name(cfg.model, cfg.data.dataset)
+    schedule = make_schedule(spec.seed, n_agents, spec.updates_per_agent)
+    eval_every = spec.eval_every or max(1, math.ceil(len(schedule) / 10))
+    local = spec.method == "local"
+    test_sets = [clusters.test(k) for k in range(spec.clusters)]
+    records: list[UpdateRecord] = []
+    cluster_acc: list[dict[str, Any]] = []
+    lock = threading.Lock()
+    t_first: list[float] = []
+
+    def score_clusters(vectors: list[torch.Tensor], events: int) -> None:
+        if local:
+            return  # Local has no cluster models
+        accs = [evaluate(model_name, w, t.x, t.y)[0] for w, t in zip(vectors, test_sets, strict=True)]
+        cluster_acc.append({"events": events, "acc": accs})
+
+    t_start = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        engine = None
+        if local:
+            url, kind = "", "none"
+            # Local agents start where a joining CDFL agent does: the uniform mixture of the
+            # server's pre-trained cluster models (same seed, same models).
+            start_vectors = pretrain_clusters(cfg, clusters, model_name)
+            start = torch.stack(start_vectors).mean(0)
+            held: dict[int, torch.Tensor] = dict.fromkeys(range(n_agents), start)
+            agents: list[Any] = [None] * n_agents
+            current_clusters: Callable[[], list[torch.Tensor]] = lambda: start_vectors  # noqa: E731
+        else:
+            url, kind = stack.enter_context(running_broker(broker_url))
+            cfg.broker.url = url
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="fedmq-sim-"))
+            cfg.aggregator.state_dir = f"{tmp}/aggregator"
+            engine = build_engine(cfg, clusters=clusters)
+            stack.enter_context(AggregatorService(cfg, engine))
+            # All agents' connections on one epoll thread (paho's own loop is a thread and a
+            # select() per client, which stops at ~340 clients); closed after the agents.
+            network = NetworkLoop("sim-network")
+            stack.callback(network.close)
+            agents = []
+            with use_network(network):
+                for i in range(n_agents):
+                    agent = EdgeAgent(cfg, f"sim-{i:05d}", algorithm=spec.method, reply_timeout_s=60.0)
+                    agent.start(timeout=30.0)
+                    stack.callback(agent.stop)
+                    agents.append(agent)
+            for agent in agents:
+                agent.join()
+            current_clusters = lambda: list(engine.strategy.state_dict()["clusters"])  # noqa: E731
+
+        score_clusters(current_clusters(), 0)
+        dispatcher = _Dispatcher(schedule, eval_every, lambda i: score_clusters(current_clusters(), i))
+
+        def cycle(i: int, a: int, c: int) -> UpdateRecord:
+            train, test = draw_cycle(scenario, clusters, cfg, spec.seed, a, c, spec.test_samples)
+            x, y, xt, yt = train.data.x, train.data.y, test.data.x, test.data.y
+            seed = int(np.random.default_rng([spec.seed, a, c, 1]).integers(2**31))
+            agent = agents[a]
+            start = held[a] if local else agent.installed.vector
+            acc_held = evaluate(model_name, start, xt, yt)[0]
+            cpu0 = time.thread_time()
+            alpha_own = None
+            if spec.method == "fedsoft-async":
+                ws = agent.installed.clusters
+                alpha_own = estimate_alpha_argmin(model_name, ws, x, y)
+                mix = sum(float(al) * w for al, w in zip(alpha_own, ws, strict=True))
+                result = train_fedsoft(model_name, mix, ws, alpha_own, x, y, epochs=spec.local_epochs,
+                                       lr=spec.local_lr, rho=spec.rho, seed=seed)
+            else:
+                result = train_local(model_name, start, x, y, epochs=spec.local_epochs, lr=spec.local_lr,
+                                     rho=spec.rho, seed=seed)
+            compute_s = time.thread_time() - cpu0
+            acc_before = evaluate(model_name, result.vector, xt, yt)[0]
+            if local:
+                held[a] = result.vector
+                return UpdateRecord(i, 0, f"sim-{a:05d}", c, len(train), 0, 0, 0, acc_held, acc_before,
+                                    acc_before, math.nan, train.alpha.tolist(), None, 0, 0, compute_s,
+                                    0.0, 0.0, 0.0)
+            tau = agent.installed.epoch
+            e0 = time.perf_counter()
+            env = agent.update_envelope(result.vector, len(train), alpha=alpha_own)
+            encode_s = time.perf_counter() - e0
+            r0 = time.perf_counter()
+            installed, up = agent.upload(env)
+            round_trip = time.perf_counter() - r0
+            acc_after = evaluate(model_name, installed.vector, xt, yt)[0]
+            alpha_est = alpha_own if alpha_own is not None else installed.alpha
+            kl = kl_divergence(train.alpha, alpha_est) if alpha_est else math.nan
+            return UpdateRecord(i, 0, agent.agent_id, c, len(train), tau, installed.epoch,
+                                installed.epoch - tau, acc_held, acc_before, acc_after, kl,
+                                train.alpha.tolist(), [float(v) for v in alpha_est] if alpha_est else None,
+                                up, installed.bytes_down, compute_s, encode_s, round_trip, 0.0)
+
+        def worker() -> None:
+            torch.set_num_threads(1)
+            while True:
+                item = dispatcher.take()
+                if item is None:
+                    return
+                i, a, c = item
+                try:
+                    if not t_first:
+                        t_first.append(time.perf_counter())
+                    rec = cycle(i, a, c)
+                except BaseException as e:  # noqa: BLE001 - reported by run_fleet
+                    event(log, "sim.cycle_failed", level=40, agent=a, cycle=c, error=repr(e))
+                    dispatcher.fail(e)
+                    return
+                with lock:
+                    rec.t = time.perf_counter() - t_first[0]
+                    rec.arrival = dispatcher.finish(a)
+                    records.append(rec)
+                if progress is not None:
+                    progress(1)
+
+        threads = [threading.Thread(target=worker, name=f"sim-worker-{w}") for w in range(max(1, spec.workers))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if dispatcher.failed is not None:
+            raise RuntimeError(f"{spec.label}: a cycle failed: {dispatcher.failed!r}") from dispatcher.failed
+        score_clusters(current_clusters(), len(schedule))
+        agent_bytes = {}
+        info: dict[str, Any] = {"events": len(schedule), "agents": n_agents}
+        if not local:
+            for agent in agents:
+                agent_bytes[agent.agent_id] = {"up": agent.channel.bytes_sent,
+                                               "down": agent.channel.bytes_received}
+            info["aggregator_counters"] = {k: int(v) for k, v in engine.counters.items()}
+            info["stale_updates"] = int(engine.strategy.counters.get("stale", 0))
+    records.sort(key=lambda r: r.event)
+    return RunResult(spec, records, cluster_acc, agent_bytes, time.perf_counter() - t_start, kind, info)
+
+
+# ---------------------------------------------------------------------------------- output
+
+UPDATE_COLUMNS = [f for f in UpdateRecord.__dataclass_fields__]
+
+
+def write_run(result: RunResult, out: Path) -> Path:
+    """updates.csv, clusters.csv, agents.csv and summary.json under out/runs/LABEL/."""
+    import csv
+
+    d = out / "runs" / result.spec.label
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / "updates.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(UPDATE_COLUMNS)
+        for r in result.updates:
+            row = asdict(r)
+            w.writerow([json.dumps(row[c]) if isinstance(row[c], list | type(None)) else row[c]
+                        for c in UPDATE_COLUMNS])
+    with open(d / "clusters.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["events", *[f"acc_{k}" for k in range(result.spec.clusters)]])
+        for cp in result.cluster_acc:
+            w.writerow([cp["events"], *cp["acc"]])
+    with open(d / "agents.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["agent", "bytes_up", "bytes_down"])
+        for a, b in sorted(result.agent_bytes.items()):
+            w.writerow([a, b["up"], b["down"]])
+    (d / "summary.json").write_text(json.dumps(result.summary(), indent=1, default=float) + "\n")
+    return d

@@ -1,0 +1,209 @@
+"""Tables and plots from a simulator output dir, in the shape of the CDFL paper's.
+
+    fedmq sim report DIR
+
+reads DIR/runs/*/summary.json (and updates.csv) and writes DIR/report.md with
+- Table 1: client and cluster accuracy, mean +- std over seeds, per method and K;
+- a cost table: KL(true || estimated), bytes down and up per update, agent compute per update;
+and the figures DIR/figures/accuracy_over_time.png (Figure 3), kl.png (Figure 5) and
+relative_cost.png (Figure 6: download bytes and client compute relative to CDFL).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+METHOD_ORDER = ("cdfl", "fedsoft-async", "fedasync", "local")
+METHOD_NAMES = {"cdfl": "CDFL", "fedsoft-async": "FedSoft-Async", "fedasync": "FedAsync", "local": "Local"}
+
+
+def load_runs(out: Path) -> list[dict[str, Any]]:
+    runs = []
+    for p in sorted((out / "runs").glob("*/summary.json")):
+        s = json.loads(p.read_text())
+        s["dir"] = p.parent
+        runs.append(s)
+    if not runs:
+        raise FileNotFoundError(f"no runs under {out / 'runs'} (expected runs/*/summary.json)")
+    return runs
+
+
+def _group(runs: list[dict[str, Any]]) -> dict[tuple[str, str, int], list[dict[str, Any]]]:
+    groups: dict[tuple[str, str, int], list[dict[str, Any]]] = defaultdict(list)
+    for r in runs:
+        sp = r["spec"]
+        groups[(sp["scenario"], sp["method"], sp["clusters"])].append(r)
+    return groups
+
+
+def _ms(values: list[float], digits: int = 3) -> str:
+    xs = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    if not xs:
+        return "-"
+    if len(xs) == 1:
+        return f"{xs[0]:.{digits}f}"
+    return f"{np.mean(xs):.{digits}f} ± {np.std(xs):.{digits}f}"
+
+
+def _methods(groups: dict[tuple[str, str, int], Any], scenario: str) -> list[str]:
+    present = {m for (s, m, _) in groups if s == scenario}
+    return [m for m in METHOD_ORDER if m in present] + sorted(present - set(METHOD_ORDER))
+
+
+def tables(runs: list[dict[str, Any]]) -> str:
+    groups = _group(runs)
+    out: list[str] = []
+    for scenario in sorted({s for (s, _, _) in groups}):
+        ks = sorted({k for (s, _, k) in groups if s == scenario})
+        methods = _methods(groups, scenario)
+        seeds = sorted({r["spec"]["seed"] for r in runs if r["spec"]["scenario"] == scenario})
+        out.append(f"### {scenario}: Table 1 (client / cluster accuracy, mean ± std over seeds {seeds})\n")
+        out.append("| method | " + " | ".join(f"K={k} client | K={k} cluster" for k in ks) + " |")
+        out.append("|---|" + "---|---|" * len(ks))
+        for m in methods:
+            cells = []
+            for k in ks:
+                g = groups.get((scenario, m, k), [])
+                cells.append(_ms([r["client_acc"] for r in g]))
+                cells.append(_ms([r["cluster_acc"] for r in g]))
+            out.append(f"| {METHOD_NAMES.get(m, m)} | " + " | ".join(cells) + " |")
+        out.append("")
+        out.append("Client accuracy: the model an agent holds after its download (Local: after its "
+                   "own training), on that cycle's test mixture, averaged over all updates. "
+                   "Cluster accuracy: the final cluster models on their own clusters' test sets.\n")
+        out.append(f"### {scenario}: the other metrics (mean ± std over seeds)\n")
+        out.append("| method | K | trained model (before download) | held model on new data | "
+                   "KL(true‖est) | bytes down / update | bytes up / update | compute s / update | "
+                   "staleness | updates |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|")
+        for k in ks:
+            for m in methods:
+                g = groups.get((scenario, m, k), [])
+                if not g:
+                    continue
+                out.append(
+                    f"| {METHOD_NAMES.get(m, m)} | {k} | {_ms([r['client_acc_before'] for r in g])} | "
+                    f"{_ms([r['client_acc_held'] for r in g])} | {_ms([r['kl'] for r in g], 4)} | "
+                    f"{_ms([r['bytes_down_per_update'] for r in g], 0)} | "
+                    f"{_ms([r['bytes_up_per_update'] for r in g], 0)} | "
+                    f"{_ms([r['compute_s_per_update'] for r in g], 4)} | "
+                    f"{_ms([r['staleness_mean'] for r in g], 1)} | {sum(r['updates'] for r in g)} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def _updates(run: dict[str, Any]) -> list[dict[str, str]]:
+    with open(Path(run["dir"]) / "updates.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def figures(runs: list[dict[str, Any]], fig_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    groups = _group(runs)
+    paths: list[Path] = []
+    for scenario in sorted({s for (s, _, _) in groups}):
+        ks = sorted({k for (s, _, k) in groups if s == scenario})
+        methods = _methods(groups, scenario)
+        tag = scenario
+
+        # Figure 3: client accuracy over time (binned by schedule position), mean over seeds.
+        fig, axes = plt.subplots(1, len(ks), figsize=(4.2 * len(ks), 3.4), squeeze=False)
+        for ax, k in zip(axes[0], ks, strict=True):
+            for m in methods:
+                curves = []
+                for r in groups.get((scenario, m, k), []):
+                    rows = _updates(r)
+                    if not rows:
+                        continue
+                    acc = np.array([float(x["acc_after"]) for x in rows])
+                    bins = np.array_split(acc, min(10, len(acc)))
+                    curves.append([b.mean() for b in bins])
+                if curves:
+                    n = min(len(c) for c in curves)
+                    y = np.mean([c[:n] for c in curves], axis=0)
+                    ax.plot(np.linspace(0, 1, n), y, marker="o", ms=3, label=METHOD_NAMES.get(m, m))
+            ax.set_title(f"K = {k}")
+            ax.set_xlabel("fraction of the run's updates")
+            ax.set_ylabel("client accuracy")
+            ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=8)
+        fig.suptitle(f"{scenario}: client accuracy over time")
+        fig.tight_layout()
+        p = fig_dir / f"{tag}_accuracy_over_time.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
+
+        # Figure 5: KL(true || estimated) per method and K.
+        kl_methods = [m for m in methods if m != "local" and any(
+            not math.isnan(r["kl"]) for k in ks for r in groups.get((scenario, m, k), []))]
+        if kl_methods:
+            fig, ax = plt.subplots(figsize=(1.5 + 1.3 * len(ks) * len(kl_methods), 3.4))
+            width = 0.8 / len(kl_methods)
+            for j, m in enumerate(kl_methods):
+                means = [np.mean([r["kl"] for r in groups.get((scenario, m, k), [])] or [np.nan]) for k in ks]
+                stds = [np.std([r["kl"] for r in groups.get((scenario, m, k), [])] or [np.nan]) for k in ks]
+                ax.bar(np.arange(len(ks)) + j * width, means, width, yerr=stds, label=METHOD_NAMES.get(m, m))
+            ax.set_xticks(np.arange(len(ks)) + width * (len(kl_methods) - 1) / 2, [f"K={k}" for k in ks])
+            ax.set_ylabel("mean KL(true ‖ estimated)")
+            ax.legend(fontsize=8)
+            ax.set_title(f"{scenario}: mixture estimation")
+            fig.tight_layout()
+            p = fig_dir / f"{tag}_kl.png"
+            fig.savefig(p, dpi=110)
+            plt.close(fig)
+            paths.append(p)
+
+        # Figure 6: download bytes and client compute per update, relative to CDFL.
+        if "cdfl" in methods:
+            fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+            others = [m for m in methods if m not in ("cdfl", "local")]
+            for ax, key, title in ((axes[0], "bytes_down_per_update", "download bytes / CDFL"),
+                                   (axes[1], "compute_s_per_update", "client compute / CDFL")):
+                series = others + (["local"] if key == "compute_s_per_update" and "local" in methods else [])
+                width = 0.8 / max(1, len(series))
+                for j, m in enumerate(series):
+                    ratios = []
+                    for k in ks:
+                        base = np.mean([r[key] for r in groups.get((scenario, "cdfl", k), [])] or [np.nan])
+                        val = np.mean([r[key] for r in groups.get((scenario, m, k), [])] or [np.nan])
+                        ratios.append(val / base if base else np.nan)
+                    ax.bar(np.arange(len(ks)) + j * width, ratios, width, label=METHOD_NAMES.get(m, m))
+                ax.axhline(1.0, color="k", lw=0.8, ls="--", label="CDFL")
+                ax.set_xticks(np.arange(len(ks)) + width * (len(series) - 1) / 2, [f"K={k}" for k in ks])
+                ax.set_title(title)
+                ax.legend(fontsize=8)
+            fig.suptitle(f"{scenario}: cost relative to CDFL")
+            fig.tight_layout()
+            p = fig_dir / f"{tag}_relative_cost.png"
+            fig.savefig(p, dpi=110)
+            plt.close(fig)
+            paths.append(p)
+    return paths
+
+
+def write_report(out: Path, command: str | None = None) -> tuple[Path, list[Path], str]:
+    """report.md and the figures; returns (report path, figure paths, the tables' markdown)."""
+    runs = load_runs(out)
+    text = tables(runs)
+    paths = figures(runs, out / "figures")
+    lines = ["# Simulator report", ""]
+    if command:
+        lines += ["Made by:", "", "```sh", command, "```", ""]
+    lines += [text, "## Figures", ""]
+    lines += [f"![{p.stem}](figures/{p.name})" for p in paths]
+    report = out / "report.md"
+    report.write_text("\n".join(lines) + "\n")
+    return report, paths, text

@@ -1,0 +1,144 @@
+"""Scenarios of the CDFL paper (rotated clusters) and a drive through three digit domains.
+
+A scenario decides three things: which clusters exist (`build_clusters`), how an agent's
+data is drawn for one upload-download cycle (`draw_cycle`: a new mixture every cycle), and
+the defaults that keep it within this machine's means. Every draw takes a numpy Generator
+seeded by (run seed, agent, cycle), so an agent's data in cycle c is the same in every run
+of the same seed, whatever the thread timing.
+
+- `rotated-digits|mnist|fashionmnist|cifar100`: cluster k is the dataset rotated by
+  k * 360 / K; an agent's mixture is 40-90 % from a random primary cluster (DESIGN.md).
+  Only digits is offline; the others need their files under `--data-dir`.
+- `digits-domains`: three digit sources, which offline means scikit-learn's digits as
+  printed, inverted (a night camera) and bold (dilated strokes: a different pen). A car's
+  mixture moves along its route: the share of each domain follows a cosine of the car's
+  position, with a per-car phase and speed, so neighbouring cycles have similar mixtures.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fedmq.config import Config
+from fedmq.data import AgentData, RotatedClusters, clusters_from_settings, draw_agent, load_dataset
+from fedmq.data.mixtures import sample_agent_data
+from fedmq.data.sources import Dataset
+
+DOMAINS: tuple[str, ...] = ("printed", "inverted", "bold")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    dataset: str
+    kind: str
+    """rotated or domains."""
+    description: str
+    fixed_clusters: int | None = None
+    """K when the scenario fixes it (digits-domains: 3)."""
+    defaults: tuple[tuple[str, object], ...] = ()
+    """Config keys the scenario sets unless the user set them (dotted key, value)."""
+
+
+# scikit-learn's digits has 1257 training images: the server's proxy and pre-training sets
+# must fit in half of them (the other half is the agents' pool); the demo's sizes.
+DIGITS_DEFAULTS = (("data.proxy_per_cluster", 200), ("data.pretrain_per_cluster", 400),
+                   ("aggregator.pretrain_epochs", 15))
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "rotated-digits": Scenario("rotated-digits", "digits", "rotated",
+                               "scikit-learn digits (offline), cluster k rotated by k*360/K",
+                               defaults=DIGITS_DEFAULTS),
+    "rotated-mnist": Scenario("rotated-mnist", "mnist", "rotated", "MNIST rotated by k*360/K"),
+    "rotated-fashionmnist": Scenario("rotated-fashionmnist", "fashionmnist", "rotated",
+                                     "FashionMNIST rotated by k*360/K"),
+    "rotated-cifar100": Scenario("rotated-cifar100", "cifar100", "rotated", "CIFAR-100 rotated by k*360/K"),
+    "digits-domains": Scenario("digits-domains", "digits", "domains",
+                               "digits printed / inverted / bold, mixed along each car's route",
+                               fixed_clusters=3, defaults=DIGITS_DEFAULTS),
+}
+
+
+def get_scenario(name: str) -> Scenario:
+    try:
+        return SCENARIOS[name]
+    except KeyError:
+        raise ValueError(f"unknown scenario {name!r}; one of {', '.join(SCENARIOS)}") from None
+
+
+class DomainClusters(RotatedClusters):
+    """Three clusters of one dataset that differ by appearance, not by angle.
+
+    Reuses RotatedClusters' pools (proxy / pretrain / agents never share a base image) and
+    replaces the rotation by a domain transform in pixel space, then renormalizes.
+    """
+
+    def __init__(self, train: Dataset, test: Dataset, *, seed: int = 0, proxy_per_cluster: int = 1000,
+                 pretrain_per_cluster: int = 2000) -> None:
+        super().__init__(train, test, len(DOMAINS), seed=seed, angles=[0.0] * len(DOMAINS),
+                         proxy_per_cluster=proxy_per_cluster, pretrain_per_cluster=pretrain_per_cluster)
+        self.name = f"{train.name}-domains"
+
+    def rotated(self, base: Dataset, cluster: int, idx: np.ndarray, label: str) -> Dataset:
+        self._check_cluster(cluster)
+        part = base.subset(idx)
+        mean = torch.tensor(base.mean).view(1, -1, 1, 1)
+        std = torch.tensor(base.std).view(1, -1, 1, 1)
+        pixels = part.x * std + mean  # back to [0, 1]
+        if DOMAINS[cluster] == "inverted":
+            pixels = 1.0 - pixels
+        elif DOMAINS[cluster] == "bold":
+            pixels = torch.nn.functional.max_pool2d(pixels, 3, stride=1, padding=1)
+        x = ((pixels - mean) / std).contiguous()
+        return part.with_x(x, name=f"{self.name}/{DOMAINS[cluster]}/{label}")
+
+
+def apply_defaults(scenario: Scenario, cfg: Config) -> None:
+    """Set the scenario's defaults on `cfg` where it still holds Config's own defaults."""
+    pristine = Config()
+    for key, value in scenario.defaults:
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) == getattr(getattr(pristine, section), name):
+            setattr(getattr(cfg, section), name, value)
+
+
+def build_clusters(scenario: Scenario, cfg: Config, num_clusters: int) -> RotatedClusters:
+    """The scenario's clusters for `cfg.data` (dataset, data_dir, proxy/pretrain sizes)."""
+    if scenario.kind == "rotated":
+        return clusters_from_settings(cfg.data, num_clusters, seed=cfg.seed)
+    if num_clusters != len(DOMAINS):
+        raise ValueError(f"{scenario.name} has {len(DOMAINS)} clusters, not {num_clusters}")
+    d = cfg.data
+    train = load_dataset(d.dataset, data_dir=d.data_dir, train=True, download=d.download)
+    test = load_dataset(d.dataset, data_dir=d.data_dir, train=False, download=d.download)
+    return DomainClusters(train, test, seed=cfg.seed, proxy_per_cluster=d.proxy_per_cluster,
+                          pretrain_per_cluster=d.pretrain_per_cluster)
+
+
+def route_mixture(position: float, num_clusters: int, sharpness: float = 3.0) -> np.ndarray:
+    """Where a car is on its route (in laps) -> a mixture: softmax of cosines, one per domain."""
+    angles = 2 * math.pi * (position - np.arange(num_clusters) / num_clusters)
+    logits = sharpness * np.cos(angles)
+    w = np.exp(logits - logits.max())
+    return w / w.sum()
+
+
+def draw_cycle(scenario: Scenario, clusters: RotatedClusters, cfg: Config, seed: int, agent: int,
+               cycle: int, test_samples: int) -> tuple[AgentData, AgentData]:
+    """An agent's (train, test) data for one cycle; a pure function of (seed, agent, cycle)."""
+    d = cfg.data
+    rng = np.random.default_rng([seed, agent, cycle])
+    if scenario.kind == "rotated":
+        return draw_agent(clusters, rng, min_samples=d.min_samples, max_samples=d.max_samples,
+                          primary_min=d.primary_min, primary_max=d.primary_max, test_samples=test_samples)
+    route = np.random.default_rng([seed, agent, 0x524F555445])  # the car's route: fixed per car
+    phase, speed = route.uniform(0, 1), route.uniform(0.02, 0.1)
+    alpha = route_mixture(phase + speed * cycle, clusters.num_clusters)
+    n = int(rng.integers(d.min_samples, d.max_samples + 1))
+    return (sample_agent_data(clusters, alpha, n, rng, split="train"),
+            sample_agent_data(clusters, alpha, test_samples, rng, split="test"))

@@ -1,0 +1,155 @@
+"""The fleet simulator end to end over a real Mosquitto: records, files, report, bytes, seeds."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import threading
+
+import pytest
+
+from fedmq import protocol
+from fedmq.config import Config
+from fedmq.transport import Message, MqttTransport
+from sim.fleet import RunSpec, kl_divergence, make_schedule, run_fleet, write_run
+from sim.report import write_report
+from sim.scenarios import SCENARIOS, build_clusters, draw_cycle, route_mixture
+
+
+def tiny_config() -> Config:
+    cfg = Config()
+    cfg.data.min_samples, cfg.data.max_samples = 60, 120
+    cfg.aggregator.pretrain_epochs = 2
+    cfg.log.level = "error"
+    return cfg
+
+
+def tiny_spec(method: str, seed: int = 0) -> RunSpec:
+    return RunSpec(scenario="rotated-digits", method=method, clusters=2, agents=4, seed=seed,
+                   updates_per_agent=2, test_samples=60, local_epochs=1)
+
+
+class WireCounter:
+    """A broker-side subscriber: payload bytes on every agent's up and down topics."""
+
+    def __init__(self, url: str, fleet: str) -> None:
+        cfg = Config()
+        cfg.broker.url = url
+        self.bytes = {"up": 0, "down": 0}
+        self.lock = threading.Lock()
+        self.transport = MqttTransport("wire-counter", cfg.broker, clean_start=True).connect()
+        for kind in ("up", "down"):
+            self.transport.subscribe(f"fedmq/{fleet}/agents/+/{kind}", self._count, qos=1)
+
+    def _count(self, m: Message) -> None:
+        with self.lock:
+            self.bytes[m.topic.rsplit("/", 1)[1]] += len(m.payload)
+
+
+def test_schedule_is_seeded_and_keeps_each_agents_cycles_in_order():
+    a = make_schedule(3, agents=10, updates_per_agent=4)
+    assert a == make_schedule(3, agents=10, updates_per_agent=4)
+    assert a != make_schedule(4, agents=10, updates_per_agent=4)
+    for agent in range(10):
+        assert [c for x, c in a if x == agent] == list(range(sum(1 for x, _ in a if x == agent)))
+    assert 20 <= len(a) <= 60  # Poisson(4) per agent, 10 agents
+
+
+def test_kl_divergence():
+    assert kl_divergence([0.5, 0.5], [0.5, 0.5]) == pytest.approx(0.0)
+    assert kl_divergence([1.0, 0.0], [0.5, 0.5]) == pytest.approx(math.log(2))
+    assert math.isfinite(kl_divergence([0.5, 0.5], [1.0, 0.0]))  # an estimate of 0 is floored
+
+
+def test_digits_domains_differ_and_follow_a_route():
+    cfg = tiny_config()
+    scenario = SCENARIOS["digits-domains"]
+    from sim.scenarios import apply_defaults
+
+    apply_defaults(scenario, cfg)
+    clusters = build_clusters(scenario, cfg, 3)
+    proxies = [clusters.proxy(k) for k in range(3)]
+    assert not any(bool((proxies[0].x == p.x).all()) for p in proxies[1:])
+    assert (proxies[0].y == proxies[1].y).all()  # same base images, another appearance
+    train0, _ = draw_cycle(scenario, clusters, cfg, 0, agent=1, cycle=0, test_samples=20)
+    train1, _ = draw_cycle(scenario, clusters, cfg, 0, agent=1, cycle=1, test_samples=20)
+    assert abs(train0.alpha - train1.alpha).sum() < 1.0  # neighbouring stretches of road
+    assert route_mixture(0.0, 3).argmax() == 0 and route_mixture(1 / 3, 3).argmax() == 1
+
+
+def test_tiny_fleet_end_to_end_over_mosquitto(mosquitto, tmp_path):
+    cfg = tiny_config()
+    cfg.fleet = "simtest"
+    counter = WireCounter(mosquitto.url, cfg.fleet)
+    results = {}
+    try:
+        for method in ("cdfl", "fedsoft-async"):
+            before = dict(counter.bytes)
+            results[method] = r = run_fleet(tiny_spec(method), cfg, broker_url=mosquitto.url)
+            write_run(r, tmp_path)
+            # what the agents counted is what crossed the broker (the join included)
+            deadline = threading.Event()
+            for _ in range(50):
+                seen = {k: counter.bytes[k] - before[k] for k in before}
+                if seen["down"] == sum(b["down"] for b in r.agent_bytes.values()):
+                    break
+                deadline.wait(0.1)
+            assert seen["up"] == sum(b["up"] for b in r.agent_bytes.values()) > 0
+            assert seen["down"] == sum(b["down"] for b in r.agent_bytes.values()) > 0
+    finally:
+        counter.transport.close()
+    local = run_fleet(tiny_spec("local"), cfg)
+    write_run(local, tmp_path)
+
+    schedule = make_schedule(0, 4, 2)
+    for method, r in [*results.items(), ("local", local)]:
+        assert [(int(u.agent[-5:]), u.cycle) for u in r.updates] == schedule
+        assert sorted(u.arrival for u in r.updates) == list(range(len(schedule)))
+        for u in r.updates:
+            assert 0.0 <= u.acc_held <= 1 and 0.0 <= u.acc_before <= 1 and 0.0 <= u.acc_after <= 1
+            assert u.compute_s > 0
+            if method == "local":
+                assert math.isnan(u.kl) and u.bytes_up == u.bytes_down == 0 and u.acc_after == u.acc_before
+            else:
+                assert u.kl >= 0 and len(u.alpha_est) == 2 and u.staleness >= 1
+                assert u.epoch > u.tau and u.bytes_up > 0 and u.bytes_down > 0
+    cdfl, fedsoft = results["cdfl"], results["fedsoft-async"]
+    # the server applied every upload once, and each epoch was handed out once
+    assert cdfl.info["aggregator_counters"]["applied.update"] == len(schedule)
+    assert sorted(u.epoch for u in cdfl.updates) == list(range(1, len(schedule) + 1))
+    # FedSoft-Async downloads all K = 2 models: about twice CDFL's one
+    ratio = fedsoft.summary()["bytes_down_per_update"] / cdfl.summary()["bytes_down_per_update"]
+    assert 1.6 < ratio < 2.6
+    # CDFL's reply carries the server's estimate; FedSoft's is the agent's own argmin
+    for u in fedsoft.updates:  # shares of samples (ties split in halves)
+        assert all(abs(a * u.n_samples * 2 - round(a * u.n_samples * 2)) < 1e-6 for a in u.alpha_est)
+
+    report, figures, text = write_report(tmp_path, "fedmq sim run ...")
+    assert "| CDFL |" in text and "| FedSoft-Async |" in text and "| Local |" in text
+    assert {p.name for p in figures} == {"rotated-digits_accuracy_over_time.png", "rotated-digits_kl.png",
+                                         "rotated-digits_relative_cost.png"}
+    assert all(p.stat().st_size > 5000 for p in figures)
+    run_dir = tmp_path / "runs" / cdfl.spec.label
+    rows = list(csv.DictReader((run_dir / "updates.csv").read_text().splitlines()))
+    assert len(rows) == len(schedule)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["updates"] == len(schedule)
+    assert summary["client_acc"] == pytest.approx(sum(float(r["acc_after"]) for r in rows) / len(rows))
+    agents = list(csv.DictReader((run_dir / "agents.csv").read_text().splitlines()))
+    assert sum(int(a["bytes_down"]) for a in agents) == sum(b["down"] for b in cdfl.agent_bytes.values())
+    assert protocol.validate_id(cfg.fleet)
+
+
+def test_same_seed_same_table_with_one_worker(mosquitto):
+    cfg = tiny_config()
+    cfg.fleet = "simseed"
+
+    def table(seed: int):
+        r = run_fleet(tiny_spec("cdfl", seed), cfg, broker_url=mosquitto.url)
+        return [(u.agent, u.cycle, u.acc_held, u.acc_before, u.acc_after, round(u.kl, 9), u.staleness)
+                for u in r.updates], r.cluster_acc
+
+    first = table(0)
+    assert table(0) == first
+    assert table(1) != first
