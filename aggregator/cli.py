@@ -4,6 +4,7 @@ examples:
   fedmq aggregator --broker mqtt://127.0.0.1:1883 --fleet demo --clusters 3
   fedmq aggregator --algorithm fedsoft-async --dataset mnist --data-dir ~/data --state-dir st/
   fedmq aggregator --config aggregator.toml --set cdfl.beta0=0.1
+  fedmq aggregator --algorithm catafed --set catafed.deadline_s=20   # deadline rounds
 
 State (cluster models, journal) lives in --state-dir; a restart resumes from it. SIGTERM or
 Ctrl-C stops cleanly (final snapshot, offline status).
@@ -19,7 +20,9 @@ import threading
 from fedmq.config import add_config_arguments, config_from_args
 from fedmq.logs import setup_logging
 
-ALGORITHMS = ("cdfl", "fedsoft-async", "fedasync")
+ASYNC_ALGORITHMS = ("cdfl", "fedsoft-async", "fedasync")
+ROUND_ALGORITHMS = ("catafed", "fedavg", "fedprox")
+ALGORITHMS = ASYNC_ALGORITHMS + ROUND_ALGORITHMS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,12 +50,14 @@ def run(args: argparse.Namespace) -> int:
 
         print(json.dumps(asdict(cfg), indent=2))
         return 0
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    if cfg.aggregator.algorithm in ROUND_ALGORITHMS:
+        return _run_rounds(cfg, stop)
     from aggregator.bootstrap import build_engine
     from aggregator.service import AggregatorService
 
     engine = build_engine(cfg)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     service = AggregatorService(cfg, engine)
     metrics = None
     if cfg.metrics.port:
@@ -69,4 +74,27 @@ def run(args: argparse.Namespace) -> int:
             stop.wait()
     if metrics is not None:
         metrics.close()
+    return 0
+
+
+def _run_rounds(cfg, stop: threading.Event) -> int:
+    """CATA-Fed / FedAvg / FedProx: synchronous deadline rounds (aggregator/rounds.py)."""
+    from aggregator.fedavg import make_strategy
+    from aggregator.rounds import RoundService
+    from fedmq.data import load_dataset
+    from fedmq.models import build_model, resolve_model_name, to_vector
+    from fedmq.training import evaluate
+
+    model_name = resolve_model_name(cfg.model, cfg.data.dataset)
+    test = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir, train=False,
+                        download=cfg.data.download)
+    strategy = make_strategy(cfg.aggregator.algorithm, cfg.catafed,
+                             to_vector(build_model(model_name, seed=cfg.seed)), seed=cfg.seed)
+    with RoundService(cfg, strategy, model_name=model_name,
+                      evaluate=lambda w: evaluate(model_name, w, test.x, test.y)[0],
+                      state_dir=cfg.aggregator.state_dir) as service:
+        print(f"aggregator {cfg.aggregator.algorithm} (rounds) on {cfg.broker.url} fleet={cfg.fleet}",
+              flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            service.run(stop=stop)
     return 0

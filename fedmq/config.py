@@ -210,7 +210,7 @@ class AggregatorSettings:
     """The aggregator service: algorithm, state, batching, input guards."""
 
     algorithm: str = "cdfl"
-    """cdfl, fedsoft-async or fedasync (catafed and fedavg are round-based)."""
+    """cdfl, fedsoft-async or fedasync (asynchronous); catafed, fedavg or fedprox (deadline rounds, see [catafed])."""
     state_dir: str = "state/aggregator"
     """Snapshots and the write-ahead journal; restart from here resumes."""
     max_batch: int = 32
