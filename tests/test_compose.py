@@ -449,3 +449,16 @@ def test_secure_stack_runs_against_mosquitto_from_prod_conf(tmp_path) -> None:
             for a in agents:
                 stop(a)
             assert stop(proc) == 0
+
+
+def test_systemd_units_run_valid_fedmq_commands() -> None:
+    parser = build_parser()
+    for unit in ("fedmq-agent.service", "fedmq-aggregator.service"):
+        text = (ROOT / "deploy" / unit).read_text()
+        (exec_start,) = re.findall(r"^ExecStart=(.+)$", text, re.M)
+        program, *args = exec_start.split()
+        assert program == "/opt/fedmq/venv/bin/fedmq"
+        ns = parser.parse_args(args)
+        load_config(ROOT / "deploy" / Path(args[args.index("--config") + 1]).name)
+        assert ns.state_dir.startswith("/var/lib/fedmq/")
+        assert re.search(r"^User=fedmq$", text, re.M) and re.search(r"^KillSignal=SIGTERM$", text, re.M)
