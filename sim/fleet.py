@@ -279,6 +279,7 @@ def run_fleet(spec: RunSpec, base: Config | None = None, *, broker_url: str | No
     cluster_acc: list[dict[str, Any]] = []
     lock = threading.Lock()
     t_first: list[float] = []
+    busy = {"seconds": 0.0, "batches": 0}
 
     def score_clusters(vectors: list[torch.Tensor], events: int) -> None:
         if local:
@@ -301,9 +302,12 @@ def run_fleet(spec: RunSpec, base: Config | None = None, *, broker_url: str | No
         else:
             url, kind = stack.enter_context(running_broker(broker_url))
             cfg.broker.url = url
+            # One fleet (topic prefix, sessions) per run: runs may share a broker.
+            cfg.fleet = f"{cfg.fleet}.{spec.method}.K{spec.clusters}.s{spec.seed}"[:64]
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="fedmq-sim-"))
             cfg.aggregator.state_dir = f"{tmp}/aggregator"
             engine = build_engine(cfg, clusters=clusters)
+            _time_engine(engine, busy)
             stack.enter_context(AggregatorService(cfg, engine))
             # All agents' connections on one epoll thread (paho's own loop is a thread and a
             # select() per client, which stops at ~340 clients); closed after the agents.
@@ -401,8 +405,25 @@ def run_fleet(spec: RunSpec, base: Config | None = None, *, broker_url: str | No
                                                "down": agent.channel.bytes_received}
             info["aggregator_counters"] = {k: int(v) for k, v in engine.counters.items()}
             info["stale_updates"] = int(engine.strategy.counters.get("stale", 0))
+            info["aggregator_busy_s"] = round(busy["seconds"], 4)
+            info["aggregator_batches"] = busy["batches"]
     records.sort(key=lambda r: r.event)
     return RunResult(spec, records, cluster_acc, agent_bytes, time.perf_counter() - t_start, kind, info)
+
+
+def _time_engine(engine: Any, busy: dict[str, float]) -> None:
+    """Count the aggregator's time in Engine.handle (validation, decode, strategy, journal)."""
+    handle = engine.handle
+
+    def timed(batch: list[Any]) -> list[Any]:
+        t0 = time.perf_counter()
+        try:
+            return handle(batch)
+        finally:
+            busy["seconds"] += time.perf_counter() - t0
+            busy["batches"] += 1
+
+    engine.handle = timed
 
 
 # ---------------------------------------------------------------------------------- output

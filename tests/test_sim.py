@@ -31,7 +31,7 @@ def tiny_spec(method: str, seed: int = 0) -> RunSpec:
 
 
 class WireCounter:
-    """A broker-side subscriber: payload bytes on every agent's up and down topics."""
+    """A broker-side subscriber: payload bytes on every agent's up and down topics (any fleet)."""
 
     def __init__(self, url: str, fleet: str) -> None:
         cfg = Config()
@@ -40,7 +40,7 @@ class WireCounter:
         self.lock = threading.Lock()
         self.transport = MqttTransport("wire-counter", cfg.broker, clean_start=True).connect()
         for kind in ("up", "down"):
-            self.transport.subscribe(f"fedmq/{fleet}/agents/+/{kind}", self._count, qos=1)
+            self.transport.subscribe(f"fedmq/+/agents/+/{kind}", self._count, qos=1)
 
     def _count(self, m: Message) -> None:
         with self.lock:
