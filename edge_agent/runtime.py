@@ -8,6 +8,13 @@ once and answers a replay with the reply it already sent).
 
 Deltas on the wire are taken against the model both sides know the agent holds: the agent
 installs exactly what it decodes, and the aggregator tracks that same vector.
+
+A reply is re-sent for at once (not after the timeout) when the connection comes back,
+since the broker may have lost it. A downlink that cannot be installed (malformed, wrong
+spec or shape, a delta against another base, NaN) is logged (`downlink.rejected` with its
+reason) and ignored: the current model stays installed and the request keeps waiting for a
+good reply (a re-send makes the aggregator repeat its real one). Replies to requests no
+longer waited for (a second answer to a re-sent upload) are dropped.
 """
 
 from __future__ import annotations
@@ -28,6 +35,12 @@ from fedmq.models import ModelSpec, model_spec, resolve_model_name
 from fedmq.transport import Message, MqttTransport, Will
 
 log = get_logger("agent")
+
+REJOIN_REASONS = frozenset({"unknown_agent", "no_base", "codec_no_base", "codec_base_mismatch"})
+"""Errors that mean the aggregator and the agent disagree on what the agent holds: join again."""
+
+INVALID_DOWNLINK = frozenset({"unexpected_reply", "wrong_model", "wrong_shape"})
+"""Agent-side reasons (besides codec_*) for refusing a reply; the request keeps waiting."""
 
 
 class AgentError(RuntimeError):
@@ -68,13 +81,19 @@ class EdgeAgent:
         self.fleet = cfg.fleet
         self.installed: Installed | None = None
         self._replies: dict[str, tuple[Received, int]] = {}
+        self._waiting: set[str] = set()
+        self._connects = 0
+        self._interrupted = False
+        self.last_rejection: str | None = None
+        """Reason the last refused downlink was refused (for operators and tests)."""
         self._cond = threading.Condition()
         self.transport = MqttTransport(
             f"fedmq-agent-{self.agent_id}", cfg.broker, clean_start=False,
             will=Will(protocol.agent_status(self.fleet, self.agent_id), self._status("offline")),
         )
         self.channel = Channel(self.transport, cfg.protocol)
-        self.counters: dict[str, int] = {"uploads": 0, "resends": 0, "errors": 0}
+        self.counters: dict[str, int] = {"uploads": 0, "resends": 0, "errors": 0, "rejected": 0,
+                                         "joins": 0}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -90,6 +109,7 @@ class EdgeAgent:
         self.transport.on_connect_hooks.append(
             lambda t, _: t.publish(protocol.agent_status(self.fleet, self.agent_id),
                                    self._status("online"), qos=1, retain=True))
+        self.transport.on_connect_hooks.append(lambda t, _: self._connected_again())
         self.transport.connect(timeout)
         self.transport.subscribe(protocol.downlink(self.fleet, self.agent_id), self._on_down, qos=1)
         return self
@@ -99,6 +119,28 @@ class EdgeAgent:
             self.transport.publish(protocol.agent_status(self.fleet, self.agent_id),
                                    self._status("offline"), qos=1, retain=True).wait(5)
         self.transport.close()
+
+    def interrupt(self) -> None:
+        """Make a waiting request (and every later one) raise AgentError("interrupted") now.
+
+        For shutdown: the caller keeps its pending upload on disk and re-sends it after a restart.
+        """
+        with self._cond:
+            self._interrupted = True
+            self._cond.notify_all()
+
+    def _connected_again(self) -> None:
+        with self._cond:
+            self._connects += 1
+            self._cond.notify_all()
+
+    def restore(self, epoch: int, vector: torch.Tensor, alpha: list[float] | None = None) -> Installed:
+        """Hold a model saved before a restart (the aggregator still tracks it as our base)."""
+        if vector.shape != (self.spec.numel,):
+            raise AgentError("wrong_shape", f"saved vector has shape {tuple(vector.shape)}, "
+                                            f"{self.model_name} has {self.spec.numel} parameters")
+        self.installed = Installed(epoch, vector.detach().float().cpu(), alpha, "personalized")
+        return self.installed
 
     def __enter__(self) -> EdgeAgent:
         return self.start()
@@ -120,30 +162,90 @@ class EdgeAgent:
         key = getattr(got.envelope, "in_reply_to", "")
         size = sum(len(m.payload) for m in got.messages)
         with self._cond:
+            if key not in self._waiting:
+                event(log, "downlink.unexpected", agent=self.agent_id, type=got.envelope.TYPE,
+                      in_reply_to=key, reason=getattr(got.envelope, "reason", None))
+                return
             self._replies[key] = (got, size)
             self._cond.notify_all()
 
-    def _request(self, env: protocol.Envelope) -> tuple[protocol.Envelope, int, int]:
-        """Send `env` until its reply arrives: (reply, bytes up, bytes down)."""
+    def _exchange(self, env: protocol.Envelope) -> tuple[Installed, int]:
+        """Send `env` until a reply that can be installed arrives; install it: (installed, bytes up).
+
+        Re-sends after `reply_timeout_s` (up to `retries` times) and at once after a reconnect
+        (not counted against `retries`). An Error reply raises AgentError with its reason (a
+        first `duplicate` only makes it ask once more, see below); a reply that cannot be
+        installed is logged and ignored, and the wait goes on.
+        """
         up = 0
-        for attempt in range(self.retries + 1):
-            before = self.channel.bytes_sent
-            self.channel.send(protocol.uplink(self.fleet, self.agent_id), env)
-            up += self.channel.bytes_sent - before
-            if attempt:
-                self.counters["resends"] += 1
-            deadline = time.monotonic() + self.reply_timeout_s
-            with self._cond:
-                while env.msg_id not in self._replies:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
+        tries = 0
+        sends = 0
+        rejection: str | None = None
+        asked_again = False
+        with self._cond:
+            self._waiting.add(env.msg_id)
+        try:
+            while True:
+                if self._interrupted:
+                    raise AgentError("interrupted", f"{env.TYPE} {env.msg_id} stays pending")
+                before = self.channel.bytes_sent
+                self.channel.send(protocol.uplink(self.fleet, self.agent_id), env)
+                up += self.channel.bytes_sent - before
+                sends += 1
+                if sends > 1:
+                    self.counters["resends"] += 1
+                deadline = time.monotonic() + self.reply_timeout_s
+                reconnected = again = False
+                while True:
+                    with self._cond:
+                        connects = self._connects
+                        while (env.msg_id not in self._replies and not self._interrupted
+                               and self._connects == connects):
+                            left = deadline - time.monotonic()
+                            if left <= 0:
+                                break
+                            self._cond.wait(left)
+                        got = self._replies.pop(env.msg_id, None)
+                        reconnected = self._connects != connects
+                    if got is None:
                         break
-                    self._cond.wait(left)
-                got = self._replies.pop(env.msg_id, None)
-            if got is not None:
-                return got[0].envelope, up, got[1]
-        raise AgentError("no_reply", f"{env.TYPE} {env.msg_id} unanswered after "
-                                     f"{self.retries + 1} tries of {self.reply_timeout_s}s")
+                    reply = got[0].envelope
+                    if isinstance(reply, protocol.Error) and reply.reason == "duplicate" and not asked_again:
+                        # Two copies of one request (ours after a reconnect, paho's own) can
+                        # meet in one aggregator batch: the second is answered "duplicate",
+                        # possibly before the first's reply. Ask once more: a replay of the
+                        # last applied msg_id is answered with its real reply.
+                        asked_again = again = True
+                        self.counters["duplicates"] = self.counters.get("duplicates", 0) + 1
+                        event(log, "reply.duplicate", agent=self.agent_id, msg_id=env.msg_id,
+                              action="asking again for the applied upload's reply")
+                        break
+                    try:
+                        return self._install(reply, got[1]), up
+                    except AgentError as e:
+                        if not isinstance(got[0].envelope, protocol.Model):
+                            raise
+                        self.counters["rejected"] += 1
+                        self.last_rejection = rejection = e.reason
+                        event(log, "downlink.rejected", level=30, agent=self.agent_id,
+                              in_reply_to=env.msg_id, reason=e.reason, detail=e.detail,
+                              action="current model kept; waiting for a valid reply")
+                if self._interrupted:
+                    continue  # raises at the top of the loop
+                if again:
+                    continue
+                if reconnected:
+                    event(log, "request.resend_after_reconnect", agent=self.agent_id, msg_id=env.msg_id)
+                    continue
+                tries += 1
+                if tries > self.retries:
+                    reason = rejection or "no_reply"
+                    raise AgentError(reason, f"{env.TYPE} {env.msg_id} got no installable reply "
+                                             f"after {tries} tries of {self.reply_timeout_s}s")
+        finally:
+            with self._cond:
+                self._waiting.discard(env.msg_id)
+                self._replies.pop(env.msg_id, None)
 
     def _install(self, reply: protocol.Envelope, bytes_down: int) -> Installed:
         if isinstance(reply, protocol.Error):
@@ -178,8 +280,9 @@ class EdgeAgent:
         env = protocol.Join(agent=self.agent_id, msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
                             model=self.spec.hash, algorithm=self.algorithm, profile=self.profile,
                             n_samples=n_samples)
-        reply, _, down = self._request(env)
-        return self._install(reply, down)
+        self.counters["joins"] += 1
+        installed, _ = self._exchange(env)
+        return installed
 
     def update_envelope(self, vector: torch.Tensor, n_samples: int, *,
                         alpha: list[float] | None = None,
@@ -197,8 +300,21 @@ class EdgeAgent:
                                tau=self.installed.epoch, tensor=wire, n_samples=n_samples,
                                alpha=alpha, metrics=metrics or {})
 
-    def upload(self, env: protocol.Update) -> tuple[Installed, int]:
-        """Send an update until answered; install the reply. Returns (installed, bytes up)."""
-        self.counters["uploads"] += 1
-        reply, up, down = self._request(env)
-        return self._install(reply, down), up
+    def upload(self, env: protocol.Update, *, resend: bool = False) -> tuple[Installed, int]:
+        """Send an update until answered; install the reply. Returns (installed, bytes up).
+
+        `resend=True`: `env` was sent before (a pending upload after a restart or a failed
+        wait); it is not counted as a new upload.
+        """
+        if resend:
+            self.counters["resends"] += 1
+        else:
+            self.counters["uploads"] += 1
+        return self._exchange(env)
+
+    def decode_pending(self, payload: bytes) -> protocol.Update:
+        """The Update stored as a pending upload (its bytes re-encode identically)."""
+        env = protocol.decode(payload, max_bytes=self.cfg.protocol.max_message_bytes)
+        if not isinstance(env, protocol.Update) or env.agent != self.agent_id:
+            raise AgentError("bad_pending", f"stored pending upload is a {env.TYPE} of {env.agent}")
+        return env

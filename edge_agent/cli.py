@@ -1,0 +1,80 @@
+"""Run an edge agent: serve predictions, watch accuracy, train and upload on drift.
+
+examples:
+  fedmq agent --broker mqtt://127.0.0.1:1883 --fleet demo --id car-7 --profile car --state-dir st/car-7
+  fedmq agent --id phone-2 --profile phone --algorithm fedsoft-async --dataset digits
+  fedmq agent --id cam-1 --source directory --source-dir /var/lib/cam/samples --algorithm local
+  fedmq agent --id car-7 --update-now          # one upload as soon as enough samples are in
+
+State (model, tau, pending upload, detector, counters) lives in --state-dir; a restart
+resumes from it and first re-sends an upload that was never answered. SIGUSR1 asks for an
+update now; SIGTERM or Ctrl-C stops cleanly: training ends at the next epoch, an upload in
+flight stays pending on disk (sent after the next start), the status goes offline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from fedmq.config import add_config_arguments, config_from_args
+from fedmq.logs import event, get_logger, setup_logging
+
+log = get_logger("agent")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_arguments(p, ("broker", "fleet", "ca_file", "cert_file", "key_file", "dataset",
+                             "data_dir", "download", "model", "seed", "log_level"))
+    p.add_argument("--id", dest="agent_id", metavar="ID", help="agent id (required; config agent.id)")
+    p.add_argument("--algorithm", choices=("cdfl", "fedsoft-async", "local"),
+                   help="cdfl (default), fedsoft-async, or local (never talks to a server)")
+    p.add_argument("--profile", choices=("car", "phone", "device"), help="device profile (default device)")
+    p.add_argument("--state-dir", metavar="DIR", help="durable state (default state/agent)")
+    p.add_argument("--clusters", type=int, metavar="K", help="rotation clusters of the dataset source (default 3)")
+    p.add_argument("--source", choices=("dataset", "directory"), help="where labelled samples come from")
+    p.add_argument("--source-dir", metavar="DIR", help="folder of the directory source")
+    p.add_argument("--update-now", action="store_true",
+                   help="train and upload once as soon as the buffer holds agent.min_samples_to_train samples")
+    p.add_argument("--max-steps", type=int, metavar="N", help="stop after N polls (tests, batch runs)")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args, {"agent_id": "agent.id", "algorithm": "agent.algorithm",
+                                  "profile": "agent.profile", "state_dir": "agent.state_dir",
+                                  "clusters": "cdfl.clusters", "source": "agent.source",
+                                  "source_dir": "agent.source_dir"})
+    setup_logging(cfg.log.level, cfg.log.json)
+    if args.dry_run:
+        import json
+        from dataclasses import asdict
+
+        print(json.dumps(asdict(cfg), indent=2))
+        return 0
+    if not cfg.agent.id:
+        print("fedmq agent: --id (or agent.id) is required", file=sys.stderr)
+        return 2
+    from edge_agent.device import DeviceAgent, make_source
+    from edge_agent.profiles import get_profile
+
+    profile = get_profile(cfg.agent.profile, seed=cfg.seed)
+    device = DeviceAgent(cfg, make_source(cfg, profile), profile=profile)
+    signal.signal(signal.SIGTERM, lambda *_: device.request_stop())
+    signal.signal(signal.SIGINT, lambda *_: device.request_stop())
+    if hasattr(signal, "SIGUSR1"):
+        signal.signal(signal.SIGUSR1, lambda *_: device.trigger())
+    if args.update_now:
+        device.trigger()
+    try:
+        device.start()
+        print(f"agent {device.agent_id} ({device.algorithm}, {device.profile.name}) on {cfg.broker.url} "
+              f"fleet={cfg.fleet} tau={device.tau} backend={device.predictor.backend if device.predictor else '-'}",
+              flush=True)
+        device.run(max_steps=args.max_steps)
+    finally:
+        device.close()
+        event(log, "agent.stopped", agent=device.agent_id, tau=device.tau,
+              pending=device.state.pending.msg_id if device.state.pending else None, counters=device.counters)
+    return 0

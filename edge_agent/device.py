@@ -1,0 +1,479 @@
+"""The long-running edge agent: source -> buffer -> predictor -> drift monitor -> trainer -> EdgeAgent.
+
+Every `step()` polls the data source and tests before it trains: each new labelled sample
+is predicted by the installed model (ONNX Runtime), the outcome feeds the drift monitor,
+and the sample joins the local buffer. An update cycle starts when the monitor asks for
+one (drift, or a manual trigger: `trigger()` / SIGUSR1 / `--update-now`), the profile says
+the device may update now, and enough samples arrived since the drift was detected (they
+describe the new data; what came before describes the old). A cycle:
+
+1. trains from the installed model u on the newest buffered samples (proximal to u; in
+   FedSoft-Async toward every cluster model with alpha estimated locally by per-sample
+   argmin; in Local mode the result is simply installed and nothing is sent);
+2. encodes the upload (codec from `codec.*`, by default an int8 delta against u + zstd),
+   stores it as the *pending* upload in the state dir (atomically), then publishes it;
+3. waits for the aggregator's reply (re-sending the same msg_id after a timeout or a
+   reconnect), installs it (tau := its epoch), scores it on the buffer (the detector's new
+   reference), exports it for ONNX Runtime, clears the pending upload and saves.
+
+A restarted agent loads its state: model, tau, detector, counters; a pending upload is
+re-sent byte for byte before anything else (the aggregator applies a msg_id once and
+answers a replay with the reply it already sent). `request_stop()` (SIGTERM) ends training
+at the next epoch boundary, keeps the upload it produced as pending without sending it,
+interrupts a wait for a reply, saves, and publishes `offline`; the next start sends it.
+
+Errors from the aggregator: unknown_agent, no_base, a base mismatch or a tau ahead of its
+epoch mean the two sides disagree on what the agent holds: the pending upload is dropped,
+the agent joins again and trains anew on its next step. A `duplicate` means the upload was
+applied and its reply superseded: the pending upload is dropped and the model kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from edge_agent.drift import DriftMonitor, make_detector
+from edge_agent.inference import OnnxPredictor, TorchPredictor, make_predictor
+from edge_agent.profiles import DeviceProfile, get_profile
+from edge_agent.runtime import REJOIN_REASONS, AgentError, EdgeAgent, Installed
+from edge_agent.sources import DatasetSource, DataSource, DirectorySource, LocalBuffer
+from edge_agent.state import AgentState, PendingUpload
+from edge_agent.trainer import estimate_alpha_argmin, evaluate, train_fedsoft, train_local
+from fedmq import protocol
+from fedmq.config import AgentSettings, Config
+from fedmq.logs import event, get_logger
+from fedmq.models import build_model, model_spec, resolve_model_name, to_vector
+
+log = get_logger("agent")
+
+ALGORITHMS = ("cdfl", "fedsoft-async", "local")
+RESYNC_REASONS = REJOIN_REASONS | {"bad_tau"}
+"""Error replies after which the agent drops its pending upload and joins again."""
+MODEL_FILE = "model.onnx"
+
+
+@dataclass
+class Cycle:
+    """One update cycle, for logs, tests and the simulator's metrics."""
+
+    trigger: str
+    """drift or manual"""
+    samples: int
+    tau: int
+    """Epoch of the model the training started from."""
+    acc_held: float
+    """The held model's accuracy on the training samples (the new data) before training."""
+    acc_trained: float
+    train_seconds: float
+    epochs_done: int
+    msg_id: str = ""
+    bytes_up: int = 0
+    outcome: str = "pending"
+    """installed, interrupted (pending kept for the next start), resynced, dropped, local."""
+    installed: Installed | None = None
+    alpha: list[float] | None = None
+
+
+def parse_knobs(items: list[str]) -> dict[str, Any]:
+    """`["window=100", "delta=0.15"]` -> {"window": 100, "delta": 0.15} (numbers or words)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"detector knob must be name=value, got {item!r}")
+        text = raw.strip()
+        value: Any = text
+        for cast in (int, float):
+            try:
+                value = cast(text)
+                break
+            except ValueError:
+                continue
+        out[key.strip()] = value
+    return out
+
+
+def make_source(cfg: Config, profile: DeviceProfile, clock: Callable[[], float] = time.time) -> DataSource:
+    """The data source `agent.source` names: profile-driven rotation clusters, or a folder."""
+    s = cfg.agent
+    if s.source == "directory":
+        if not s.source_dir:
+            raise ValueError("agent.source=directory needs agent.source_dir")
+        spec = model_spec(resolve_model_name(cfg.model, cfg.data.dataset))
+        num_classes = int(spec.shapes[-1][0])  # the classifier's last bias: one per class
+        return DirectorySource(s.source_dir, spec.input_shape, num_classes)
+    if s.source != "dataset":
+        raise ValueError(f"agent.source must be dataset or directory, got {s.source!r}")
+    return ProfileDatasetSource(cfg, profile, clock)
+
+
+class ProfileDatasetSource:
+    """Rotation clusters of `data.dataset` in the mixture the device profile has at time t.
+
+    t = (clock() - start) * `agent.time_scale`: a car's route or a phone's day, replayed
+    at any speed. The clusters are the aggregator's (same dataset, K and seed), drawn
+    from the agents' pools, which the server never trains or evaluates on.
+    """
+
+    def __init__(self, cfg: Config, profile: DeviceProfile, clock: Callable[[], float] = time.time) -> None:
+        from fedmq.data import clusters_from_settings
+
+        clusters = clusters_from_settings(cfg.data, cfg.cdfl.clusters, seed=cfg.seed)
+        rng = np.random.default_rng([cfg.seed, 0xA6E, sum(map(ord, cfg.agent.id))])
+        pools = []
+        for k in range(clusters.num_clusters):
+            data = clusters.take(k, min(len(clusters.pool("agents", k)), cfg.data.max_samples), rng)
+            pools.append((data.x, data.y))
+        self.k = clusters.num_clusters
+        self.profile = profile
+        self.clock = clock
+        self.start = clock()
+        self.time_scale = cfg.agent.time_scale
+        self.inner = DatasetSource(pools, profile.next_mixture(0.0, self.k), seed=int(rng.integers(2**31)))
+
+    def profile_time(self) -> float:
+        return max(0.0, (self.clock() - self.start) * self.time_scale)
+
+    def poll(self, max_items: int) -> list[tuple[torch.Tensor, int]]:
+        self.inner.set_mixture(self.profile.next_mixture(self.profile_time(), self.k))
+        return self.inner.poll(max_items)
+
+
+class DeviceAgent:
+    """One device's agent loop. `start()`, then `step()` repeatedly (or `run()`), then `close()`."""
+
+    def __init__(self, cfg: Config, source: DataSource, *, agent_id: str | None = None,
+                 profile: DeviceProfile | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.cfg = cfg
+        self.settings: AgentSettings = cfg.agent
+        s = self.settings
+        self.agent_id = protocol.validate_id(agent_id or s.id, "agent id")
+        if s.algorithm not in ALGORITHMS:
+            raise ValueError(f"agent.algorithm must be one of {', '.join(ALGORITHMS)}, got {s.algorithm!r}")
+        self.algorithm = s.algorithm
+        self.model_name = resolve_model_name(cfg.model, cfg.data.dataset)
+        self.spec = model_spec(self.model_name)
+        self.profile = profile or get_profile(s.profile, seed=cfg.seed)
+        self.source = source
+        self.clock = clock
+        self.state_dir = Path(s.state_dir)
+        self.buffer = LocalBuffer(s.buffer_size)
+        self.monitor = DriftMonitor(make_detector(s.detector, **parse_knobs(s.detector_knobs)),
+                                    s.min_update_interval_s)
+        self.agent: EdgeAgent | None = None
+        self.state = AgentState(self.agent_id, self.model_name, self.spec.hash)
+        self.predictor: OnnxPredictor | TorchPredictor | None = None
+        self.counters: dict[str, int] = {}
+        self.cycles: list[Cycle] = []
+        self._stop = threading.Event()
+        self._manual = threading.Event()
+        self._started_at = clock()
+        self._last_save = 0.0
+        self._drift_seen_at: int | None = None
+        """monitor.observed when the pending drift was first seen (samples since then are new data)."""
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def installed_vector(self) -> torch.Tensor | None:
+        return self.state.vector
+
+    @property
+    def tau(self) -> int:
+        return self.state.tau
+
+    def start(self) -> DeviceAgent:
+        """Load the saved state, connect, finish a pending upload or join, build the predictor."""
+        saved = AgentState.load(self.state_dir)
+        if saved is not None and (saved.agent_id != self.agent_id or not saved.matches_zoo()
+                                  or saved.model_name != self.model_name):
+            event(log, "state.discarded", level=logging.WARNING, dir=str(self.state_dir),
+                  reason=f"saved for {saved.agent_id}/{saved.model_name} ({saved.spec_hash}), "
+                         f"running {self.agent_id}/{self.model_name} ({self.spec.hash})")
+            saved = None
+        if saved is not None:
+            self.state = saved
+            if saved.monitor:
+                self.monitor.load_state_dict(saved.monitor)
+                self.monitor.min_interval_s = self.settings.min_update_interval_s
+            self.counters.update(saved.counters)
+        self._count("starts")
+        if self.algorithm != "local":
+            self.agent = EdgeAgent(self.cfg, self.agent_id, algorithm=self.algorithm,
+                                   profile=self.profile.name,
+                                   reply_timeout_s=self.settings.reply_timeout_s, retries=2)
+            self.agent.counters.update({k: self.counters[k] for k in ("resends", "errors", "rejected")
+                                        if k in self.counters})
+            self.agent.start()
+            if self.state.vector is not None:
+                self.agent.restore(max(self.state.tau, 0), self.state.vector)
+        event(log, "agent.started", agent=self.agent_id, algorithm=self.algorithm, tau=self.state.tau,
+              pending=self.state.pending.msg_id if self.state.pending else None,
+              resumed=saved is not None)
+        if self.state.pending is not None and self.agent is not None:
+            self._resend_pending()
+        if self.state.vector is None:
+            if self.agent is None:
+                self.state.vector = to_vector(build_model(self.model_name, seed=self.cfg.seed))
+            elif not self._stop.is_set():
+                self._join()
+        if self.predictor is None and self.state.vector is not None:
+            self._make_predictor()
+        self.save()
+        return self
+
+    def close(self) -> None:
+        """Save (a pending upload stays pending), publish offline, disconnect."""
+        self.save()
+        if self.agent is not None:
+            self.agent.stop()
+
+    def request_stop(self) -> None:
+        """Shutdown (SIGTERM): safe from a signal handler; the loop then ends its cycle and returns."""
+        self._stop.set()
+        if self.agent is not None:
+            self.agent.interrupt()
+
+    def trigger(self) -> None:
+        """Manual update request (SIGUSR1, --update-now): safe from a signal handler."""
+        self._manual.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def run(self, max_steps: int | None = None) -> None:
+        """Step every `poll_interval_s` until `request_stop()` (or `max_steps`)."""
+        steps = 0
+        while not self._stop.is_set() and (max_steps is None or steps < max_steps):
+            self.step()
+            steps += 1
+            self._stop.wait(self.settings.poll_interval_s)
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> Cycle | None:
+        """Poll, predict, observe, buffer; run an update cycle when one is due. Returns it."""
+        if self._manual.is_set():
+            self._manual.clear()
+            self.monitor.trigger()
+            self._count("manual_triggers")
+            event(log, "update.triggered", agent=self.agent_id, by="manual")
+        samples = self.source.poll(self.settings.poll_batch)
+        if samples:
+            self._observe(samples)
+        cycle = None
+        if self._update_due():
+            cycle = self.update()
+        elif self.clock() - self._last_save >= self.settings.save_every_s:
+            self.save()
+        return cycle
+
+    def _observe(self, samples: list[tuple[torch.Tensor, int]]) -> None:
+        assert self.predictor is not None
+        x = torch.stack([x for x, _ in samples])
+        y = np.array([y for _, y in samples])
+        predicted = self.predictor.predict(x.numpy()).argmax(axis=1)
+        for ok in predicted == y:
+            if self.monitor.observe(bool(ok)) and self._drift_seen_at is None:
+                self._drift_seen_at = self.monitor.observed
+                self._count("drifts")
+                event(log, "drift.detected", agent=self.agent_id, observed=self.monitor.observed,
+                      accuracy=self.monitor.correct / max(1, self.monitor.observed))
+        self.buffer.extend(samples)
+        self._count("samples", len(samples))
+
+    def _update_due(self) -> bool:
+        now = self.clock()
+        if not self.monitor.should_update(now):
+            return False
+        need = min(self.settings.min_samples_to_train, self.buffer.capacity)
+        if len(self.buffer) < need:
+            return False
+        seen = self._drift_seen_at
+        if (self.monitor.drift_pending and not self.monitor.trigger_pending and seen is not None
+                and self.monitor.observed - seen < self.settings.samples_after_drift):
+            return False
+        return self.profile.can_update((now - self._started_at) * self.settings.time_scale)
+
+    def update(self) -> Cycle:
+        """One update cycle now (train, persist the upload, send it, install the reply)."""
+        s = self.settings
+        trigger = "manual" if self.monitor.trigger_pending else "drift"
+        self.monitor.update_started(self.clock())
+        self._drift_seen_at = None
+        if self.algorithm == "fedsoft-async" and self.agent is not None and (
+                self.agent.installed is None or not self.agent.installed.clusters):
+            self._join()  # the K cluster models are not kept on disk: fetch them again
+        held = self.state.vector
+        assert held is not None
+        x, y = self.buffer.tensors(last=s.train_on_newest or None)
+        acc_held, _ = evaluate(self.model_name, held, x, y)
+        alpha: list[float] | None = None
+        knobs = dict(epochs=s.epochs, batch_size=s.batch_size, lr=s.lr, optimizer=s.optimizer,
+                     momentum=s.momentum, weight_decay=s.weight_decay, rho=s.rho,
+                     seed=self.cfg.seed + self.counters.get("cycles", 0),
+                     max_seconds=s.max_train_seconds or None,
+                     on_epoch=lambda _epoch, _loss: not self._stop.is_set())
+        event(log, "train.started", agent=self.agent_id, trigger=trigger, samples=len(y), tau=self.state.tau)
+        if self.algorithm == "fedsoft-async" and self.agent is not None and self.agent.installed is not None:
+            clusters = self.agent.installed.clusters
+            alpha = estimate_alpha_argmin(self.model_name, clusters, x, y)
+            start = sum(a * w for a, w in zip(alpha, clusters, strict=True))
+            result = train_fedsoft(self.model_name, start, clusters, alpha, x, y, **knobs)
+        else:
+            result = train_local(self.model_name, held, x, y, **knobs)
+        acc_trained, _ = evaluate(self.model_name, result.vector, x, y)
+        self._count("cycles")
+        cycle = Cycle(trigger, len(y), self.state.tau, acc_held, acc_trained, result.seconds,
+                      result.epochs_done, alpha=alpha)
+        self.cycles.append(cycle)
+        event(log, "train.done", agent=self.agent_id, epochs=result.epochs_done, seconds=result.seconds,
+              loss=result.final_loss, acc_held=acc_held, acc_trained=acc_trained,
+              stopped_early=result.stopped_early)
+        if self.agent is None:  # Local: the trained model is the model
+            self._install_vector(result.vector, self.state.tau, None)
+            cycle.outcome = "local"
+            return cycle
+        env = self.agent.update_envelope(result.vector, len(y), alpha=alpha,
+                                         metrics={"acc_held": acc_held, "acc_trained": acc_trained,
+                                                  "train_loss": result.final_loss})
+        self.state.pending = PendingUpload(env.msg_id, protocol.encode(env), time.time())
+        self.save()  # the durability point: from here on this upload is sent until answered
+        cycle.msg_id = env.msg_id
+        if self._stop.is_set():
+            cycle.outcome = "interrupted"
+            event(log, "upload.deferred", agent=self.agent_id, msg_id=env.msg_id,
+                  reason="stopping; sent after the next start")
+            return cycle
+        self._send(env, cycle, resend=False)
+        return cycle
+
+    # ------------------------------------------------------------------ requests
+
+    def _join(self) -> None:
+        assert self.agent is not None
+        while not self._stop.is_set():
+            try:
+                installed = self.agent.join(len(self.buffer))
+            except AgentError as e:
+                if e.reason == "interrupted":
+                    return
+                self._count("join_failures")
+                event(log, "join.failed", level=logging.WARNING, agent=self.agent_id, reason=e.reason,
+                      detail=e.detail)
+                if e.reason not in ("no_reply",) and not e.reason.startswith("codec_"):
+                    raise
+                continue
+            self._installed(installed)
+            return
+
+    def _resend_pending(self) -> None:
+        assert self.agent is not None and self.state.pending is not None
+        env = self.agent.decode_pending(self.state.pending.payload)
+        event(log, "upload.resume", agent=self.agent_id, msg_id=env.msg_id, tau=env.tau)
+        cycle = Cycle("resume", env.n_samples, env.tau, math.nan, math.nan, 0.0, 0, msg_id=env.msg_id)
+        self.cycles.append(cycle)
+        self._send(env, cycle, resend=True)
+
+    def _send(self, env: protocol.Update, cycle: Cycle, *, resend: bool) -> None:
+        """Send until installed, interrupted or refused; the pending upload is on disk meanwhile."""
+        assert self.agent is not None
+        while True:
+            try:
+                installed, up = self.agent.upload(env, resend=resend)
+            except AgentError as e:
+                if e.reason == "interrupted":
+                    cycle.outcome = "interrupted"
+                    return
+                if e.reason == "no_reply" or (e.reason.startswith("codec_") and e.reason not in RESYNC_REASONS):
+                    resend = True  # the aggregator may be down: same msg_id again, for as long as it takes
+                    event(log, "upload.waiting", agent=self.agent_id, msg_id=env.msg_id, reason=e.reason)
+                    continue
+                self._refused(env, cycle, e)
+                return
+            cycle.bytes_up += up
+            cycle.outcome = "installed"
+            cycle.installed = installed
+            self._count("uploads")
+            self._installed(installed)
+            return
+
+    def _refused(self, env: protocol.Update, cycle: Cycle, e: AgentError) -> None:
+        self._count("refused")
+        self.state.pending = None
+        if e.reason in RESYNC_REASONS:
+            cycle.outcome = "resynced"
+            event(log, "upload.refused", level=logging.WARNING, agent=self.agent_id, msg_id=env.msg_id,
+                  reason=e.reason, detail=e.detail, action="join again, retrain")
+            self.save()
+            self._count("rejoins")
+            self._join()
+            self.monitor.trigger()  # the trained update is lost with its base: train anew
+        else:
+            cycle.outcome = "dropped"
+            level = logging.INFO if e.reason == "duplicate" else logging.WARNING
+            event(log, "upload.refused", level=level, agent=self.agent_id, msg_id=env.msg_id,
+                  reason=e.reason, detail=e.detail, action="dropped; model kept")
+            self.save()
+
+    # ------------------------------------------------------------------ installing
+
+    def _installed(self, installed: Installed) -> None:
+        self._install_vector(installed.vector, installed.epoch, installed.alpha)
+
+    def _install_vector(self, vector: torch.Tensor, epoch: int, alpha: list[float] | None) -> None:
+        acc = None
+        if len(self.buffer):
+            acc, _ = evaluate(self.model_name, vector, *self.buffer.tensors(self.settings.train_on_newest or None))
+        self.state.vector = vector.detach().float().cpu().clone()
+        self.state.tau = epoch
+        self.state.pending = None
+        self.state.reference_accuracy = acc
+        self.monitor.model_installed(acc)
+        self._drift_seen_at = None
+        self._make_predictor()
+        self._count("installs")
+        event(log, "model.installed", agent=self.agent_id, epoch=epoch, alpha=alpha, accuracy=acc,
+              backend=self.predictor.backend if self.predictor else None)
+        self.save()
+
+    def _make_predictor(self) -> None:
+        s = self.settings
+        assert self.state.vector is not None
+        self.predictor = make_predictor(self.model_name, self.state.vector, s.inference,
+                                        path=self.state_dir / MODEL_FILE, exporter=s.onnx_exporter,
+                                        intra_op_num_threads=s.onnx_threads)
+
+    # ------------------------------------------------------------------ state
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    def save(self) -> None:
+        if self.agent is not None:
+            for k in ("resends", "errors", "rejected"):
+                self.counters[k] = self.agent.counters.get(k, 0)
+        self.state.monitor = self.monitor.state_dict()
+        self.state.counters = dict(self.counters)
+        self.state.save(self.state_dir)
+        self._last_save = self.clock()
+
+    def status(self) -> dict[str, Any]:
+        return {"agent": self.agent_id, "algorithm": self.algorithm, "tau": self.state.tau,
+                "pending": self.state.pending.msg_id if self.state.pending else None,
+                "buffer": len(self.buffer), "counters": dict(self.counters),
+                "backend": self.predictor.backend if self.predictor else None}
+
+
+__all__ = ["ALGORITHMS", "Cycle", "DeviceAgent", "ProfileDatasetSource", "make_source", "parse_knobs"]

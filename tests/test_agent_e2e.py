@@ -1,0 +1,422 @@
+"""The edge agent end to end: a real Mosquitto, the real aggregator (in-process), real agents.
+
+- drift: an agent whose data mixture shifts detects it, trains, uploads, installs a
+  personalized model that does better on its new mixture than the model it held;
+- a malformed downlink is refused with a logged reason and the current model stays;
+- the broker restarts mid-upload: the agent reconnects, re-sends, the cycle completes;
+- the agent (a `fedmq agent` subprocess) is killed mid-cycle: after a restart it keeps tau
+  and re-sends its pending upload once, byte for byte; the aggregator applies it once;
+- SIGTERM during training: the upload it produced survives on disk, is not sent before
+  the exit, and is sent exactly once after the restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import paho.mqtt.client as mqtt
+import pytest
+import torch
+
+from aggregator.bootstrap import build_engine
+from aggregator.service import AggregatorService
+from edge_agent.device import DeviceAgent
+from edge_agent.inference import TorchPredictor
+from edge_agent.sources import DatasetSource
+from edge_agent.state import AgentState
+from fedmq import codecs, protocol
+from fedmq.config import Config, load_config
+from fedmq.data import clusters_from_settings
+from fedmq.models import model_spec
+from fedmq.training import evaluate
+
+FLEET = "t"
+SPEC = model_spec("digits-cnn")
+ROOT = Path(__file__).resolve().parent.parent
+# Cluster models good enough that a cluster shift is visible (0.9 on their own cluster).
+SERVER = {
+    "fleet": FLEET, "cdfl.clusters": 2, "data.dataset": "digits", "data.proxy_per_cluster": 150,
+    "data.pretrain_per_cluster": 400, "aggregator.pretrain_epochs": 10, "device": "cpu",
+    "protocol.chunk_bytes": 64 * 1024, "protocol.max_message_bytes": 256 * 1024,
+}
+AGENT = {
+    "agent.min_update_interval_s": 0, "agent.buffer_size": 600, "agent.min_samples_to_train": 200,
+    "agent.samples_after_drift": 200, "agent.train_on_newest": 250, "agent.poll_batch": 25,
+    "agent.poll_interval_s": 0.02, "agent.save_every_s": 0.5,
+}
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> Path:
+    """A state dir with pre-trained cluster models, copied by each test (pre-training once)."""
+    state = tmp_path_factory.mktemp("pretrained") / "state"
+    cfg = load_config(None, {**SERVER, "aggregator.state_dir": str(state)})
+    engine = build_engine(cfg)
+    engine.recover()
+    engine.journal.close()
+    return state
+
+
+def make_cfg(url: str, tmp: Path, agent_id: str = "car-1", **extra) -> Config:
+    return load_config(None, {**SERVER, **AGENT, "broker.url": url, "aggregator.state_dir": str(tmp / "agg"),
+                              "agent.id": agent_id, "agent.state_dir": str(tmp / agent_id), **extra})
+
+
+class Aggregator:
+    """The real aggregator service, in-process, that a test can stop and start again."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.svc: AggregatorService | None = None
+
+    def start(self) -> AggregatorService:
+        self.svc = AggregatorService(self.cfg, build_engine(self.cfg)).start()
+        return self.svc
+
+    def stop(self) -> None:
+        if self.svc is not None:
+            self.svc.stop()
+            self.svc = None
+
+
+@pytest.fixture
+def aggregator(pretrained, tmp_path) -> Iterator[Callable[[Config], Aggregator]]:
+    made: list[Aggregator] = []
+
+    def make(cfg: Config) -> Aggregator:
+        shutil.copytree(pretrained, cfg.aggregator.state_dir)
+        agg = Aggregator(cfg)
+        agg.start()
+        made.append(agg)
+        return agg
+
+    yield make
+    for agg in made:
+        agg.stop()
+
+
+class Sniffer:
+    """Every uplink of the fleet, as the broker delivers it to a plain subscriber."""
+
+    def __init__(self, port: int) -> None:
+        self.payloads: list[tuple[str, bytes]] = []
+        self._lock = threading.Lock()
+        ready = threading.Event()
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="sniffer")
+        self.client.on_message = self._on_message
+        self.client.on_subscribe = lambda *a, **k: ready.set()
+        self.client.connect("127.0.0.1", port)
+        self.client.loop_start()
+        self.client.subscribe(f"fedmq/{FLEET}/agents/+/up", qos=1)
+        assert ready.wait(5)
+
+    def _on_message(self, client, userdata, msg) -> None:
+        with self._lock:
+            self.payloads.append((msg.topic, bytes(msg.payload)))
+
+    def updates(self) -> list[tuple[protocol.Update, bytes]]:
+        with self._lock:
+            items = list(self.payloads)
+        out = []
+        for _, payload in items:
+            env = protocol.decode(payload, max_bytes=1 << 26)
+            if isinstance(env, protocol.Update):
+                out.append((env, payload))
+        return out
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def rotated_pools(cfg: Config, rng: np.random.Generator, n: int = 600):
+    clusters = clusters_from_settings(cfg.data, cfg.cdfl.clusters, seed=cfg.seed)
+    pools = [(d.x, d.y) for d in (clusters.take(k, n, rng) for k in range(clusters.num_clusters))]
+    return clusters, pools
+
+
+def mixture_test_set(clusters, mixture, rng, n: int = 400) -> tuple[torch.Tensor, torch.Tensor]:
+    parts = [clusters.take(k, int(round(m * n)), rng, split="test") for k, m in enumerate(mixture) if m > 0]
+    return torch.cat([p.x for p in parts]), torch.cat([p.y for p in parts])
+
+
+def step_until_cycle(device: DeviceAgent, limit: int = 2000):
+    for _ in range(limit):
+        cycle = device.step()
+        if cycle is not None:
+            return cycle
+    raise AssertionError(f"no update cycle in {limit} steps; counters {device.counters}")
+
+
+class Worker(threading.Thread):
+    """step_until_cycle in a thread, keeping its result or exception for the test to check."""
+
+    def __init__(self, device: DeviceAgent) -> None:
+        super().__init__(daemon=True)
+        self.device = device
+        self.cycle = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.cycle = step_until_cycle(self.device)
+        except BaseException as e:  # noqa: BLE001 - re-raised by result()
+            self.error = e
+
+    def result(self, timeout: float = 60):
+        self.join(timeout)
+        assert not self.is_alive(), "the update cycle did not finish"
+        if self.error is not None:
+            raise self.error
+        return self.cycle
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+# ---------------------------------------------------------------------------------- in-process
+
+
+def test_drift_upload_personalized_model_beats_held_model(mosquitto, aggregator, tmp_path) -> None:
+    # CDFL with beta0 = 0.5 (the paper's 0.025 barely moves the clusters toward one agent:
+    # docs/edge_agent.md has both figures), default estimator, default local training.
+    cfg = make_cfg(mosquitto.url, tmp_path, **{"cdfl.beta0": 0.5})
+    agg = aggregator(cfg)
+    rng = np.random.default_rng(1)
+    clusters, pools = rotated_pools(cfg, rng)
+    source = DatasetSource(pools, [0.9, 0.1], seed=3)
+    old_test = mixture_test_set(clusters, [0.9, 0.1], rng)
+    new_test = mixture_test_set(clusters, [0.1, 0.9], rng)
+    device = DeviceAgent(cfg, source).start()
+    try:
+        assert device.tau == 0 and device.predictor.backend == "onnxruntime"
+        # First cycle (manual): the agent's model becomes one for its cluster-0-heavy data.
+        device.trigger()
+        first = step_until_cycle(device)
+        assert first.trigger == "manual" and first.outcome == "installed" and device.tau == 1
+        # Stationary data: no drift.
+        for _ in range(20):
+            assert device.step() is None
+        assert device.counters.get("drifts", 0) == 0
+        held = device.state.vector.clone()
+        acc_held_old = evaluate(device.model_name, held, *old_test)[0]
+        acc_before = evaluate(device.model_name, held, *new_test)[0]
+
+        source.set_mixture([0.1, 0.9])  # the car drives into another area
+        cycle = step_until_cycle(device)
+        assert cycle.trigger == "drift" and cycle.outcome == "installed"
+        assert device.counters["drifts"] == 1 and device.tau == 2
+        assert cycle.installed is not None
+        acc_after = evaluate(device.model_name, device.state.vector, *new_test)[0]
+        print(f"\nheld model: {acc_held_old:.3f} on the old mixture, {acc_before:.3f} on the new; "
+              f"after local training {cycle.acc_trained:.3f} (its training data); personalized model "
+              f"received: {acc_after:.3f} on the new mixture; alpha {cycle.installed.alpha}")
+        assert acc_after >= acc_before + 0.1, (acc_before, acc_after)
+        assert agg.svc.engine.counters["applied.update"] == 2
+
+        # ONNX Runtime serves exactly the installed model (within 1e-4 of torch).
+        x = new_test[0][:64].numpy()
+        reference = TorchPredictor(device.model_name, device.state.vector).predict(x)
+        assert np.abs(device.predictor.predict(x) - reference).max() < 1e-4
+
+        # Everything is on disk: a new DeviceAgent resumes at tau 2 with the same model.
+        device.close()
+        saved = AgentState.load(cfg.agent.state_dir)
+        assert saved.tau == 2 and saved.pending is None and torch.equal(saved.vector, device.state.vector)
+        assert saved.counters["drifts"] == 1 and saved.monitor["observed"] == device.monitor.observed
+    finally:
+        device.close()
+
+
+def test_malformed_downlink_is_refused_and_model_kept(mosquitto, aggregator, tmp_path) -> None:
+    cfg = make_cfg(mosquitto.url, tmp_path)
+    agg = aggregator(cfg)
+    rng = np.random.default_rng(2)
+    _, pools = rotated_pools(cfg, rng, 300)
+    device = DeviceAgent(cfg, DatasetSource(pools, [0.5, 0.5], seed=4)).start()
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    agent_log = logging.getLogger("fedmq.agent")
+    old_level = agent_log.level
+    agent_log.addHandler(handler)
+    agent_log.setLevel(logging.INFO)
+    forger = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="forger")
+    forger.connect("127.0.0.1", mosquitto.port)
+    forger.loop_start()
+    down = protocol.downlink(FLEET, device.agent_id)
+    try:
+        before = device.state.vector.clone()
+        # 1. Not an envelope at all.
+        forger.publish(down, b"\x93not msgpack", qos=1).wait_for_publish(5)
+        wait_for(lambda: device.agent.counters["errors"] >= 1, 10, "the refusal of garbage")
+        # 2. A well-formed Model answering the pending upload, but a delta against another base.
+        agg.stop()
+        device.trigger()
+        worker = Worker(device)
+        worker.start()
+        wait_for(lambda: device.state.pending is not None, 30, "the pending upload")
+        pending_id = device.state.pending.msg_id
+        other_base = np.random.default_rng(0).normal(size=SPEC.numel).astype(np.float32)
+        forged = protocol.Model(agent=device.agent_id, msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
+                                epoch=7, model=SPEC.hash, in_reply_to=pending_id,
+                                tensors=[codecs.encode(other_base * 1.1, "int8", base=other_base)])
+        forger.publish(down, protocol.encode(forged), qos=1).wait_for_publish(5)
+        wait_for(lambda: device.agent.counters["rejected"] >= 1, 10, "the refusal of the forged model")
+        assert torch.equal(device.state.vector, before) and device.tau == 0
+        assert torch.equal(device.agent.installed.vector, before)
+        assert device.state.pending is not None  # still waiting for the real reply
+        # 3. The real aggregator comes back: its reply is installed.
+        agg.start()
+        assert worker.result().outcome == "installed"
+        assert device.tau == 1 and device.state.pending is None
+        assert not torch.equal(device.state.vector, before)
+    finally:
+        agent_log.removeHandler(handler)
+        agent_log.setLevel(old_level)
+        forger.loop_stop()
+        forger.disconnect()
+        device.close()
+    reasons = {r.getMessage(): r.__dict__.get("fields", {}).get("reason") for r in records}
+    assert reasons.get("downlink.refused") == "malformed", reasons
+    assert reasons.get("downlink.rejected") == "codec_base_mismatch", reasons
+
+
+def test_broker_restart_mid_upload_cycle_completes(mosquitto, aggregator, tmp_path) -> None:
+    cfg = make_cfg(mosquitto.url, tmp_path, **{"broker.reconnect_min_s": 0.1, "broker.reconnect_max_s": 0.5})
+    agg = aggregator(cfg)
+    rng = np.random.default_rng(3)
+    _, pools = rotated_pools(cfg, rng, 300)
+    device = DeviceAgent(cfg, DatasetSource(pools, [0.7, 0.3], seed=5)).start()
+    try:
+        for _ in range(10):  # fill the buffer while connected
+            device.step()
+        mosquitto.stop()
+        device.trigger()
+        worker = Worker(device)
+        worker.start()
+        wait_for(lambda: device.state.pending is not None, 30, "the pending upload")
+        time.sleep(0.5)
+        restart_broker(mosquitto)
+        assert worker.result().outcome == "installed"
+        assert device.tau == 1 and device.state.pending is None
+        assert agg.svc.engine.counters["applied.update"] == 1
+    finally:
+        device.close()
+
+
+def restart_broker(broker) -> None:
+    deadline = time.monotonic() + 10
+    while True:  # the old socket may linger briefly
+        try:
+            broker.start()
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+# ---------------------------------------------------------------------------------- subprocess
+
+
+def start_agent(cfg: Config, log: Path, *extra: str) -> subprocess.Popen:
+    args = [sys.executable, "-m", "fedmq.cli", "agent", "--broker", cfg.broker.url, "--fleet", FLEET,
+            "--id", cfg.agent.id, "--state-dir", cfg.agent.state_dir, "--dataset", "digits",
+            "--clusters", "2", "--log-level", "info", *extra]
+    for k, v in {**SERVER, **AGENT}.items():
+        if k.startswith(("agent.", "data.", "protocol.")):
+            args += ["--set", f"{k}={v}"]
+    return subprocess.Popen(args, stdout=log.open("ab"), stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def saved_state(cfg: Config) -> AgentState | None:
+    try:
+        return AgentState.load(cfg.agent.state_dir)
+    except Exception:  # noqa: BLE001 - mid-write on first creation; poll again
+        return None
+
+
+def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    return proc.wait(timeout)
+
+
+def test_agent_killed_mid_cycle_keeps_tau_and_resends_pending_once(mosquitto, aggregator, tmp_path) -> None:
+    cfg = make_cfg(mosquitto.url, tmp_path, **{"agent.reply_timeout_s": 120})
+    agg = aggregator(cfg)
+    sniffer = Sniffer(mosquitto.port)
+    log = tmp_path / "agent.log"
+    proc = start_agent(cfg, log, "--set", "agent.reply_timeout_s=120")
+    try:
+        wait_for(lambda: (s := saved_state(cfg)) is not None and s.tau == 0, 60, "the join")
+        agg.stop()  # no reply will come: the upload stays pending
+        proc.send_signal(signal.SIGUSR1)
+        wait_for(lambda: (s := saved_state(cfg)) is not None and s.pending is not None, 60, "a pending upload")
+        wait_for(lambda: len(sniffer.updates()) == 1, 10, "the upload on the wire")
+        pending = saved_state(cfg).pending
+        stop(proc, signal.SIGKILL)  # mid-cycle, no goodbye
+
+        agg.start()
+        proc = start_agent(cfg, log, "--set", "agent.reply_timeout_s=120")
+        wait_for(lambda: (s := saved_state(cfg)) is not None and s.tau == 1 and s.pending is None,
+                 60, "the reply installed after the restart")
+        assert stop(proc) == 0
+    finally:
+        stop(proc, signal.SIGKILL)
+        sniffer.close()
+    sent = [(env, payload) for env, payload in sniffer.updates() if env.msg_id == pending.msg_id]
+    assert len(sent) == 2, f"sent before the kill and re-sent once after: {len(sent)}\n{log.read_text()[-3000:]}"
+    assert sent[0][1] == sent[1][1] == pending.payload  # byte for byte, same msg_id, same tau
+    assert sent[1][0].tau == 0
+    assert len(sniffer.updates()) == 2  # no other upload
+    engine = agg.svc.engine
+    assert engine.counters["applied.update"] == 1 and engine.strategy.epoch == 1
+
+
+def test_sigterm_during_training_keeps_upload_and_sends_it_once_after_restart(mosquitto, aggregator,
+                                                                                tmp_path) -> None:
+    cfg = make_cfg(mosquitto.url, tmp_path)
+    agg = aggregator(cfg)
+    sniffer = Sniffer(mosquitto.port)
+    log = tmp_path / "agent.log"
+    # Long training (many epochs) so that SIGTERM lands inside it.
+    proc = start_agent(cfg, log, "--update-now", "--set", "agent.epochs=400", "--set", "agent.max_train_seconds=0")
+    try:
+        wait_for(lambda: "train.started" in log.read_text(), 60, "training to start")
+        time.sleep(0.3)
+        assert stop(proc) == 0
+        text = log.read_text()
+        assert "upload.deferred" in text, text[-3000:]
+        pending = AgentState.load(cfg.agent.state_dir).pending
+        assert pending is not None
+        assert sniffer.updates() == []  # nothing was sent before the exit
+        wait_for(lambda: agg.svc.presence.get(cfg.agent.id) == "offline", 10, "the offline status")
+
+        proc = start_agent(cfg, log)
+        wait_for(lambda: (s := saved_state(cfg)) is not None and s.tau == 1 and s.pending is None,
+                 60, "the pending upload answered after the restart")
+        assert stop(proc) == 0
+    finally:
+        stop(proc, signal.SIGKILL)
+        sniffer.close()
+    sent = [payload for env, payload in sniffer.updates() if env.msg_id == pending.msg_id]
+    assert sent == [pending.payload], log.read_text()[-3000:]
+    engine = agg.svc.engine
+    assert engine.counters["applied.update"] == 1 and engine.counters["duplicates"] == 0
