@@ -123,9 +123,10 @@ def test_dead_agent_goes_offline_within_keepalive_window(mosquitto, how: str) ->
             assert states and states[-1][1] == "online", states
             proc.send_signal(signal.SIGKILL if how == "kill-9" else signal.SIGSTOP)
             killed = time.monotonic()
-            # Mosquitto cuts a silent client 1.5 keepalives after its last packet; its timer and a
-            # loaded CI add seconds (measured 1.6-6.8 s for a 2 s keepalive on 2 busy cores).
-            window = 1.5 * KEEPALIVE_S + 5.0
+            # Mosquitto cuts a silent client 1.5 keepalives after its last packet, but 2.0.11
+            # overshoots by seconds (measured 1.6-7.0 s for a 2 s keepalive on 2 busy cores);
+            # kill -9 is seen at once (0.1-0.2 s) since the socket closes.
+            window = 1.5 * KEEPALIVE_S + 8.0
             assert done.wait(window + 10), f"never shown offline: {states[-3:]}"
             shown_after = next(t for t, s in states if s == "offline") - killed
             print(f"{how}: offline shown {shown_after:.2f} s later (keepalive {KEEPALIVE_S} s)")
