@@ -420,3 +420,25 @@ def test_sigterm_during_training_keeps_upload_and_sends_it_once_after_restart(mo
     assert sent == [pending.payload], log.read_text()[-3000:]
     engine = agg.svc.engine
     assert engine.counters["applied.update"] == 1 and engine.counters["duplicates"] == 0
+
+
+def test_fedsoft_async_agent_estimates_alpha_locally_and_gets_all_clusters(mosquitto, tmp_path) -> None:
+    cfg = make_cfg(mosquitto.url, tmp_path, **{"aggregator.algorithm": "fedsoft-async",
+                                               "agent.algorithm": "fedsoft-async"})
+    agg = Aggregator(cfg)  # fresh state dir: pre-trains its own cluster models
+    agg.start()
+    rng = np.random.default_rng(6)
+    _, pools = rotated_pools(cfg, rng, 300)
+    device = DeviceAgent(cfg, DatasetSource(pools, [0.0, 1.0], seed=7)).start()
+    try:
+        assert device.agent.installed.kind == "clusters" and len(device.agent.installed.clusters) == 2
+        device.trigger()
+        cycle = step_until_cycle(device)
+        assert cycle.outcome == "installed" and device.tau == 1
+        assert cycle.alpha is not None and cycle.alpha[1] > 0.8  # all its data is cluster 1
+        assert cycle.installed.kind == "clusters"
+        strategy = agg.svc.engine.strategy.state_dict()
+        assert agg.svc.engine.counters["applied.update"] == 1 and strategy["epoch"] == 1
+    finally:
+        device.close()
+        agg.stop()
