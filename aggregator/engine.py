@@ -94,18 +94,22 @@ class Engine:
         self.agents: dict[str, AgentRecord] = {}
         self.counters: Counter[str] = Counter()
         self.snapshot_every = max(1, cfg.aggregator.snapshot_every)
+        self.accepted_norms: deque[float] = deque(maxlen=max(1, cfg.aggregator.norm_window))
+        """||v - base|| of the latest applied updates: the fleet's scale for `norm_factor`."""
 
     # ------------------------------------------------------------------ durable state
 
     def state_dict(self) -> dict[str, Any]:
         return {"strategy": self.strategy.state_dict(),
                 "agents": {a: r.to_state() for a, r in self.agents.items()},
-                "counters": dict(self.counters)}
+                "counters": dict(self.counters), "accepted_norms": list(self.accepted_norms)}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.strategy.load_state_dict(d["strategy"])
         self.agents = {a: AgentRecord.from_state(r) for a, r in d["agents"].items()}
         self.counters = Counter(d["counters"])
+        self.accepted_norms.clear()
+        self.accepted_norms.extend(d.get("accepted_norms", []))
 
     def recover(self) -> int:
         """Load the newest snapshot and replay the journal after it; returns records replayed.
@@ -136,6 +140,8 @@ class Engine:
                             n_samples=rec["n_samples"], alpha=rec.get("upload_alpha"),
                             msg_id=rec["msg_id"])
             reply = self.strategy.apply(upload, rec.get("alpha"))
+            if rec.get("dist") is not None:
+                self.accepted_norms.append(rec["dist"])
         self._reply_envelope(reply, rec["msg_id"])
         self.counters[f"applied.{rec['op']}"] += 1
 
@@ -166,6 +172,7 @@ class Engine:
         out: list[protocol.Envelope] = []
         joins: list[protocol.Join] = []
         updates: list[tuple[protocol.Update, Upload]] = []
+        dists: dict[tuple[str, str], float | None] = {}  # -> ||v - base||, for accepted_norms
         seen_in_batch: set[tuple[str, str]] = set()
         for item in batch:
             env = item.envelope
@@ -180,7 +187,8 @@ class Engine:
                     self._check_spec(env.model)
                     joins.append(env)
                 elif isinstance(env, protocol.Update):
-                    updates.append((env, self._validate_update(env)))
+                    upload, dists[key] = self._validate_update(env)
+                    updates.append((env, upload))
                 else:
                     raise Rejected("unexpected_type", f"{env.TYPE} is not for this aggregator")
                 seen_in_batch.add(key)
@@ -205,7 +213,8 @@ class Engine:
                 records.append({"op": "update", "agent": env.agent, "msg_id": env.msg_id,
                                 "tau": env.tau, "n_samples": env.n_samples,
                                 "vector": upload.vector, "alpha": reply.alpha,
-                                "upload_alpha": upload.alpha})
+                                "upload_alpha": upload.alpha,
+                                "dist": dists.get((env.agent, env.msg_id))})
                 info = reply.info
                 event(log, "update.applied", agent=env.agent, epoch=reply.epoch,
                       staleness=info.get("staleness"), stale=info.get("stale"),
@@ -215,6 +224,8 @@ class Engine:
             self.journal.append(records)  # the durability point: raises JournalError
         for rec in records:
             self.counters[f"applied.{rec['op']}"] += 1
+            if rec.get("dist") is not None:
+                self.accepted_norms.append(rec["dist"])
         return out
 
     # ------------------------------------------------------------------ validation
@@ -224,7 +235,8 @@ class Engine:
             raise Rejected("wrong_model", f"model spec {spec_hash} is not this fleet's "
                                           f"{self.spec.arch} ({self.spec.hash})")
 
-    def _validate_update(self, env: protocol.Update) -> Upload:
+    def _validate_update(self, env: protocol.Update) -> tuple[Upload, float | None]:
+        """The upload to apply and its distance from the agent's base (None without a base)."""
         self._check_spec(env.model)
         record = self.agents.get(env.agent)
         if record is None:
@@ -244,12 +256,8 @@ class Engine:
             raise Rejected("bad_tau", f"tau {env.tau} is ahead of the aggregator's epoch "
                                       f"{self.strategy.epoch}")
         v = torch.from_numpy(np.ascontiguousarray(vector, dtype=np.float32))
-        bound = self.cfg.aggregator.norm_bound
-        if bound > 0 and record.base is not None:
-            dist = float(torch.linalg.vector_norm(v - record.base))
-            if dist > bound:
-                raise Rejected("norm_bound", f"update moves the model by {dist:.3g}, "
-                                             f"above the bound {bound:.3g}")
+        dist = None if record.base is None else float(torch.linalg.vector_norm(v - record.base))
+        self._check_norm(dist)
         upload = Upload(agent=env.agent, vector=v, tau=env.tau, n_samples=env.n_samples,
                         alpha=env.alpha, msg_id=env.msg_id, base=record.base)
         try:
@@ -257,7 +265,24 @@ class Engine:
         except ValueError as e:
             reason = "bad_alpha" if "alpha" in str(e) else "refused"
             raise Rejected(reason, str(e)) from None
-        return upload
+        return upload, dist
+
+    def _check_norm(self, dist: float | None) -> None:
+        """Poisoning guards on the step size (docs/reliability.md): an absolute bound and a
+        fleet-relative one, `norm_factor` x the median step of the latest applied updates
+        (after `norm_warmup` of them). Without a base (FedSoft-Async) neither applies."""
+        if dist is None:
+            return
+        a = self.cfg.aggregator
+        if a.norm_bound > 0 and dist > a.norm_bound:
+            raise Rejected("norm_bound", f"update moves the model by {dist:.3g}, "
+                                         f"above the bound {a.norm_bound:.3g}")
+        if a.norm_factor > 0 and len(self.accepted_norms) >= max(1, a.norm_warmup):
+            median = float(np.median(self.accepted_norms))
+            if dist > a.norm_factor * median:
+                raise Rejected("norm_outlier", f"update moves the model by {dist:.3g}, above "
+                                               f"{a.norm_factor:g} x the fleet's median step "
+                                               f"{median:.3g} (last {len(self.accepted_norms)} applied)")
 
     # ------------------------------------------------------------------ replies
 

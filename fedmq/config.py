@@ -223,6 +223,12 @@ class AggregatorSettings:
     """Journal records between snapshots (a snapshot bounds replay time after a crash)."""
     norm_bound: float = 0.0
     """Refuse uploads whose distance from the model they started from exceeds this (0 = off)."""
+    norm_factor: float = 0.0
+    """Refuse uploads whose distance from the model they started from exceeds this many times the median distance of the latest applied uploads (0 = off; e.g. 10)."""
+    norm_window: int = 100
+    """How many of the latest applied uploads' distances the norm_factor median is taken over."""
+    norm_warmup: int = 20
+    """Applied uploads needed before norm_factor is enforced (the median needs a fleet to be meaningful)."""
 
 
 @dataclass

@@ -1,0 +1,175 @@
+"""Model-poisoning guards of the aggregator's engine (policy: docs/reliability.md).
+
+Each guard is shown to refuse with its reason code and to leave the cluster models, the
+epoch and the journal untouched: NaN/Inf values, a wrong model spec or shape, a step above
+the absolute `norm_bound`, and a step far above the fleet's (`norm_factor` x the median of
+the latest applied steps, after `norm_warmup`). The fleet-relative window survives a restart.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from aggregator.bootstrap import build_engine
+from aggregator.engine import Engine, Inbound
+from fedmq import codecs, protocol
+from fedmq.config import load_config
+from fedmq.models import model_spec
+
+SPEC = model_spec("digits-cnn")
+SMALL = {"fleet": "p", "cdfl.clusters": 2, "data.dataset": "digits", "data.proxy_per_cluster": 100,
+         "data.pretrain_per_cluster": 200, "aggregator.pretrain_epochs": 1, "device": "cpu",
+         "aggregator.accuracy_every": 0}
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> Path:
+    state = tmp_path_factory.mktemp("poison") / "state"
+    engine = build_engine(load_config(None, {**SMALL, "aggregator.state_dir": str(state)}))
+    engine.recover()
+    engine.journal.close()
+    return state
+
+
+def make_engine(pretrained: Path, tmp_path: Path, **extra) -> Engine:
+    state = tmp_path / "state"
+    if not state.exists():
+        shutil.copytree(pretrained, state)
+    engine = build_engine(load_config(None, {**SMALL, "aggregator.state_dir": str(state), **extra}))
+    engine.recover()
+    return engine
+
+
+class Client:
+    """One agent speaking to the engine directly (the wire is tested elsewhere)."""
+
+    def __init__(self, engine: Engine, agent: str) -> None:
+        self.engine, self.agent = engine, agent
+        self.base: np.ndarray | None = None
+        self.epoch = 0
+        join = protocol.Join(agent=agent, msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
+                             model=SPEC.hash, algorithm="cdfl")
+        self.install(self.send(join))
+
+    def send(self, env: protocol.Envelope) -> protocol.Envelope:
+        (reply,) = self.engine.handle([Inbound(self.agent, env)])
+        return reply
+
+    def install(self, reply: protocol.Envelope) -> None:
+        assert isinstance(reply, protocol.Model), reply
+        wire = reply.tensors[0]
+        self.base = codecs.decode(wire, base=self.base if wire["delta"] else None)
+        self.epoch = reply.epoch
+
+    def update(self, tensor: dict, **fields) -> protocol.Update:
+        return protocol.Update(**{"agent": self.agent, "msg_id": protocol.new_msg_id(),
+                                  "sent_at": protocol.now(), "model": SPEC.hash, "tau": self.epoch,
+                                  "tensor": tensor, "n_samples": 100, **fields})
+
+    def step(self, size: float, seed: int) -> protocol.Update:
+        """An update `size` away from the held model (a random direction)."""
+        d = np.random.default_rng(seed).normal(size=SPEC.numel).astype(np.float32)
+        v = self.base + size * d / np.linalg.norm(d)
+        return self.update(codecs.encode(v, "fp32", base=self.base))
+
+
+def fingerprint(engine: Engine) -> tuple:
+    clusters = [c.clone() for c in engine.strategy.state_dict()["clusters"]]
+    return clusters, engine.strategy.epoch, engine.journal.records_since_snapshot
+
+
+def assert_unchanged(before: tuple, engine: Engine) -> None:
+    clusters, epoch, records = fingerprint(engine)
+    assert all(torch.equal(a, b) for a, b in zip(before[0], clusters, strict=True))
+    assert (epoch, records) == before[1:]
+
+
+def refused(reply: protocol.Envelope, reason: str) -> bool:
+    return isinstance(reply, protocol.Error) and reply.reason == reason
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_non_finite_values_are_refused(pretrained, tmp_path, value) -> None:
+    engine = make_engine(pretrained, tmp_path)
+    c = Client(engine, "car-1")
+    before = fingerprint(engine)
+    vec = c.base.copy()
+    vec[123] = value
+    wire = codecs.encode(np.zeros(SPEC.numel, np.float32), "fp32", zstd=False)
+    wire["data"] = vec.tobytes()  # no codec emits a non-finite value; a hostile sender can
+    reply = c.send(c.update(wire))
+    assert refused(reply, "codec_not_finite"), reply
+    assert_unchanged(before, engine)
+    assert engine.counters["rejected.codec_not_finite"] == 1
+
+
+def test_wrong_spec_and_shape_are_refused(pretrained, tmp_path) -> None:
+    engine = make_engine(pretrained, tmp_path)
+    c = Client(engine, "car-2")
+    before = fingerprint(engine)
+    ok = codecs.encode(c.base, "fp32")
+    assert refused(c.send(c.update(ok, model="f" * 16)), "wrong_model")
+    assert refused(c.send(c.update(codecs.encode(np.zeros(SPEC.numel + 1, np.float32), "fp32"))),
+                   "wrong_shape")
+    assert refused(c.send(c.update(ok, tau=c.epoch + 5)), "bad_tau")
+    assert_unchanged(before, engine)
+    assert isinstance(c.send(c.update(ok)), protocol.Model)  # the probe itself is acceptable
+
+
+def test_absolute_norm_bound(pretrained, tmp_path) -> None:
+    engine = make_engine(pretrained, tmp_path, **{"aggregator.norm_bound": 5.0})
+    c = Client(engine, "car-3")
+    before = fingerprint(engine)
+    reply = c.send(c.step(50.0, seed=1))
+    assert refused(reply, "norm_bound") and "above the bound 5" in reply.detail
+    assert_unchanged(before, engine)
+    c.install(c.send(c.step(1.0, seed=2)))
+    assert engine.counters["applied.update"] == 1
+
+
+def test_fleet_relative_norm_guard_after_warmup_and_across_restart(pretrained, tmp_path) -> None:
+    knobs = {"aggregator.norm_factor": 10.0, "aggregator.norm_warmup": 6, "aggregator.norm_window": 50}
+    engine = make_engine(pretrained, tmp_path, **knobs)
+    fleet = [Client(engine, f"car-{i}") for i in range(3)]
+    # Before the warm-up the fleet has no scale yet: a large step is applied (documented).
+    fleet[0].install(fleet[0].send(fleet[0].step(3.0, seed=99)))
+    for i in range(6):  # the fleet's normal steps: about 1.0
+        c = fleet[i % 3]
+        c.install(c.send(c.step(1.0 + 0.05 * i, seed=i)))
+    assert len(engine.accepted_norms) == 7
+    median = float(np.median(engine.accepted_norms))
+    assert median == pytest.approx(1.15, abs=0.05)
+
+    attacker = fleet[1]
+    before = fingerprint(engine)
+    reply = attacker.send(attacker.step(100.0 * median, seed=7))
+    assert refused(reply, "norm_outlier"), reply
+    assert "median step" in reply.detail
+    assert refused(attacker.send(attacker.step(10.5 * median, seed=8)), "norm_outlier")
+    assert_unchanged(before, engine)
+    assert engine.counters["rejected.norm_outlier"] == 2
+    # Within the factor is applied, and enters the window.
+    attacker.install(attacker.send(attacker.step(5.0 * median, seed=9)))
+    assert len(engine.accepted_norms) == 8
+
+    # A restart (journal replay) rebuilds the same window, so the guard holds the same line.
+    window = list(engine.accepted_norms)
+    engine.journal.close()
+    again = make_engine(pretrained, tmp_path, **knobs)
+    assert list(again.accepted_norms) == window
+    attacker.engine = again
+    assert refused(attacker.send(attacker.step(100.0 * median, seed=10)), "norm_outlier")
+
+
+def test_fleet_relative_guard_is_off_by_default(pretrained, tmp_path) -> None:
+    engine = make_engine(pretrained, tmp_path)
+    c = Client(engine, "car-9")
+    for i in range(3):
+        c.install(c.send(c.step(1.0, seed=i)))
+    c.install(c.send(c.step(500.0, seed=3)))  # accepted: norm_factor = 0 means off
+    assert engine.counters["applied.update"] == 4
