@@ -142,7 +142,7 @@ class Engine:
             reply = self.strategy.apply(upload, rec.get("alpha"))
             if rec.get("dist") is not None:
                 self.accepted_norms.append(rec["dist"])
-        self._reply_envelope(reply, rec["msg_id"])
+        self._reply_envelope(reply, rec["msg_id"], whole=rec["op"] == "join")
         self.counters[f"applied.{rec['op']}"] += 1
 
     def refresh_cluster_accuracy(self, every_epochs: int = 1) -> None:
@@ -180,7 +180,12 @@ class Engine:
                 if env.agent != item.agent:
                     raise Rejected("agent_mismatch", f"{env.agent!r} on the topic of {item.agent!r}")
                 key = (env.agent, env.msg_id)
-                if key in seen_in_batch or self._is_replay(env):
+                if key in seen_in_batch:
+                    # A second copy in the same batch (a broker redelivery plus the agent's own
+                    # re-send): the first copy's reply answers both.
+                    self.counters["duplicates"] += 1
+                    continue
+                if self._is_replay(env):
                     out.append(self._answer_replay(env))
                     continue
                 if isinstance(env, protocol.Join):
@@ -201,7 +206,7 @@ class Engine:
         records: list[dict[str, Any]] = []
         for env in joins:
             reply = self.strategy.join(env.agent, env.n_samples)
-            out.append(self._reply_envelope(reply, env.msg_id))
+            out.append(self._reply_envelope(reply, env.msg_id, whole=True))
             records.append({"op": "join", "agent": env.agent, "msg_id": env.msg_id,
                             "n_samples": env.n_samples})
         if updates:
@@ -302,8 +307,11 @@ class Engine:
         return protocol.Error(agent=agent, msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
                               reason=reason, detail=detail[:4096], in_reply_to=msg_id)
 
-    def _reply_envelope(self, reply: Reply, in_reply_to: str) -> protocol.Model:
-        """Encode the reply against what the agent holds and remember what it will hold."""
+    def _reply_envelope(self, reply: Reply, in_reply_to: str, whole: bool = False) -> protocol.Model:
+        """Encode the reply against what the agent holds and remember what it will hold.
+
+        `whole` (joins) sends the whole model: an agent that joins may hold nothing, or a model
+        out of step with ours, so a join is how it gets back in sync."""
         record = self.agents.setdefault(reply.agent, AgentRecord())
         c = self.cfg.codec
         tensors = []
@@ -314,7 +322,7 @@ class Engine:
             record.base = None
         else:
             (vec,) = reply.vectors
-            base = record.base.numpy() if (c.delta and record.base is not None) else None
+            base = record.base.numpy() if (c.delta and record.base is not None and not whole) else None
             wire = codecs.encode(vec, c.name, base=base, zstd=c.zstd, **self._codec_params())
             tensors.append(wire)
             # The agent will hold exactly what it decodes, lossy codec or not.
