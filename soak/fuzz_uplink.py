@@ -263,9 +263,9 @@ class Generator:
             return msgpack.packb(doc, use_bin_type=True), None
         raise ValueError(kind)
 
-    def chunk_flood(self, partials: int) -> list[bytes]:
-        """First pieces of `partials` messages that will never complete, plus a few pieces
-        that contradict an earlier one (same `of`, other count)."""
+    def chunk_flood(self, partials: int, contradict_every: int = 10) -> list[bytes]:
+        """First pieces of `partials` messages that will never complete, plus (every
+        `contradict_every`-th, 0 = none) a piece that contradicts it (same `of`, other count)."""
         out = []
         for i in range(partials):
             of = protocol.new_msg_id()
@@ -274,7 +274,7 @@ class Generator:
                 agent=self.agent, msg_id=protocol.new_msg_id(), sent_at=protocol.now(), of=of,
                 index=0, count=5, total_bytes=total, sha256=hashlib.sha256(bytes(total)).digest(),
                 data=bytes(4000))))
-            if i % 10 == 0:
+            if contradict_every and i % contradict_every == 0:
                 out.append(protocol.encode(protocol.Chunk(
                     agent=self.agent, msg_id=protocol.new_msg_id(), sent_at=protocol.now(), of=of,
                     index=1, count=4, total_bytes=total, sha256=bytes(32), data=bytes(5000))))

@@ -1,0 +1,125 @@
+"""Hostile input on the live uplink (soak/fuzz_uplink.py has the generator and the campaign).
+
+10,000 hostile messages against a running aggregator over a real Mosquitto, while an honest
+agent makes 20 uploads: the aggregator stays up, every message gets its reason, replays apply
+nothing, memory stays bounded, and the honest agent's cluster models are bit-identical to a
+run without the fuzzer. Plus the targeted cases: impersonation through the envelope's agent
+field, and a chunk flood that fills the broker's in-flight window.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from aggregator.bootstrap import build_engine
+from aggregator.service import AggregatorService
+from fedmq import codecs, protocol
+from fedmq.models import model_spec
+from soak.fleet_setup import pretrained_state, small_config
+from soak.fuzz_uplink import CAMPAIGN_SETTINGS, Fuzzer, Generator, compare, run_campaign
+from tests.raw_agent import RawAgent
+
+SPEC = model_spec("digits-cnn")
+MESSAGES = 10_000
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> Path:
+    return pretrained_state(tmp_path_factory.mktemp("fuzz") / "pretrained")
+
+
+def test_fuzz_campaign_on_the_live_uplink(mosquitto, pretrained, tmp_path) -> None:
+    fuzzed = run_campaign(mosquitto.url, pretrained_state(tmp_path / "a", pretrained), fleet="fz-a",
+                          messages=MESSAGES, seed=0)
+    baseline = run_campaign(mosquitto.url, pretrained_state(tmp_path / "b", pretrained), fleet="fz-b",
+                            messages=0, seed=0)
+    assert fuzzed["aggregator_alive"] and fuzzed["batch_failures"] == 0
+    assert fuzzed["sent_total"] >= MESSAGES
+    # Every hostile message got its reason: one error reply each (a chunk flood: one per
+    # partial message), none late, malformed topics logged and counted.
+    assert fuzzed["unanswered"] == [], fuzzed["unanswered"][:5]
+    assert fuzzed["late_replies"] == 0
+    assert all(not r.startswith("not_error") for r in fuzzed["replies"]), fuzzed["replies"]
+    assert fuzzed["replies_total"] == fuzzed["sent_total"] - fuzzed["sent"]["chunk_flood"] + 2 * 60
+    assert fuzzed["bad_topics_logged"] == fuzzed["bad_topics_sent"] == 2
+    assert fuzzed["internal_errors"] == 0  # every message was refused by a check, not by a crash
+    # Replays of applied uploads were answered and applied nothing.
+    assert fuzzed["duplicates_answered"] == fuzzed["replays_sent"] > 0
+    assert fuzzed["applied_updates"] == fuzzed["honest_updates"] == 20
+    # Bounded: the worker's queue by the broker's window, partial messages by max_pending_bytes.
+    assert fuzzed["inbox_max"] <= 64 + 16
+    assert fuzzed["reassembler_max_bytes"] <= CAMPAIGN_SETTINGS["protocol.max_pending_bytes"]
+    assert fuzzed["rss_growth_mib"] < 200, fuzzed["rss_growth_mib"]
+    # The fuzzing changed nothing the honest agent's uploads did.
+    same = compare(fuzzed, baseline)
+    assert same["epoch_fuzzed"] == same["epoch_baseline"] == 20
+    assert same["clusters_bit_identical"]
+
+
+def test_envelope_naming_another_agent_is_refused(mosquitto, pretrained, tmp_path) -> None:
+    """Impersonation on one's own topic (the broker's ACL only vouches for the topic)."""
+    cfg = small_config(mosquitto.url, pretrained_state(tmp_path / "s", pretrained), "imp")
+    with AggregatorService(cfg, build_engine(cfg)) as svc:
+        victim = RawAgent(mosquitto.port, "imp", "victim")
+        mallory = RawAgent(mosquitto.port, "imp", "mallory")
+        try:
+            victim.join(SPEC.hash)
+            mallory.join(SPEC.hash)
+            before = [c.clone() for c in svc.engine.strategy.state_dict()["clusters"]]
+            forged = protocol.Update(agent="victim", msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
+                                     model=SPEC.hash, tau=0, n_samples=1,
+                                     tensor=codecs.encode(victim.base * 50, "fp32"))
+            mallory.send(forged)  # on mallory's own uplink topic
+            # Refused by the channel's topic check, before the engine: the error names no msg_id.
+            err = mallory.expect("")
+            assert isinstance(err, protocol.Error) and err.reason == "agent_mismatch", err
+            forged_join = protocol.Join(agent="victim", msg_id=protocol.new_msg_id(),
+                                        sent_at=protocol.now(), model=SPEC.hash, algorithm="cdfl")
+            mallory.send(forged_join)
+            assert mallory.expect("").reason == "agent_mismatch"
+            after = svc.engine.strategy.state_dict()["clusters"]
+            assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+            assert svc.engine.counters["applied.update"] == 0
+            # The victim is untouched: its next honest update still applies against its own base.
+            up = victim.update_envelope(victim.base * 1.001, SPEC.hash)
+            victim.send(up)
+            assert isinstance(victim.expect(up.msg_id), protocol.Model)
+        finally:
+            victim.close()
+            mallory.close()
+
+
+def test_chunk_flood_filling_the_broker_window_only_delays_others(mosquitto, pretrained, tmp_path) -> None:
+    """80 partial messages that never complete: more than the broker's in-flight window (64)
+    of unacknowledged messages to the aggregator. Chunks are acked only with their message
+    (durability), so deliveries stall until the partials time out (chunk_timeout_s, 2 s here):
+    each partial then gets its chunk_timeout reply and an honest upload sent meanwhile is
+    applied once. docs/reliability.md discusses this limit."""
+    settings = {**CAMPAIGN_SETTINGS, "protocol.max_pending_bytes": 64 * 1024 * 1024}
+    cfg = small_config(mosquitto.url, pretrained_state(tmp_path / "s", pretrained), "flood", **settings)
+    with AggregatorService(cfg, build_engine(cfg)) as svc:
+        fuzzer = Fuzzer(mosquitto.port, "flood")
+        honest = RawAgent(mosquitto.port, "flood", "honest")
+        try:
+            honest.join(SPEC.hash)
+            gen = Generator(1, "flood", "fuzzer", np.zeros(SPEC.numel, np.float32))
+            pieces = gen.chunk_flood(80, contradict_every=0)
+            for p in pieces:
+                fuzzer.publish(p)
+            time.sleep(0.3)
+            up = honest.update_envelope(honest.base * 1.001, SPEC.hash)
+            honest.send(up)
+            assert isinstance(honest.expect(up.msg_id, timeout=60), protocol.Model)
+            replies = fuzzer.collect(80, timeout=60)
+            assert len(replies) == 80
+            assert {e.reason for _, e in replies} == {"chunk_timeout"}
+            assert svc.engine.counters["applied.update"] == 1
+            assert svc.channel.reassembler.pending_messages == 0
+        finally:
+            fuzzer.close()
+            honest.close()
