@@ -912,6 +912,7 @@ class MqttTransport:
                 self.network.detach(client)
             else:
                 client.loop_stop()
+                _close_wakeup_pair(client)
         self._connected.clear()
         self._fail_pending("transport closed before the broker acknowledged it")
         event(log, "transport.closed", client=self.client_id)
@@ -936,6 +937,7 @@ class MqttTransport:
                     sock.shutdown(socket.SHUT_RDWR)  # FIN first, so DISCONNECT can't get out
             client.disconnect()  # stops paho's reconnect loop; nothing reaches the broker
             client.loop_stop()
+            _close_wakeup_pair(client)
         self._connected.clear()
         self._fail_pending("transport killed before the broker acknowledged it")
 
@@ -952,6 +954,16 @@ class MqttTransport:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "connected" if self.connected else "disconnected"
         return f"MqttTransport({self.client_id!r}, {self._where()}, {state})"
+
+
+def _close_wakeup_pair(client: paho.Client) -> None:
+    """paho's loop_stop() leaves its wake-up socket pair open: two descriptors per client."""
+    for name in ("_sockpairR", "_sockpairW"):
+        sock = getattr(client, name, None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+            setattr(client, name, None)
 
 
 class _SubackWait:

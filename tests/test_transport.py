@@ -555,3 +555,19 @@ def test_one_network_loop_serves_more_clients_than_select_can(mosquitto):
             t.close(timeout=1)
         network.close()
     assert network.clients == 0
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own-thread", "shared-loop"])
+def test_close_and_kill_leave_no_descriptor_open(mosquitto, shared):
+    import os
+
+    network = NetworkLoop() if shared else None
+    s = settings_for(mosquitto)
+    MqttTransport("warm-up", s, network=network).connect().close()
+    before = len(os.listdir("/proc/self/fd"))
+    for i in range(5):
+        MqttTransport(f"fd-{i}", s, network=network).connect().close()
+        MqttTransport(f"fd-kill-{i}", s, network=network).connect().kill()
+    assert len(os.listdir("/proc/self/fd")) == before
+    if network is not None:
+        network.close()
