@@ -158,6 +158,20 @@ class CDFLSettings:
     """Vectors per evaluation chunk (0 = the evaluator's default for the device)."""
     eval_compile: bool = False
     """torch.compile the evaluation (about 1.5x on CPU here after ~4 s of compiling)."""
+    personalization: str = "mixture"
+    """How the one reply model is made (aggregator/personalize.py): mixture (sum_k alpha_k w_k), upload (the agent's own upload), finetune (the upload trained on alpha-weighted proxy data), distill (finetune taught by each cluster's specialist) or distill-mixture (distill from the mixture). See docs/results_cdfl.md."""
+    personalize_epochs: int = 2
+    """finetune/distill: epochs over the alpha-weighted proxy sets per reply."""
+    personalize_lr: float = 0.01
+    """finetune/distill: SGD learning rate (momentum 0.9)."""
+    personalize_kd_weight: float = 0.5
+    """distill: weight of the specialist teachers' tempered softmax against the true labels."""
+    personalize_temperature: float = 2.0
+    """distill: softmax temperature of teacher and student."""
+    update_rule: str = "alpha"
+    """Cluster update shares: alpha (beta_k = beta0 alpha_k s), sharpen (alpha_k^update_power renormalized) or confidence (alpha_k times 1 - H(alpha)/log K)."""
+    update_power: float = 2.0
+    """sharpen: the power applied to alpha before renormalizing."""
 
 
 @dataclass
