@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 EXTRAS ?= cpu,dev
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench lint venv mosquitto clean help
+.PHONY: demo test bench lint venv mosquitto clean help soak
 
 help:
 	@echo "make demo   - create .venv, install, run a small simulated fleet over a real broker"
@@ -35,6 +35,12 @@ test: venv mosquitto
 
 bench: venv mosquitto
 	$(PY) -m bench $(BENCH_ARGS)
+
+# Long fault, fuzz and load runs (docs/reliability.md); figures go to soak/results/*.json.
+soak: venv mosquitto
+	$(PY) -m soak.kill_aggregator --agents 20 --updates 30 --kills 20
+	$(PY) -m soak.fuzz_uplink --messages 50000
+	$(PY) -m soak.load_burst --agents 1000
 
 lint: venv
 	$(VENV)/bin/ruff check .

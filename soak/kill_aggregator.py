@@ -19,7 +19,7 @@ The journal must hold the whole run for the replay check, so snapshots are off d
 run (`aggregator.snapshot_every` huge); tests/test_aggregator_service.py covers kills with
 snapshots in between.
 
-    python -m soak.kill_aggregator --agents 20 --updates 10 --kills 20
+    python -m soak.kill_aggregator --agents 20 --updates 30 --kills 20
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class AggregatorProcess:
 
 
 def run_kills(broker_url: str, state: Path, *, fleet: str, agents: int = 6, updates: int = 5,
-              kills: int = 5, seed: int = 0, workdir: Path) -> dict[str, Any]:
+              kills: int = 5, seed: int = 0, pace_s: float = 0.4, workdir: Path) -> dict[str, Any]:
     from edge_agent.runtime import EdgeAgent
 
     rng = random.Random(seed)
@@ -109,7 +109,7 @@ def run_kills(broker_url: str, state: Path, *, fleet: str, agents: int = 6, upda
             agent.join()
             pace = random.Random(f"{seed}-{i}")
             for u in range(updates):
-                time.sleep(pace.uniform(0.05, 0.4))  # "training"; spreads the run over the kills
+                time.sleep(pace.uniform(0.05, pace_s))  # "training"; spreads the run over the kills
                 noise = np.random.default_rng([seed, i, u]).normal(0, 0.01, agent.spec.numel)
                 env = agent.update_envelope(agent.installed.vector + torch.from_numpy(noise.astype(np.float32)), 100)
                 agent.upload(env)
@@ -134,6 +134,8 @@ def run_kills(broker_url: str, state: Path, *, fleet: str, agents: int = 6, upda
             left = kills - k
             gap = rng.randint(1, max(1, (total - len(uploaded)) // (left + 1)))
             target = len(uploaded) + gap
+            if target >= total:
+                break  # the run is (nearly) over: a kill now would not land mid-run
             deadline = time.monotonic() + 120
             while len(uploaded) < target and time.monotonic() < deadline and not failures:
                 time.sleep(0.005)
@@ -204,16 +206,17 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m soak.kill_aggregator", description=__doc__.splitlines()[0])
     p.add_argument("--agents", type=int, default=20)
-    p.add_argument("--updates", type=int, default=10)
+    p.add_argument("--updates", type=int, default=30)
     p.add_argument("--kills", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pace", type=float, default=2.0, help="most seconds an agent 'trains' between uploads")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="fedmq-kill-") as tmp, MosquittoBroker.dev() as broker:
         work = Path(tmp)
         state = pretrained_state(work / "state")
         figures = run_kills(broker.url, state, fleet="kill", agents=args.agents, updates=args.updates,
-                            kills=args.kills, seed=args.seed, workdir=work)
+                            kills=args.kills, seed=args.seed, pace_s=args.pace, workdir=work)
     path = write_figures("kill_aggregator", figures, args.out)
     print(f"{figures['kills']} kills, {figures['uploads_tried']} uploads: lost {figures['lost']}, "
           f"applied twice {figures['applied_twice']}, replay equal {figures['clusters_equal_replay']} -> {path}")
