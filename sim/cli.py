@@ -31,7 +31,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="sim_command", metavar="{run,report}")
+    sub = p.add_subparsers(dest="sim_command", metavar="{run,report,rounds}")
     r = sub.add_parser("run", help="run scenarios x methods x K x seeds and write CSV/JSON + report")
     add_config_arguments(r, ("broker", "fleet", "log_level", "data_dir", "seed"))
     r.add_argument("--scenario", default="rotated-digits",
@@ -53,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--out", required=True, type=Path, help="output dir")
     rep = sub.add_parser("report", help="table (paper's Table 1) and figures from a run's output dir")
     rep.add_argument("out", type=Path, help="the --out dir of `fedmq sim run`")
+    rounds = sub.add_parser("rounds", add_help=False, prefix_chars="+",
+                            help="CATA-Fed vs FedAvg/FedProx deadline rounds on a simulated clock "
+                                 "(fedmq sim rounds --help)")
+    rounds.add_argument("rest", nargs=argparse.REMAINDER)
 
 
 def _seeds(text: str, base: int) -> list[int]:
@@ -71,8 +75,12 @@ def run(args: argparse.Namespace) -> int:
         for p in paths:
             print(f"figure: {p}")
         return 0
+    if args.sim_command == "rounds":
+        from sim.rounds import main as rounds_main
+
+        return rounds_main(args.rest)
     if args.sim_command != "run":
-        print("usage: fedmq sim {run,report} ... (see fedmq sim run --help)", file=sys.stderr)
+        print("usage: fedmq sim {run,report,rounds} ... (see fedmq sim run --help)", file=sys.stderr)
         return 2
     return run_experiments(args)
 

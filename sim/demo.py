@@ -34,7 +34,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim.fleet import RunSpec, make_schedule, run_fleet, running_broker, write_run
+    from sim.fleet import (
+        EMBEDDED_PROTOCOL,
+        RunSpec,
+        make_schedule,
+        run_fleet,
+        running_broker,
+        write_run,
+    )
     from sim.report import write_report
 
     cfg = config_from_args(args)
@@ -50,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with running_broker(args.broker) as (url, kind):
         print(f"broker: {kind} at {url}")
+        if kind == "embedded":
+            cfg.broker.protocol = EMBEDDED_PROTOCOL
         bar = tqdm(total=total, desc="uploads", unit="upd")
         for spec in specs:
             bar.set_postfix_str(spec.method)

@@ -178,6 +178,10 @@ def make_schedule(seed: int, agents: int, updates_per_agent: float) -> list[tupl
     return out
 
 
+EMBEDDED_PROTOCOL = "3.1.1"
+"""amqtt speaks MQTT 3.1.1 only and stalls concurrent clients that try v5 first."""
+
+
 @contextlib.contextmanager
 def running_broker(url: str | None) -> Iterator[tuple[str, str]]:
     """(url, kind): the broker given, else Mosquitto (dev.conf), else the embedded one."""
@@ -302,6 +306,8 @@ def run_fleet(spec: RunSpec, base: Config | None = None, *, broker_url: str | No
         else:
             url, kind = stack.enter_context(running_broker(broker_url))
             cfg.broker.url = url
+            if kind == "embedded":
+                cfg.broker.protocol = EMBEDDED_PROTOCOL
             # One fleet (topic prefix, sessions) per run: runs may share a broker.
             cfg.fleet = f"{cfg.fleet}.{spec.method}.K{spec.clusters}.s{spec.seed}"[:64]
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="fedmq-sim-"))
