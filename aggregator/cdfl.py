@@ -13,6 +13,7 @@ staleness rule and step 3); they differ only in where alpha comes from and what 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -22,17 +23,44 @@ from torch import Tensor
 
 from aggregator.estimators import EstimationBatch, Estimator, make_estimator, uniform
 from aggregator.evaluator import Proxy, ProxyEvaluator
+from aggregator.personalize import Personalizer, PersonalizeRequest, make_personalizer
 from aggregator.strategy import Reply, Strategy, Upload, check_alpha, check_vector, hinge_staleness
 from fedmq.config import CDFLSettings
 from fedmq.models import ModelSpec
+
+UPDATE_RULES = ("alpha", "sharpen", "confidence")
+
+
+def update_weights(alpha: Sequence[float], rule: str = "alpha", power: float = 2.0) -> list[float]:
+    """The per-cluster share of beta0 an upload gets (step 3), so clusters stay specialists.
+
+    alpha: alpha_k (the paper). sharpen: alpha_k^power renormalized (a mixed upload pulls its
+    dominant cluster, barely the others). confidence: alpha_k times the estimate's confidence
+    1 - H(alpha) / log K (an upload whose mixture is unclear moves no cluster much).
+    """
+    a = [max(0.0, float(x)) for x in alpha]
+    if rule == "alpha" or len(a) < 2:
+        return a
+    if rule == "sharpen":
+        p = [x ** power for x in a]
+        total = sum(p)
+        return [x / total for x in p] if total > 0 else a
+    entropy = -sum(x * math.log(x) for x in a if x > 0)
+    confidence = max(0.0, 1.0 - entropy / math.log(len(a)))
+    return [x * confidence for x in a]
 
 
 class SoftClusters(Strategy):
     """K cluster vectors with staleness-gated, alpha-weighted asynchronous updates."""
 
     def __init__(self, spec: ModelSpec, clusters: Tensor | Sequence[Tensor], *, tau0: int = 0,
-                 beta0: float = 0.025, hinge_a: float = 10.0, hinge_b: float = 5.0) -> None:
+                 beta0: float = 0.025, hinge_a: float = 10.0, hinge_b: float = 5.0,
+                 update_rule: str = "alpha", update_power: float = 2.0) -> None:
         super().__init__()
+        if update_rule not in UPDATE_RULES:
+            raise ValueError(f"update_rule must be one of {', '.join(UPDATE_RULES)}, got {update_rule!r}")
+        self.update_rule = update_rule
+        self.update_power = float(update_power)
         w = torch.stack(list(clusters)) if not isinstance(clusters, Tensor) else clusters
         if w.ndim != 2 or w.shape[1] != spec.numel or w.shape[0] < 1:
             raise ValueError(f"clusters must be [K, {spec.numel}], got {tuple(w.shape)}")
@@ -79,7 +107,7 @@ class SoftClusters(Strategy):
             self.counters["stale"] += 1
             info.update(stale=True, betas=[0.0] * self.k)
             return info
-        betas = [self.beta0 * a * s for a in alpha]
+        betas = [self.beta0 * a * s for a in update_weights(alpha, self.update_rule, self.update_power)]
         for k, beta in enumerate(betas):
             if beta > 0.0:
                 self.clusters[k].mul_(1.0 - beta).add_(vector, alpha=beta)
@@ -122,8 +150,11 @@ class CDFL(SoftClusters):
                  estimator: str | Estimator = "metrics", metric_weights: Sequence[float] = (1.0, 1.0, 1.0),
                  temperature: float = 1.0, estimator_options: dict[str, Any] | None = None,
                  device: str = "auto", proxy_batch: int = 1000,
-                 evaluator: ProxyEvaluator | None = None) -> None:
-        super().__init__(spec, clusters, tau0=tau0, beta0=beta0, hinge_a=hinge_a, hinge_b=hinge_b)
+                 evaluator: ProxyEvaluator | None = None, update_rule: str = "alpha",
+                 update_power: float = 2.0, personalization: str | Personalizer = "mixture",
+                 personalize_options: dict[str, Any] | None = None, seed: int = 0) -> None:
+        super().__init__(spec, clusters, tau0=tau0, beta0=beta0, hinge_a=hinge_a, hinge_b=hinge_b,
+                         update_rule=update_rule, update_power=update_power)
         if evaluator is None:
             if len(proxies) != self.k:
                 raise ValueError(f"{len(proxies)} proxy sets for {self.k} clusters")
@@ -137,6 +168,9 @@ class CDFL(SoftClusters):
             options = {"metric_weights": metric_weights, "temperature": temperature}
             options.update(estimator_options or {})
             self.estimator = make_estimator(estimator, **options)
+        self.personalizer = (personalization if isinstance(personalization, Personalizer)
+                             else make_personalizer(personalization, evaluator, **(personalize_options or {})))
+        self.seed = int(seed)
         self.last_sent: dict[str, Tensor] = {}
         """Agent -> the personalized vector it was last sent (u_m), kept only when the
         estimator needs it (P floats per agent, in memory and in checkpoints)."""
@@ -148,6 +182,9 @@ class CDFL(SoftClusters):
                    "mode": settings.evidence_mode, "floor": settings.estimator_floor,
                    "epochs": settings.trajectory_epochs, "lr": settings.trajectory_lr,
                    "rho": settings.trajectory_rho}
+        personalize = {"epochs": settings.personalize_epochs, "lr": settings.personalize_lr,
+                       "kd_weight": settings.personalize_kd_weight,
+                       "temperature": settings.personalize_temperature}
         if "evaluator" not in kwargs:
             kwargs["evaluator"] = ProxyEvaluator(spec, proxies, device=device, batch=settings.proxy_batch,
                                                  chunk=settings.eval_chunk or None,
@@ -156,10 +193,21 @@ class CDFL(SoftClusters):
                    hinge_a=settings.hinge_a, hinge_b=settings.hinge_b, estimator=settings.estimator,
                    metric_weights=settings.metric_weights, temperature=settings.temperature,
                    estimator_options=options, device=device, proxy_batch=settings.proxy_batch,
+                   update_rule=settings.update_rule, update_power=settings.update_power,
+                   personalization=settings.personalization, personalize_options=personalize,
                    **kwargs)
 
-    def _personalized(self, agent: str, alpha: list[float], info: dict[str, Any]) -> Reply:
-        u = self.mixture(alpha)
+    def _personalized(self, agent: str, alpha: list[float], info: dict[str, Any],
+                      upload: Tensor | None = None) -> Reply:
+        """Step 4: one model for the agent (aggregator/personalize.py; joins get the mixture).
+
+        Seeded by (seed, epoch): journal replay of the same record rebuilds the same model."""
+        if upload is None:
+            u = self.mixture(alpha)
+        else:
+            u, diag = self.personalizer.personalize(PersonalizeRequest(
+                self.clusters, alpha, upload, seed=self.seed * 1_000_003 + self.epoch))
+            info.update(personalization=self.personalizer.name, personalize=diag)
         if self.estimator.needs_base:
             self.last_sent[agent] = u
         self.last_epoch[agent] = self.epoch
@@ -201,7 +249,7 @@ class CDFL(SoftClusters):
             info = self._step(upload, vector, alpha)
             info.update(estimator=self.estimator.name, estimate=diag, batch=len(uploads),
                         estimate_seconds=seconds)
-            replies.append(self._personalized(upload.agent, alpha, info))
+            replies.append(self._personalized(upload.agent, alpha, info, vector))
         return replies
 
     def apply(self, upload: Upload, alpha: list[float] | None = None) -> Reply:
@@ -211,7 +259,7 @@ class CDFL(SoftClusters):
         vector = check_vector(upload.vector, self.spec.numel, f"upload from {upload.agent}")
         info = self._step(upload, vector, alpha)
         info.update(estimator="given")
-        return self._personalized(upload.agent, alpha, info)
+        return self._personalized(upload.agent, alpha, info, vector)
 
     def state_dict(self) -> dict[str, Any]:
         d = self._base_state()

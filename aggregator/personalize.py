@@ -1,0 +1,189 @@
+"""How CDFL turns the cluster models and an estimate alpha into the one model an agent gets.
+
+The straightforward reading (docs/cdfl.md, step 4) replies u = sum_k alpha_k w_k. A
+parameter-space mixture of rotation specialists is a poor model for a client whose data
+mixes rotations: averaging weights of differently specialized networks is not averaging
+their predictions. The variants here keep the single-model download (CDFL's point) and
+differ in how that one model is made. Select one by name (cfg.cdfl.personalization):
+
+- "mixture": sum_k alpha_k w_k (the baseline; what joins always get).
+- "upload": the agent's own upload, unchanged (an ablation reference: what Local would keep,
+  while the clusters still learn from it).
+- "finetune": start from the agent's upload and train a few steps on the server's proxy sets,
+  sample i of D_k weighted by alpha_k, on the true labels.
+- "distill": as finetune, plus knowledge distillation: on a sample of D_k the teacher is the
+  specialist w_k (its tempered softmax), so the student learns each cluster from the model
+  that knows it best, in the proportions the client needs; loss =
+  kd_weight * T^2 KL(teacher_T || student_T) + (1 - kd_weight) * CE(labels).
+- "distill-mixture": distill, starting from the alpha-mixture instead of the upload.
+
+The server-side training runs on the evaluator's device (the GPU when there is one) and is
+deterministic for a given seed on CPU, so journal replay rebuilds the same reply.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.func import functional_call
+
+from aggregator.evaluator import ProxyEvaluator, vector_digest
+
+
+@dataclass
+class PersonalizeRequest:
+    """What one personalized reply is made from."""
+
+    clusters: Tensor
+    """[K, P] cluster models after this upload's update."""
+    alpha: Sequence[float]
+    upload: Tensor | None
+    """The agent's uploaded vector (None for a join)."""
+    seed: int = 0
+
+
+class Personalizer(ABC):
+    name = "personalizer"
+
+    @abstractmethod
+    def personalize(self, request: PersonalizeRequest) -> tuple[Tensor, dict[str, Any]]:
+        """The vector to send and diagnostics (seconds, steps)."""
+
+
+def alpha_mixture(clusters: Tensor, alpha: Sequence[float]) -> Tensor:
+    return torch.tensor([float(a) for a in alpha], dtype=torch.float32) @ clusters
+
+
+class MixturePersonalizer(Personalizer):
+    name = "mixture"
+
+    def personalize(self, request: PersonalizeRequest) -> tuple[Tensor, dict[str, Any]]:
+        return alpha_mixture(request.clusters, request.alpha), {}
+
+
+class UploadPersonalizer(Personalizer):
+    """Send back what the agent uploaded (the mixture for a join)."""
+
+    name = "upload"
+
+    def personalize(self, request: PersonalizeRequest) -> tuple[Tensor, dict[str, Any]]:
+        if request.upload is None:
+            return alpha_mixture(request.clusters, request.alpha), {}
+        return request.upload.detach().to("cpu", torch.float32).clone(), {}
+
+
+class DistillPersonalizer(Personalizer):
+    """Train one student on alpha-weighted proxy data, taught by each cluster's specialist.
+
+    Per-sample weights: a sample of D_k weighs alpha_k / |D_k| (normalized per batch), so each
+    epoch sees the client's mixture. kd_weight = 0 is plain fine-tuning on the labels.
+    Teacher logits of w_k on D_k are cached by the cluster's content hash.
+    """
+
+    name = "distill"
+
+    def __init__(self, evaluator: ProxyEvaluator, *, epochs: int = 2, lr: float = 0.01,
+                 momentum: float = 0.9, batch_size: int = 64, kd_weight: float = 0.5,
+                 temperature: float = 2.0, start: str = "upload", rho: float = 0.0) -> None:
+        if epochs < 1 or lr <= 0 or batch_size < 1 or not 0.0 <= kd_weight <= 1.0 or temperature <= 0:
+            raise ValueError(f"need epochs >= 1, lr > 0, batch_size >= 1, 0 <= kd_weight <= 1, "
+                             f"temperature > 0; got {epochs}, {lr}, {batch_size}, {kd_weight}, {temperature}")
+        if start not in ("upload", "mixture"):
+            raise ValueError(f"start must be upload or mixture, got {start!r}")
+        self.evaluator = evaluator
+        self.epochs = int(epochs)
+        self.lr = float(lr)
+        self.momentum = float(momentum)
+        self.batch_size = int(batch_size)
+        self.kd_weight = float(kd_weight)
+        self.temperature = float(temperature)
+        self.start = start
+        self.rho = float(rho)
+        self._teacher: dict[int, tuple[str, Tensor]] = {}
+
+    def _teacher_logits(self, clusters: Tensor) -> Tensor:
+        """[N_total, C] logits of w_k on the samples of D_k, for every k (cached per cluster)."""
+        ev = self.evaluator
+        parts = []
+        for k in range(ev.num_sets):
+            key = vector_digest(clusters[k])
+            cached = self._teacher.get(k)
+            if cached is None or cached[0] != key:
+                x = ev.x[ev.offsets[k]:ev.offsets[k + 1]]
+                with torch.inference_mode():
+                    logits = ev._logits(clusters[k], x).float()
+                cached = (key, logits.clone())
+                self._teacher[k] = cached
+            parts.append(cached[1])
+        return torch.cat(parts)
+
+    def personalize(self, request: PersonalizeRequest) -> tuple[Tensor, dict[str, Any]]:
+        t0 = time.perf_counter()
+        ev = self.evaluator
+        device = ev.device
+        start = (request.upload if self.start == "upload" and request.upload is not None
+                 else alpha_mixture(request.clusters, request.alpha))
+        start = start.detach().to(device, torch.float32)
+        alpha = torch.tensor([float(a) for a in request.alpha], dtype=torch.float32, device=device)
+        sizes = torch.tensor(ev.sizes, dtype=torch.float32, device=device)
+        weights = (alpha / sizes)[ev.set_of_sample]  # [N_total]
+        teacher = self._teacher_logits(request.clusters) if self.kd_weight > 0 else None
+        x = ev.x.contiguous() if ev.x.ndim != 4 else ev.x
+        y = ev.y
+        w = start.clone().requires_grad_(True)
+        opt = torch.optim.SGD([w], lr=self.lr, momentum=self.momentum)
+        gen = torch.Generator().manual_seed(int(request.seed))
+        steps = 0
+        T = self.temperature
+        module = ev.module
+        # Only samples that matter: a cluster with weight ~0 only costs time.
+        keep = torch.nonzero(weights > 1e-6 * weights.max()).flatten().cpu()
+        with torch.enable_grad():
+            for _ in range(self.epochs):
+                order = keep[torch.randperm(len(keep), generator=gen)].to(device)
+                for i in range(0, len(order), self.batch_size):
+                    idx = order[i:i + self.batch_size]
+                    logits = functional_call(module, ev.spec.unflatten(w), (x[idx],))
+                    bw = weights[idx] / weights[idx].sum()
+                    loss = (1.0 - self.kd_weight) * (F.cross_entropy(logits, y[idx], reduction="none") * bw).sum()
+                    if teacher is not None:
+                        t = F.log_softmax(teacher[idx] / T, dim=1)
+                        s = F.log_softmax(logits / T, dim=1)
+                        kd = (t.exp() * (t - s)).sum(dim=1)
+                        loss = loss + self.kd_weight * T * T * (kd * bw).sum()
+                    if self.rho > 0:
+                        loss = loss + 0.5 * self.rho * (w - start).pow(2).sum()
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+                    steps += 1
+        out = w.detach().to("cpu", torch.float32)
+        return out, {"steps": steps, "seconds": time.perf_counter() - t0}
+
+
+PERSONALIZATIONS = ("mixture", "upload", "finetune", "distill", "distill-mixture")
+
+
+def make_personalizer(name: str, evaluator: ProxyEvaluator | None, **options: Any) -> Personalizer:
+    """The personalizer `name` (cfg.cdfl.personalization); options: epochs, lr, kd_weight, ..."""
+    if name == "mixture":
+        return MixturePersonalizer()
+    if name == "upload":
+        return UploadPersonalizer()
+    if name in ("finetune", "distill", "distill-mixture"):
+        if evaluator is None:
+            raise ValueError(f"personalization {name!r} needs the proxy evaluator")
+        opts = dict(options)
+        if name == "finetune":
+            opts["kd_weight"] = 0.0
+        if name == "distill-mixture":
+            opts["start"] = "mixture"
+        return DistillPersonalizer(evaluator, **opts)
+    raise ValueError(f"unknown personalization {name!r}; known: {', '.join(PERSONALIZATIONS)}")

@@ -1,0 +1,409 @@
+"""Ablation runner: the same fleet (same seeds, data, schedule and start models) per variant.
+
+A variant is a method (cdfl, fedsoft-async, local) plus config overrides, e.g.
+`cdfl-distill=cdfl:cdfl.personalization=distill,cdfl.beta0=0.1`. For every (K, seed) the
+scenario's clusters are built and the cluster models pre-trained once; every variant then
+starts from those same models and replays the same seeded schedule
+(`sim.fleet.make_schedule`) with the same per-cycle data (`sim.scenarios.draw_cycle`) and
+the same local-training seeds as the fleet runner. Differences between rows are the
+variants' doing, not the draw's.
+
+Two engines:
+- in-process (default): the strategy is driven directly (`update` per upload, the agent's
+  model passed as the base), no broker and no codec: what the fleet does minus the wire.
+  Download size is counted in float32 models per reply (CDFL 1, FedSoft-Async K).
+- `--wire`: each variant runs through the fleet runner (`sim.fleet.run_fleet`: real
+  Mosquitto, real EdgeAgents, int8-delta codec), recording MQTT payload bytes.
+
+Besides each variant's own estimator, `--estimators a,b,...` scores other estimators on the
+very same uploads (same vector, base and clusters) of every CDFL variant: KL per estimator
+on identical inputs.
+
+    python -m sim.ablation --clusters 2,3 --seeds 2 --agents 12 --updates-per-agent 3 \
+        --variant local=local --variant fedsoft=fedsoft-async \
+        --variant cdfl-mixture=cdfl --variant "cdfl-distill=cdfl:cdfl.personalization=distill" \
+        --out sim/results/ablation
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedmq.config import Config, add_config_arguments, config_from_args, load_config
+from fedmq.logs import event, get_logger, setup_logging
+from sim.fleet import RunSpec, configure, kl_divergence, make_schedule
+from sim.scenarios import build_clusters, draw_cycle
+
+log = get_logger("sim")
+
+METHODS = ("cdfl", "fedsoft-async", "local")
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    method: str
+    settings: tuple[tuple[str, str], ...] = ()
+    """Dotted config keys and their values, as --set would give them."""
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        """`NAME=METHOD[:key=value,key=value]`; a bare METHOD names itself."""
+        name, sep, rest = text.partition("=")
+        if not sep:
+            name, rest = text, text
+        method, _, opts = rest.partition(":")
+        method = method.strip()
+        if method not in METHODS:
+            raise ValueError(f"variant {text!r}: method must be one of {', '.join(METHODS)}")
+        settings = []
+        for item in filter(None, (o.strip() for o in opts.split(","))):
+            key, eq, value = item.partition("=")
+            if not eq:
+                raise ValueError(f"variant {text!r}: {item!r} is not key=value")
+            settings.append((key.strip(), value.strip()))
+        return cls(name.strip(), method, tuple(settings))
+
+    def config(self, base: Config) -> Config:
+        return load_config(None, dict(self.settings), base=copy.deepcopy(base))
+
+
+DEFAULT_VARIANTS = ("local=local", "fedsoft-async=fedsoft-async", "cdfl-mixture=cdfl",
+                    "cdfl-distill=cdfl:cdfl.personalization=distill")
+
+
+@dataclass
+class AblationSpec:
+    scenario: str = "rotated-digits"
+    clusters: int = 3
+    seed: int = 0
+    agents: int = 0
+    updates_per_agent: float = 3.0
+    test_samples: int = 300
+    local_epochs: int = 2
+    local_lr: float = 0.01
+    rho: float = 0.1
+
+    def run_spec(self, method: str) -> RunSpec:
+        return RunSpec(scenario=self.scenario, method=method, clusters=self.clusters, agents=self.agents,
+                       seed=self.seed, updates_per_agent=self.updates_per_agent,
+                       test_samples=self.test_samples, local_epochs=self.local_epochs,
+                       local_lr=self.local_lr, rho=self.rho)
+
+
+@dataclass
+class VariantResult:
+    variant: str
+    method: str
+    clusters: int
+    seed: int
+    updates: int
+    acc_held: float
+    """The model held when new data arrived (before local training), on the new test mixture."""
+    acc_trained: float
+    """After local training (what is uploaded)."""
+    acc_received: float
+    """The model installed from the reply, on the mixture it was made for (Local: the trained one)."""
+    kl: float
+    cluster_acc: float
+    models_down_per_update: float
+    bytes_down_per_update: float
+    client_compute_s: float
+    aggregator_s_per_upload: float
+    estimator_kl: dict[str, float] = field(default_factory=dict)
+    settings: dict[str, str] = field(default_factory=dict)
+    engine: str = "in-process"
+
+
+def _mean(xs: Sequence[float]) -> float:
+    xs = [x for x in xs if not math.isnan(x)]
+    return float(np.mean(xs)) if xs else math.nan
+
+
+class Fleet:
+    """What all variants of one (K, seed) share: config, clusters, pre-trained models, schedule."""
+
+    def __init__(self, spec: AblationSpec, base: Config) -> None:
+        from aggregator.bootstrap import pretrain_clusters, resolve_device
+        from fedmq.models import model_spec, resolve_model_name
+
+        self.spec = spec
+        self.scenario, self.cfg = configure(spec.run_spec("cdfl"), base)
+        self.clusters = build_clusters(self.scenario, self.cfg, spec.clusters)
+        self.model_name = resolve_model_name(self.cfg.model, self.cfg.data.dataset)
+        self.model_spec = model_spec(self.model_name)
+        self.device = resolve_device(self.cfg.device)
+        t0 = time.perf_counter()
+        self.start_vectors = pretrain_clusters(self.cfg, self.clusters, self.model_name)
+        self.pretrain_s = time.perf_counter() - t0
+        proxies = [self.clusters.proxy(k, self.cfg.data.proxy_per_cluster) for k in range(spec.clusters)]
+        self.proxies = [(p.x, p.y) for p in proxies]
+        self.n_agents = spec.run_spec("cdfl").resolved_agents()
+        self.schedule = make_schedule(spec.seed, self.n_agents, spec.updates_per_agent)
+        self.tests = [self.clusters.test(k) for k in range(spec.clusters)]
+        self._data: dict[tuple[int, int], Any] = {}
+
+    def data(self, agent: int, cycle: int) -> Any:
+        key = (agent, cycle)
+        if key not in self._data:
+            self._data[key] = draw_cycle(self.scenario, self.clusters, self.cfg, self.spec.seed, agent, cycle,
+                                         self.spec.test_samples)
+        return self._data[key]
+
+
+def run_variant(fleet: Fleet, variant: Variant, estimators: Sequence[str] = ()) -> VariantResult:
+    """Replay the fleet's schedule with one variant, in-process."""
+    from aggregator.bootstrap import make_strategy
+    from aggregator.estimators import EstimationBatch, make_estimator
+    from aggregator.strategy import Upload
+    from edge_agent.trainer import estimate_alpha_argmin, train_fedsoft, train_local
+    from fedmq.training import evaluate
+
+    spec, name = fleet.spec, fleet.model_name
+    cfg = variant.config(fleet.cfg)
+    cfg.aggregator.algorithm = variant.method if variant.method != "local" else "cdfl"
+    strategy = None
+    extra = {}
+    if variant.method != "local":
+        strategy = make_strategy(cfg, fleet.model_spec, [v.clone() for v in fleet.start_vectors],
+                                 fleet.proxies, device=fleet.device)
+        if variant.method == "cdfl":
+            c = cfg.cdfl
+            options = {"normalize": c.metrics_normalize, "at": c.direction_at, "mode": c.evidence_mode,
+                       "floor": c.estimator_floor, "epochs": c.trajectory_epochs, "lr": c.trajectory_lr,
+                       "rho": c.trajectory_rho, "metric_weights": c.metric_weights,
+                       "temperature": c.temperature}
+            extra = {e: make_estimator(e, **options) for e in estimators}
+    uniform_start = torch.stack(fleet.start_vectors).mean(0)
+    held: dict[int, torch.Tensor] = {}
+    held_clusters: dict[int, list[torch.Tensor]] = {}
+    tau: dict[int, int] = {}
+    for a in range(fleet.n_agents):
+        if strategy is None:
+            held[a] = uniform_start
+            continue
+        reply = strategy.join(f"sim-{a:05d}")
+        if reply.kind == "clusters":
+            held_clusters[a] = list(reply.vectors)
+            held[a] = torch.stack(reply.vectors).mean(0)
+        else:
+            held[a] = reply.vectors[0]
+        tau[a] = reply.epoch
+    rows: dict[str, list[float]] = {k: [] for k in ("held", "trained", "received", "kl", "models", "compute", "agg")}
+    est_kl: dict[str, list[float]] = {e: [] for e in extra}
+    for a, c in fleet.schedule:
+        train, test = fleet.data(a, c)
+        x, y, xt, yt = train.data.x, train.data.y, test.data.x, test.data.y
+        seed = int(np.random.default_rng([spec.seed, a, c, 1]).integers(2**31))
+        rows["held"].append(evaluate(name, held[a], xt, yt)[0])
+        cpu0 = time.thread_time()
+        alpha_own = None
+        if variant.method == "fedsoft-async":
+            ws = held_clusters[a]
+            alpha_own = estimate_alpha_argmin(name, ws, x, y)
+            mix = sum(float(al) * w for al, w in zip(alpha_own, ws, strict=True))
+            result = train_fedsoft(name, mix, ws, alpha_own, x, y, epochs=spec.local_epochs, lr=spec.local_lr,
+                                   rho=spec.rho, seed=seed)
+        else:
+            result = train_local(name, held[a], x, y, epochs=spec.local_epochs, lr=spec.local_lr,
+                                 rho=spec.rho, seed=seed)
+        rows["compute"].append(time.thread_time() - cpu0)
+        acc_trained = evaluate(name, result.vector, xt, yt)[0]
+        rows["trained"].append(acc_trained)
+        if strategy is None:
+            held[a] = result.vector
+            rows["received"].append(acc_trained)
+            continue
+        upload = Upload(f"sim-{a:05d}", result.vector, tau[a], n_samples=len(train), alpha=alpha_own,
+                        base=held[a] if variant.method == "cdfl" else None)
+        for e, est in extra.items():
+            batch = EstimationBatch(evaluator=strategy.evaluator, clusters=strategy.clusters,
+                                    versions=list(strategy.versions), vectors=result.vector[None],
+                                    bases=[held[a]])
+            est_kl[e].append(kl_divergence(train.alpha, est.estimate(batch)[0][0]))
+        t0 = time.perf_counter()
+        reply = strategy.update(upload)
+        rows["agg"].append(time.perf_counter() - t0)
+        rows["models"].append(float(len(reply.vectors)))
+        if reply.kind == "clusters":
+            held_clusters[a] = list(reply.vectors)
+            held[a] = sum(float(al) * w for al, w in zip(alpha_own, reply.vectors, strict=True))
+        else:
+            held[a] = reply.vectors[0]
+        tau[a] = reply.epoch
+        rows["received"].append(evaluate(name, held[a], xt, yt)[0])
+        alpha_est = alpha_own if alpha_own is not None else reply.alpha
+        rows["kl"].append(kl_divergence(train.alpha, alpha_est))
+    cluster_acc = math.nan
+    if strategy is not None:
+        accs = [evaluate(name, w, t.x, t.y)[0] for w, t in zip(strategy.clusters, fleet.tests, strict=True)]
+        cluster_acc = float(np.mean(accs))
+    models = _mean(rows["models"]) if rows["models"] else 0.0
+    return VariantResult(
+        variant=variant.name, method=variant.method, clusters=spec.clusters, seed=spec.seed,
+        updates=len(fleet.schedule), acc_held=_mean(rows["held"]), acc_trained=_mean(rows["trained"]),
+        acc_received=_mean(rows["received"]), kl=_mean(rows["kl"]), cluster_acc=cluster_acc,
+        models_down_per_update=models, bytes_down_per_update=models * 4 * fleet.model_spec.numel,
+        client_compute_s=_mean(rows["compute"]), aggregator_s_per_upload=_mean(rows["agg"]),
+        estimator_kl={e: _mean(v) for e, v in est_kl.items()}, settings=dict(variant.settings))
+
+
+def run_variant_wire(spec: AblationSpec, variant: Variant, base: Config,
+                     broker_url: str | None = None) -> VariantResult:
+    """The same variant through the fleet runner (MQTT, EdgeAgents, the configured codec)."""
+    from sim.fleet import run_fleet
+
+    cfg = variant.config(base)
+    result = run_fleet(spec.run_spec(variant.method), cfg, broker_url=broker_url)
+    s = result.summary()
+    u = result.updates
+    return VariantResult(
+        variant=variant.name, method=variant.method, clusters=spec.clusters, seed=spec.seed,
+        updates=len(u), acc_held=s["client_acc_held"], acc_trained=s["client_acc_before"],
+        acc_received=s["client_acc"], kl=s["kl"], cluster_acc=s["cluster_acc"],
+        models_down_per_update=math.nan, bytes_down_per_update=s["bytes_down_per_update"],
+        client_compute_s=s["compute_s_per_update"],
+        aggregator_s_per_upload=(s.get("aggregator_busy_s", math.nan) / max(1, len(u))
+                                 if variant.method != "local" else math.nan),
+        settings=dict(variant.settings), engine="wire")
+
+
+def run_ablation(variants: Sequence[Variant], *, clusters: Sequence[int], seeds: Sequence[int],
+                 base: Config | None = None, scenario: str = "rotated-digits", agents: int = 0,
+                 updates_per_agent: float = 3.0, test_samples: int = 300, estimators: Sequence[str] = (),
+                 wire: bool = False, broker_url: str | None = None,
+                 on_result: Any = None) -> list[VariantResult]:
+    """Every variant on the same fleet for each (K, seed); results in (K, seed, variant) order."""
+    base = base or Config()
+    out = []
+    for k in clusters:
+        for seed in seeds:
+            spec = AblationSpec(scenario=scenario, clusters=k, seed=seed, agents=agents,
+                                updates_per_agent=updates_per_agent, test_samples=test_samples)
+            fleet = None if wire else Fleet(spec, base)
+            for v in variants:
+                t0 = time.perf_counter()
+                r = run_variant_wire(spec, v, base, broker_url) if wire else run_variant(fleet, v, estimators)
+                event(log, "ablation.variant", variant=v.name, k=k, seed=seed,
+                      seconds=round(time.perf_counter() - t0, 1), received=r.acc_received, kl=r.kl)
+                out.append(r)
+                if on_result is not None:
+                    on_result(r)
+    return out
+
+
+# ---------------------------------------------------------------------------------- report
+
+COLUMNS = [("acc_held", "held", 3), ("acc_trained", "trained", 3), ("acc_received", "received", 3),
+           ("kl", "KL", 3), ("cluster_acc", "cluster", 3), ("models_down_per_update", "models/reply", 0),
+           ("client_compute_s", "client s", 3), ("aggregator_s_per_upload", "agg s/upload", 3)]
+
+
+def summarize(results: Sequence[VariantResult]) -> list[dict[str, Any]]:
+    """Mean and std over seeds per (K, variant), in first-seen order."""
+    groups: dict[tuple[int, str], list[VariantResult]] = {}
+    for r in results:
+        groups.setdefault((r.clusters, r.variant), []).append(r)
+    rows = []
+    for (k, v), rs in groups.items():
+        row: dict[str, Any] = {"K": k, "variant": v, "method": rs[0].method, "seeds": len(rs)}
+        for attr, _, _ in COLUMNS:
+            vals = [getattr(r, attr) for r in rs]
+            row[attr] = _mean(vals)
+            finite = [x for x in vals if not math.isnan(x)]
+            row[attr + "_std"] = float(np.std(finite)) if len(finite) > 1 else 0.0
+        for e in rs[0].estimator_kl:
+            row["estkl_" + e] = _mean([r.estimator_kl.get(e, math.nan) for r in rs])
+        rows.append(row)
+    return rows
+
+
+def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
+    est = sorted({k for r in rows for k in r if k.startswith("estkl_")})
+    head = ["K", "variant", *[c[1] for c in COLUMNS], *[e[6:] + " KL" for e in est]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [str(r["K"]), r["variant"]]
+        for attr, _, digits in COLUMNS:
+            v = r[attr]
+            if isinstance(v, float) and math.isnan(v):
+                cells.append("-")
+            elif r["seeds"] > 1 and attr.startswith("acc") or attr in ("kl", "cluster_acc") and r["seeds"] > 1:
+                cells.append(f"{v:.{digits}f} ± {r[attr + '_std']:.{digits}f}")
+            else:
+                cells.append(f"{v:.{digits}f}")
+        cells += ["-" if math.isnan(r.get(e, math.nan)) else f"{r[e]:.3f}" for e in est]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_results(results: Sequence[VariantResult], out: Path, command: str | None = None) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    rows = summarize(results)
+    (out / "results.json").write_text(json.dumps({"command": command, "runs": [asdict(r) for r in results],
+                                                  "summary": rows}, indent=1, default=float) + "\n")
+    text = markdown_table(rows)
+    (out / "table.md").write_text((f"`{command}`\n\n" if command else "") + text + "\n")
+    return text
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sim.ablation", description=__doc__.split("\n")[0])
+    add_config_arguments(p, ("broker", "log_level", "data_dir", "seed", "device"))
+    p.add_argument("--scenario", default="rotated-digits")
+    p.add_argument("--clusters", default="3", help="K or a comma list")
+    p.add_argument("--seeds", default="1", help="N (seeds base..base+N-1) or a comma list")
+    p.add_argument("--agents", type=int, default=0, help="agents per fleet (default 20*K)")
+    p.add_argument("--updates-per-agent", type=float, default=3.0)
+    p.add_argument("--test-samples", type=int, default=300)
+    p.add_argument("--variant", action="append", default=[],
+                   help="NAME=METHOD[:key=value,...] (repeatable); default: " + " ".join(DEFAULT_VARIANTS))
+    p.add_argument("--estimators", default="", help="also score these estimators on every CDFL upload")
+    p.add_argument("--wire", action="store_true", help="run each variant through the fleet runner (MQTT)")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    cfg = config_from_args(args)
+    setup_logging(cfg.log.level, cfg.log.json)
+    try:
+        variants = [Variant.parse(v) for v in (args.variant or DEFAULT_VARIANTS)]
+    except ValueError as e:
+        print(f"python -m sim.ablation: {e}", file=sys.stderr)
+        return 2
+    seeds = ([int(s) for s in args.seeds.split(",")] if "," in args.seeds
+             else list(range(cfg.seed, cfg.seed + int(args.seeds))))
+    clusters = [int(k) for k in args.clusters.split(",") if k.strip()]
+    estimators = [e.strip() for e in args.estimators.split(",") if e.strip()]
+    torch.set_num_threads(1)
+    command = "python -m sim.ablation " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    done: list[VariantResult] = []
+
+    def progress(r: VariantResult) -> None:
+        done.append(r)
+        write_results(done, args.out, command)
+        print(f"K={r.clusters} seed={r.seed} {r.variant}: held {r.acc_held:.3f} trained {r.acc_trained:.3f} "
+              f"received {r.acc_received:.3f} KL {r.kl:.3f} cluster {r.cluster_acc:.3f} "
+              f"agg {r.aggregator_s_per_upload:.3f}s {r.estimator_kl}", flush=True)
+
+    results = run_ablation(variants, clusters=clusters, seeds=seeds, base=cfg, scenario=args.scenario,
+                           agents=args.agents, updates_per_agent=args.updates_per_agent,
+                           test_samples=args.test_samples, estimators=estimators, wire=args.wire,
+                           broker_url=cfg.broker.url if args.broker else None, on_result=progress)
+    print(write_results(results, args.out, command))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,139 @@
+"""Personalization variants and specialist-keeping update rules, on real rotated digits."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from aggregator.cdfl import CDFL, update_weights
+from aggregator.evaluator import ProxyEvaluator
+from aggregator.personalize import (
+    PERSONALIZATIONS,
+    DistillPersonalizer,
+    PersonalizeRequest,
+    alpha_mixture,
+    make_personalizer,
+)
+from aggregator.strategy import Upload
+from fedmq.config import CDFLSettings
+from fedmq.data import RotatedClusters, load_dataset, sample_agent_data
+from fedmq.models import build_model, model_spec, to_vector
+from fedmq.training import evaluate, fit
+
+ARCH = "digits-cnn"
+SPEC = model_spec(ARCH)
+K = 2
+
+
+@pytest.fixture(scope="module")
+def world():
+    """Two rotation clusters (0 / 180 deg), specialists pre-trained from one init, proxies."""
+    clusters = RotatedClusters(load_dataset("digits"), load_dataset("digits", train=False), K, seed=0,
+                               proxy_per_cluster=150, pretrain_per_cluster=300)
+    start = to_vector(build_model(ARCH, seed=0))
+    specialists = []
+    for k in range(K):
+        d = clusters.pretrain(k, 300)
+        specialists.append(fit(ARCH, start, d.x, d.y, epochs=10, lr=0.05, momentum=0.9, seed=k).vector)
+    proxies = [(p.x, p.y) for p in (clusters.proxy(k, 150) for k in range(K))]
+    return clusters, torch.stack(specialists), proxies
+
+
+def client(clusters, alpha, seed):
+    rng = np.random.default_rng(seed)
+    return (sample_agent_data(clusters, np.asarray(alpha), 400, rng, split="train"),
+            sample_agent_data(clusters, np.asarray(alpha), 300, rng, split="test"))
+
+
+def test_mixture_is_the_alpha_weighted_sum_and_cdfl_default():
+    w = torch.randn(3, 50)
+    out, _ = make_personalizer("mixture", None).personalize(PersonalizeRequest(w, [0.5, 0.3, 0.2], torch.zeros(50)))
+    torch.testing.assert_close(out, 0.5 * w[0] + 0.3 * w[1] + 0.2 * w[2])
+    assert CDFLSettings().personalization in PERSONALIZATIONS
+
+
+def test_unknown_or_unsupported_personalization_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown personalization 'blend'"):
+        make_personalizer("blend", None)
+    with pytest.raises(ValueError, match="needs the proxy evaluator"):
+        make_personalizer("distill", None)
+
+
+def test_distilled_model_beats_the_parameter_mixture_on_a_mixed_client(world):
+    """The issue's diagnosis: a weight-space mixture of specialists is a poor model for a
+    client whose data mixes clusters; one student taught by both is much better."""
+    clusters, w, proxies = world
+    ev = ProxyEvaluator(SPEC, proxies, device="cpu")
+    alpha = [0.6, 0.4]
+    train, test = client(clusters, alpha, 1)
+    upload = fit(ARCH, alpha_mixture(w, alpha), train.data.x, train.data.y, epochs=2, lr=0.01,
+                 momentum=0.9, anchors=[(alpha_mixture(w, alpha), 0.1)], seed=3).vector
+    req = PersonalizeRequest(w, alpha, upload, seed=5)
+    acc = {name: evaluate(ARCH, make_personalizer(name, ev, epochs=3).personalize(req)[0],
+                          test.data.x, test.data.y)[0]
+           for name in ("mixture", "upload", "distill")}
+    print(acc)
+    assert acc["distill"] >= acc["mixture"] + 0.10
+
+
+def test_distillation_is_deterministic_and_kd_weight_zero_is_finetune(world):
+    _, w, proxies = world
+    ev = ProxyEvaluator(SPEC, proxies, device="cpu")
+    req = PersonalizeRequest(w, [0.7, 0.3], w.mean(0), seed=11)
+    a, diag = make_personalizer("distill", ev).personalize(req)
+    b, _ = make_personalizer("distill", ev).personalize(req)
+    assert torch.equal(a, b) and diag["steps"] > 0
+    ft, _ = make_personalizer("finetune", ev).personalize(req)
+    ft0, _ = DistillPersonalizer(ev, kd_weight=0.0).personalize(req)
+    assert torch.equal(ft, ft0) and not torch.equal(ft, a)
+    other, _ = make_personalizer("distill", ev).personalize(PersonalizeRequest(w, [0.7, 0.3], w.mean(0), seed=12))
+    assert not torch.equal(a, other)
+
+
+def test_distill_weights_the_proxy_sets_by_alpha(world):
+    """A student for a pure cluster-0 client learns cluster 0 better than cluster 1."""
+    _, w, proxies = world
+    ev = ProxyEvaluator(SPEC, proxies, device="cpu")
+    uniform = w.mean(0)
+    out, _ = make_personalizer("finetune", ev, epochs=3).personalize(PersonalizeRequest(w, [1.0, 0.0], uniform))
+    before = ev.accuracies(uniform[None])[0]
+    after = ev.accuracies(out[None])[0]
+    assert after[0] - before[0] > after[1] - before[1]
+
+
+def test_update_rules_by_hand():
+    assert update_weights([0.6, 0.4], "alpha") == [0.6, 0.4]
+    assert update_weights([0.6, 0.4], "sharpen", 2.0) == pytest.approx([0.36 / 0.52, 0.16 / 0.52])
+    h = -(0.6 * math.log(0.6) + 0.4 * math.log(0.4))
+    assert update_weights([0.6, 0.4], "confidence") == pytest.approx([0.6 * (1 - h / math.log(2)),
+                                                                      0.4 * (1 - h / math.log(2))])
+    assert update_weights([0.5, 0.5], "confidence") == pytest.approx([0.0, 0.0])
+    assert update_weights([1.0, 0.0], "confidence") == pytest.approx([1.0, 0.0])
+
+
+def test_cdfl_applies_the_sharpened_shares_and_replays_distillation_exactly(world):
+    _, w, proxies = world
+    settings = CDFLSettings(clusters=K, tau0=100, personalization="distill", update_rule="sharpen",
+                            update_power=2.0, personalize_epochs=1)
+    s = CDFL.from_settings(SPEC, w, proxies, settings, device="cpu")
+    s.join("a")
+    state = s.state_dict()
+    v = w.mean(0) + 0.01
+    reply = s.apply(Upload("a", v, tau=0), alpha=[0.75, 0.25])
+    assert reply.info["betas"] == pytest.approx([0.025 * 0.9, 0.025 * 0.1])
+    assert reply.info["personalization"] == "distill"
+    # journal replay: the same record on the same state rebuilds the same model, bit for bit
+    replay = CDFL.from_settings(SPEC, w, proxies, settings, device="cpu")
+    replay.load_state_dict(state)
+    again = replay.apply(Upload("a", v, tau=0), alpha=[0.75, 0.25])
+    assert torch.equal(reply.vectors[0], again.vectors[0])
+    assert not torch.equal(reply.vectors[0], replay.mixture([0.75, 0.25]))
+
+
+def test_joins_still_get_the_uniform_mixture(world):
+    _, w, proxies = world
+    s = CDFL.from_settings(SPEC, w, proxies, CDFLSettings(clusters=K, personalization="distill"), device="cpu")
+    torch.testing.assert_close(s.join("a").vectors[0], w.mean(0))
