@@ -26,6 +26,8 @@ import msgpack
 import numpy as np
 import torch
 
+from fedmq.atomic_file import atomic_write as write_atomically
+
 _HEADER = struct.Struct("<II")
 _TENSOR = "__tensor__"
 
@@ -65,26 +67,11 @@ def loads(blob: bytes) -> Any:
     return _unpack_value(msgpack.unpackb(blob, raw=False, strict_map_key=False))
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def atomic_write(path: Path, blob: bytes) -> None:
     """Write `blob` to `path` so that a crash leaves either the old or the new file."""
-    tmp = path.with_name(path.name + ".tmp")
     try:
-        with open(tmp, "wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        write_atomically(path, blob)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise JournalError(e.errno, f"cannot write {path}: {e.strerror or e}") from e
 
 

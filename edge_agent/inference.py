@@ -23,7 +23,6 @@ and returns a `TorchPredictor`.
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from fedmq.atomic_file import atomic_write
 from fedmq.logs import event, get_logger
 from fedmq.models import ModelSpec, build_model, load_vector, model_spec
 
@@ -165,22 +165,7 @@ def export_onnx(model_name: str, vector: torch.Tensor, exporter: str = "auto",
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Write `data` to `path` so that a reader sees the old file or the new one, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    atomic_write(path, data)
 
 
 def choose_providers(available: list[str], prefer_cuda: bool = True) -> list[str]:

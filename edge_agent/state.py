@@ -23,7 +23,6 @@ import hashlib
 import logging
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ import msgpack
 import numpy as np
 import torch
 
+from fedmq.atomic_file import fsync_dir, write_temp
 from fedmq.logs import event, get_logger
 from fedmq.models import model_spec
 
@@ -150,7 +150,7 @@ class AgentState:
         self.saved_at = time.time()
         blob = self.to_bytes()
         current, previous = folder / STATE_FILE, folder / PREVIOUS_FILE
-        tmp = _write_temp(folder, STATE_FILE, blob)
+        tmp = write_temp(folder, STATE_FILE, blob)
         try:
             if current.exists():
                 _keep_previous(current, previous)
@@ -158,7 +158,7 @@ class AgentState:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        _fsync_dir(folder)
+        fsync_dir(folder)
         return current
 
     @classmethod
@@ -185,19 +185,6 @@ class AgentState:
         return None
 
 
-def _write_temp(folder: Path, name: str, blob: bytes) -> Path:
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return Path(tmp)
-
-
 def _keep_previous(current: Path, previous: Path) -> None:
     """previous := current, atomically (a hard link where possible, else a synced copy)."""
     staging = previous.with_name(f".{previous.name}.{os.getpid()}.tmp")
@@ -209,11 +196,3 @@ def _keep_previous(current: Path, previous: Path) -> None:
         with open(staging, "rb+") as f:
             os.fsync(f.fileno())
     os.replace(staging, previous)
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

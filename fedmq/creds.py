@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import contextlib
 import datetime as dt
 import grp
 import hashlib
@@ -37,7 +36,6 @@ import os
 import re
 import secrets
 import sys
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +44,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from fedmq.atomic_file import atomic_write
 
 # mosquitto_passwd 2.0's defaults for its `$7$` (sha512-pbkdf2) format. The passwords made here
 # are 192 random bits, so key stretching adds nothing against a stolen passwd file, while every
@@ -333,28 +333,16 @@ def resolve_group(group: str | int | None) -> int | None:
 def _write(path: Path, data: bytes | str, mode: int, gid: int | None = None) -> None:
     """Write atomically (a broker reloading on SIGHUP never sees half a file) with `mode`
     from the first byte on, so a secret is never briefly world-readable."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     raw = data.encode() if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
-        os.fchmod(fd, mode)
-        if gid is not None:
-            try:
-                os.fchown(fd, -1, gid)
-            except PermissionError:
-                raise CredentialsError(
-                    f"cannot give group {gid} read access to {path}: run as root or as a member "
-                    "of that group, or pass --group to choose another"
-                ) from None
-        with os.fdopen(fd, "wb") as f:
-            f.write(raw)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+        atomic_write(path, raw, mode=mode, gid=gid)
+    except PermissionError:
+        if gid is None:
+            raise
+        raise CredentialsError(
+            f"cannot give group {gid} read access to {path}: run as root or as a member "
+            "of that group, or pass --group to choose another"
+        ) from None
 
 
 def _mkdir(path: Path, mode: int, gid: int | None = None) -> None:

@@ -1,0 +1,59 @@
+"""Crash-safe file writes: a reader (or a restart after kill -9) sees the old file or the
+new one, never half of either.
+
+The recipe is the usual one: write a temp file in the same directory, fsync it, rename it
+over the target, fsync the directory so the rename itself is durable. Modes and group are
+set on the temp file before any byte is written, so a secret is never briefly readable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+
+def fsync_dir(folder: str | os.PathLike[str]) -> None:
+    """Make renames and creations in `folder` durable."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_temp(folder: Path, name: str, blob: bytes, *, mode: int | None = None,
+               gid: int | None = None) -> Path:
+    """A fsynced temp file `.NAME.*.tmp` in `folder` holding `blob` (the caller renames it).
+
+    `gid` changes the group (PermissionError when this process may not)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+    try:
+        if mode is not None:
+            os.fchmod(fd, mode)
+        if gid is not None:
+            os.fchown(fd, -1, gid)
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return Path(tmp)
+
+
+def atomic_write(path: str | os.PathLike[str], blob: bytes, *, mode: int | None = None,
+                 gid: int | None = None) -> None:
+    """Replace `path` with `blob` atomically and durably (creating parent dirs)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = write_temp(path.parent, path.name, blob, mode=mode, gid=gid)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
