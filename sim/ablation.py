@@ -309,6 +309,7 @@ def run_ablation(variants: Sequence[Variant], *, clusters: Sequence[int], seeds:
 
 COLUMNS = [("acc_held", "held", 3), ("acc_trained", "trained", 3), ("acc_received", "received", 3),
            ("kl", "KL", 3), ("cluster_acc", "cluster", 3), ("models_down_per_update", "models/reply", 0),
+           ("bytes_down_per_update", "bytes down/update", 0),
            ("client_compute_s", "client s", 3), ("aggregator_s_per_upload", "agg s/upload", 3)]
 
 
@@ -360,6 +361,12 @@ def write_results(results: Sequence[VariantResult], out: Path, command: str | No
     return text
 
 
+def rewrite_results(out: Path) -> str:
+    """Rebuild table.md from results.json (after the table's format changed)."""
+    data = json.loads((out / "results.json").read_text())
+    return write_results([VariantResult(**r) for r in data["runs"]], out, data.get("command"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sim.ablation", description=__doc__.split("\n")[0])
     add_config_arguments(p, ("broker", "log_level", "data_dir", "seed", "device"))
@@ -374,7 +381,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--estimators", default="", help="also score these estimators on every CDFL upload")
     p.add_argument("--wire", action="store_true", help="run each variant through the fleet runner (MQTT)")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--report", action="store_true", help="only rebuild OUT/table.md from OUT/results.json")
     args = p.parse_args(argv)
+    if args.report:
+        print(rewrite_results(args.out))
+        return 0
     cfg = config_from_args(args)
     setup_logging(cfg.log.level, cfg.log.json)
     try:
