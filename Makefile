@@ -41,6 +41,7 @@ soak: venv mosquitto
 	$(PY) -m soak.kill_aggregator --agents 20 --updates 30 --kills 20
 	$(PY) -m soak.fuzz_uplink --messages 50000
 	$(PY) -m soak.load_burst --agents 1000
+	$(PY) -m soak.broker_window
 
 lint: venv
 	$(VENV)/bin/ruff check .

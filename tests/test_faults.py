@@ -66,13 +66,13 @@ def journal_update_ids(state: Path) -> list[str]:
 
 def test_kill_9_five_times_during_a_fleet_run(mosquitto, pretrained, tmp_path) -> None:
     figures = run_kills(mosquitto.url, fresh_state(pretrained, tmp_path), fleet="kill", agents=6,
-                        updates=6, kills=5, seed=1, workdir=tmp_path)
+                        updates=10, kills=5, seed=1, workdir=tmp_path)
     assert figures["failures"] == []
     assert figures["kills"] == 5 and figures["kills_mid_run"] == 5, figures["kill_log"]
-    assert figures["completed"] and figures["uploads_answered"] == 36
+    assert figures["completed"] and figures["uploads_answered"] == 60
     assert figures["lost"] == 0 and figures["applied_twice"] == 0 and figures["unexpected"] == 0
-    assert figures["applied"] == 36
-    assert figures["clusters_equal_replay"] and figures["epoch_live"] == figures["epoch_replay"] == 36
+    assert figures["applied"] == 60
+    assert figures["clusters_equal_replay"] and figures["epoch_live"] == figures["epoch_replay"] == 60
     assert figures["aggregator_exit_code"] == 0
 
 

@@ -51,7 +51,8 @@ def test_fuzz_campaign_on_the_live_uplink(mosquitto, pretrained, tmp_path) -> No
     # Replays of applied uploads were answered and applied nothing.
     assert fuzzed["duplicates_answered"] == fuzzed["replays_sent"] > 0
     assert fuzzed["applied_updates"] == fuzzed["honest_updates"] == 20
-    # Bounded: the worker's queue by the broker's window, partial messages by max_pending_bytes.
+    # Bounded: the worker's queue (the fuzzer keeps 16 in flight; the broker's window does not
+    # bound it on Mosquitto 2.0.11, see docs/reliability.md), partial messages by max_pending_bytes.
     assert fuzzed["inbox_max"] <= 64 + 16
     assert fuzzed["reassembler_max_bytes"] <= CAMPAIGN_SETTINGS["protocol.max_pending_bytes"]
     assert fuzzed["rss_growth_mib"] < 200, fuzzed["rss_growth_mib"]
