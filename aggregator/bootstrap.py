@@ -59,7 +59,7 @@ def make_strategy(cfg: Config, spec: ModelSpec, clusters: list[torch.Tensor],
     """The strategy named by `aggregator.algorithm`, with its knobs from the config."""
     algorithm = cfg.aggregator.algorithm
     if algorithm == "cdfl":
-        return CDFL.from_settings(spec, clusters, proxies, cfg.cdfl, device=device)
+        return CDFL.from_settings(spec, clusters, proxies, cfg.cdfl, device=device, seed=cfg.seed)
     if algorithm == "fedsoft-async":
         return FedSoftAsync.from_settings(spec, clusters, cfg.cdfl)
     if algorithm == "fedasync":
