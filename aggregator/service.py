@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 
 log = get_logger("aggregator")
 
+EXPIRE_EVERY_S = 0.5
+"""How often partial (chunked) messages past their timeout are dropped and answered."""
+
 
 class AggregatorService:
     """Run an `Engine` against a broker. Use as a context manager or start()/stop()."""
@@ -106,11 +109,14 @@ class AggregatorService:
     # ------------------------------------------------------------------ the worker
 
     def _run(self) -> None:
+        next_expiry = time.monotonic() + EXPIRE_EVERY_S
         while not self._stop.is_set():
+            if time.monotonic() >= next_expiry:  # also under steady traffic, not only when idle
+                self._expire()
+                next_expiry = time.monotonic() + EXPIRE_EVERY_S
             try:
                 first = self._inbox.get(timeout=0.2)
             except queue.Empty:
-                self._expire()
                 continue
             raw = [first]
             while len(raw) < self.cfg.aggregator.max_batch * 4:

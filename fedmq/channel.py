@@ -76,6 +76,7 @@ class Channel:
         Raises `Refused` (with the messages to acknowledge) for anything malformed.
         """
         topic: protocol.Topic | None = None
+        env: protocol.Envelope | None = None
         self.bytes_received += len(message.payload)
         try:
             topic = protocol.parse_topic(message.topic)
@@ -84,7 +85,9 @@ class Channel:
             env = protocol.decode(message.payload, max_bytes=self.settings.max_message_bytes)
             protocol.check_topic(topic, env)
         except protocol.ProtocolError as e:
-            raise Refused(e, topic, "", [message]) from None
+            # An envelope that decoded but does not belong here (agent_mismatch, wrong_topic)
+            # is answered with its msg_id, so the sender can tell which message was refused.
+            raise Refused(e, topic, env.msg_id if env is not None else "", [message]) from None
         if not isinstance(env, protocol.Chunk):
             return Received(topic, env, [message])
         sender = topic.agent or "aggregator"

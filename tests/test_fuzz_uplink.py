@@ -76,13 +76,13 @@ def test_envelope_naming_another_agent_is_refused(mosquitto, pretrained, tmp_pat
                                      model=SPEC.hash, tau=0, n_samples=1,
                                      tensor=codecs.encode(victim.base * 50, "fp32"))
             mallory.send(forged)  # on mallory's own uplink topic
-            # Refused by the channel's topic check, before the engine: the error names no msg_id.
-            err = mallory.expect("")
+            # Refused by the channel's topic check, before the engine, naming the forged msg_id.
+            err = mallory.expect(forged.msg_id)
             assert isinstance(err, protocol.Error) and err.reason == "agent_mismatch", err
             forged_join = protocol.Join(agent="victim", msg_id=protocol.new_msg_id(),
                                         sent_at=protocol.now(), model=SPEC.hash, algorithm="cdfl")
             mallory.send(forged_join)
-            assert mallory.expect("").reason == "agent_mismatch"
+            assert mallory.expect(forged_join.msg_id).reason == "agent_mismatch"
             after = svc.engine.strategy.state_dict()["clusters"]
             assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
             assert svc.engine.counters["applied.update"] == 0
