@@ -103,12 +103,29 @@ def run_kills(broker_url: str, state: Path, *, fleet: str, agents: int = 6, upda
     reply_times: list[float] = []
     failures: list[str] = []
     fleet_agents = [EdgeAgent(cfg, f"k{i:03d}", reply_timeout_s=4.0, retries=60) for i in range(agents)]
+    # The kill loop meters how many uploads may start, so that every kill lands mid-run however
+    # fast or slow this machine is (a purely time-based pace let short runs end before the last
+    # kill). Uploads allowed past each kill point keep traffic in flight when it lands.
+    gate = threading.Condition()
+    allowed = [0]
+
+    def allow(n: int) -> None:
+        with gate:
+            allowed[0] = max(allowed[0], n)
+            gate.notify_all()
+
+    def take() -> None:
+        with gate:
+            while allowed[0] <= 0:
+                gate.wait(0.5)
+            allowed[0] -= 1
 
     def agent_loop(i: int, agent: EdgeAgent) -> None:
         try:
             agent.join()
             pace = random.Random(f"{seed}-{i}")
             for u in range(updates):
+                take()
                 time.sleep(pace.uniform(0.05, pace_s))  # "training"; spreads the run over the kills
                 noise = np.random.default_rng([seed, i, u]).normal(0, 0.01, agent.spec.numel)
                 env = agent.update_envelope(agent.installed.vector + torch.from_numpy(noise.astype(np.float32)), 100)
@@ -129,13 +146,12 @@ def run_kills(broker_url: str, state: Path, *, fleet: str, agents: int = 6, upda
         t.start()
     try:
         for k in range(kills):
-            # A random moment: a seeded number of uploads after the last recovery (leaving
-            # room for the kills still to come), plus a random delay.
-            left = kills - k
-            gap = rng.randint(1, max(1, (total - len(uploaded)) // (left + 1)))
-            target = len(uploaded) + gap
-            if target >= total:
-                break  # the run is (nearly) over: a kill now would not land mid-run
+            # A random moment inside stage k of kills + 1 equal stages of the run, plus a random
+            # delay; uploads are let through up to a few beyond it, so some are in flight.
+            lo = total * k // (kills + 1) + 1
+            hi = max(lo, total * (k + 1) // (kills + 1))
+            target = rng.randint(lo, hi)
+            allow(target + agents - len(uploaded))
             deadline = time.monotonic() + 120
             while len(uploaded) < target and time.monotonic() < deadline and not failures:
                 time.sleep(0.005)
@@ -157,9 +173,11 @@ def run_kills(broker_url: str, state: Path, *, fleet: str, agents: int = 6, upda
                              "restart_to_ready_s": round((agg.ready_at or time.monotonic()) - restarted, 3),
                              "restart_to_first_reply_s": round(first_reply - restarted, 3) if first_reply else None,
                              "kill_to_first_reply_s": round(first_reply - killed_at, 3) if first_reply else None})
+        allow(total)
         for t in threads:
             t.join(timeout=300)
     finally:
+        allow(total)
         stop_rc = agg.stop()
         for a in fleet_agents:
             a.stop()
