@@ -44,7 +44,10 @@ def burst_config(broker_url: str, state_dir: Path, model: str, agents: int) -> C
         "model": model, "cdfl.clusters": 2, "cdfl.tau0": agents, "data.dataset": "digits",
         "data.proxy_per_cluster": 150, "data.pretrain_per_cluster": 300,
         "aggregator.pretrain_epochs": 2, "aggregator.accuracy_every": 0, "device": "cpu",
-        "aggregator.snapshot_every": 10**9})
+        "aggregator.snapshot_every": 10**9,
+        # The burst measures delivery and back-pressure; the figures in docs/reliability.md
+        # were made with the cheap mixture reply (finetune adds a training per reply).
+        "cdfl.personalization": "mixture"})
 
 
 def clusters_for(model: str, cfg: Config):
