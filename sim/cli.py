@@ -30,8 +30,23 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
 
 
+def _add_part_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags that decide one run; every process of a split run gets the same ones."""
+    add_config_arguments(p, ("broker", "fleet", "log_level", "data_dir", "seed"))
+    p.add_argument("--scenario", default="rotated-digits", help="as in `fedmq sim run` (default rotated-digits)")
+    p.add_argument("--method", default="cdfl", help="cdfl (default), fedsoft-async, fedasync or local")
+    p.add_argument("--clusters", type=int, default=3, help="K (default 3)")
+    p.add_argument("--agents", type=int, default=0, help="agents in the whole fleet (default 20*K)")
+    p.add_argument("--updates-per-agent", type=float, default=25.0, help="mean updates per agent (default 25)")
+    p.add_argument("--min-samples", type=int, help="fewest samples per agent (default data.min_samples, 500)")
+    p.add_argument("--max-samples", type=int, help="most samples per agent (default data.max_samples, 2000)")
+    p.add_argument("--test-samples", type=int, default=300, help="test samples per agent and cycle (300)")
+    p.add_argument("--out", required=True, type=Path,
+                   help="output dir; the part goes to OUT/parts/LABEL/ (merge with `fedmq sim merge OUT`)")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="sim_command", metavar="{run,report,rounds}")
+    sub = p.add_subparsers(dest="sim_command", metavar="{run,report,rounds,aggregator,agents,merge}")
     r = sub.add_parser("run", help="run scenarios x methods x K x seeds and write CSV/JSON + report")
     add_config_arguments(r, ("broker", "fleet", "log_level", "data_dir", "seed"))
     r.add_argument("--scenario", default="rotated-digits",
@@ -57,6 +72,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                             help="CATA-Fed vs FedAvg/FedProx deadline rounds on a simulated clock "
                                  "(fedmq sim rounds --help)")
     rounds.add_argument("rest", nargs=argparse.REMAINDER)
+    agg = sub.add_parser("aggregator", help="the aggregator of a run split over processes: serves one "
+                                            "run's fleet on --broker until every update is applied")
+    _add_part_arguments(agg)
+    ag = sub.add_parser("agents", help="agents I..I+N-1 of a seeded fleet against an external "
+                                       "aggregator (`fedmq sim aggregator`) on --broker")
+    _add_part_arguments(ag)
+    ag.add_argument("--first-agent", type=int, default=0, help="index of this process's first agent (0)")
+    ag.add_argument("--count", type=int, default=0,
+                    help="agents in this process (default: from --first-agent to the end of the fleet)")
+    ag.add_argument("--workers", type=int, default=1, help="agent worker threads in this process (1)")
+    ag.add_argument("--wait", type=float, default=300.0,
+                    help="seconds to wait for the aggregator to come online (300)")
+    merge = sub.add_parser("merge", help="merge a split run's parts (OUT/parts/LABEL/*) into OUT/runs/LABEL")
+    merge.add_argument("out", type=Path, help="the --out dir the processes wrote to")
 
 
 def _seeds(text: str, base: int) -> list[int]:
@@ -79,10 +108,68 @@ def run(args: argparse.Namespace) -> int:
         from sim.rounds import main as rounds_main
 
         return rounds_main(args.rest)
+    if args.sim_command in ("aggregator", "agents"):
+        return run_part(args)
+    if args.sim_command == "merge":
+        from sim.split import SplitRunError, merge_parts
+
+        try:
+            for d in merge_parts(args.out):
+                print(f"merged: {d}")
+        except SplitRunError as e:
+            print(f"fedmq sim merge: {e}", file=sys.stderr)
+            return 1
+        return 0
     if args.sim_command != "run":
-        print("usage: fedmq sim {run,report,rounds} ... (see fedmq sim run --help)", file=sys.stderr)
+        print("usage: fedmq sim {run,report,rounds,aggregator,agents,merge} ... (see fedmq sim run --help)",
+              file=sys.stderr)
         return 2
     return run_experiments(args)
+
+
+def run_part(args: argparse.Namespace) -> int:
+    """`fedmq sim aggregator` / `fedmq sim agents`: one process of a split run."""
+    import signal
+    import threading
+
+    from sim.fleet import METHODS, RunSpec, fleet_name, get_scenario, make_schedule
+    from sim.split import run_agents_part, run_aggregator_part
+
+    cfg = config_from_args(args, {"min_samples": "data.min_samples", "max_samples": "data.max_samples"})
+    if args.fleet is None:
+        cfg.fleet = "sim"
+    setup_logging(cfg.log.level, cfg.log.json)
+    if args.method not in METHODS:
+        print(f"fedmq sim {args.sim_command}: unknown method {args.method!r}; one of {', '.join(METHODS)}",
+              file=sys.stderr)
+        return 2
+    scenario = get_scenario(args.scenario)
+    spec = RunSpec(scenario=scenario.name, method=args.method, clusters=args.clusters, agents=args.agents,
+                   seed=cfg.seed, updates_per_agent=args.updates_per_agent,
+                   workers=getattr(args, "workers", 1), test_samples=args.test_samples)
+    print(f"run {spec.label}: fleet {fleet_name(cfg.fleet, spec)} on {cfg.broker.url}", flush=True)
+    if args.sim_command == "aggregator":
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        d = run_aggregator_part(spec, cfg, args.out, stop=stop)
+        import json
+
+        complete = json.loads((d / "part.json").read_text())["complete"]
+        print(f"part: {d}" + ("" if complete else " (stopped before the run was complete)"), flush=True)
+        return 0 if complete else 1
+    count = args.count or spec.resolved_agents() - args.first_agent
+    mine = range(args.first_agent, args.first_agent + count)
+    events = sum(1 for a, _ in make_schedule(spec.seed, spec.resolved_agents(), spec.updates_per_agent)
+                 if a in mine)
+    bar = tqdm(total=events, desc="updates", unit="upd", dynamic_ncols=True)
+    try:
+        d = run_agents_part(spec, cfg, args.out, first=args.first_agent, count=count, wait_s=args.wait,
+                            progress=bar.update)
+    finally:
+        bar.close()
+    print(f"part: {d}", flush=True)
+    return 0
 
 
 def run_experiments(args: argparse.Namespace) -> int:

@@ -204,8 +204,10 @@ class _Dispatcher:
     """Hands out events in schedule order; pauses everyone at checkpoints; keeps agents' cycles in order."""
 
     def __init__(self, schedule: list[tuple[int, int]], eval_every: int,
-                 checkpoint: Callable[[int], None]) -> None:
+                 checkpoint: Callable[[int], None], positions: list[int] | None = None) -> None:
         self.schedule = schedule
+        self.positions = positions
+        """Each entry's place in the whole fleet's schedule (a part of a split run); None: i."""
         self.eval_every = eval_every
         self.checkpoint = checkpoint
         self.cond = threading.Condition()
@@ -227,7 +229,9 @@ class _Dispatcher:
                 self.checkpoint(i)  # others are blocked in take() or waiting for their turn
             agent, cycle = self.schedule[i]
             self.cond.wait_for(lambda: self.done_cycles.get(agent, 0) == cycle or self.failed is not None)
-            return (None if self.failed else (i, agent, cycle))  # type: ignore[return-value]
+            if self.failed:
+                return None
+            return (self.positions[i] if self.positions is not None else i), agent, cycle
 
     def finish(self, agent: int) -> int:
         with self.cond:
@@ -261,13 +265,162 @@ def configure(spec: RunSpec, base: Config | None = None) -> tuple[Scenario, Conf
     return scenario, cfg
 
 
+def fleet_name(base: str, spec: RunSpec) -> str:
+    """One fleet (topic prefix, sessions) per run, so runs may share a broker."""
+    return f"{base}.{spec.method}.K{spec.clusters}.s{spec.seed}"[:64]
+
+
+def start_aggregator(cfg: Config, clusters: Any, stack: contextlib.ExitStack, busy: dict[str, float],
+                     after_batch: Callable[[list[Any]], None] | None = None,
+                     before_start: Callable[[Any], None] | None = None) -> Any:
+    """The aggregator in this process (journal in a temp dir), stopped when `stack` closes.
+
+    Returns the running AggregatorService (its `engine`, `presence`). `before_start(engine)`
+    runs before it connects; `after_batch(batch)` after each batch it handles.
+    """
+    from aggregator.bootstrap import build_engine
+    from aggregator.service import AggregatorService
+
+    tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="fedmq-sim-"))
+    cfg.aggregator.state_dir = f"{tmp}/aggregator"
+    engine = build_engine(cfg, clusters=clusters)
+    _time_engine(engine, busy, after_batch)
+    if before_start is not None:
+        before_start(engine)
+    return stack.enter_context(AggregatorService(cfg, engine))
+
+
+def start_agents(cfg: Config, spec: RunSpec, indices: range, stack: contextlib.ExitStack) -> list[Any]:
+    """Agents sim-IIIII for `indices`, connected on one epoll thread and joined."""
+    from edge_agent.runtime import EdgeAgent
+
+    # All agents' connections on one epoll thread (paho's own loop is a thread and a
+    # select() per client, which stops at ~340 clients); closed after the agents.
+    network = NetworkLoop("sim-network")
+    stack.callback(network.close)
+    agents = []
+    with use_network(network):
+        for i in indices:
+            agent = EdgeAgent(cfg, agent_name(i), algorithm=spec.method, reply_timeout_s=60.0)
+            agent.start(timeout=30.0)
+            stack.callback(agent.stop)
+            agents.append(agent)
+    for agent in agents:
+        agent.join()
+    return agents
+
+
+def agent_name(index: int) -> str:
+    return f"sim-{index:05d}"
+
+
+@dataclass
+class CyclePlayer:
+    """Plays one agent's cycle: new data, local training, upload, install; one UpdateRecord."""
+
+    spec: RunSpec
+    scenario: Scenario
+    clusters: Any
+    cfg: Config
+    model_name: str
+
+    def play(self, i: int, a: int, c: int, agent: Any, held: dict[int, torch.Tensor] | None) -> UpdateRecord:
+        """`agent` is the EdgeAgent (None for Local, whose models live in `held`)."""
+        from edge_agent.trainer import estimate_alpha_argmin, train_fedsoft, train_local
+        from fedmq.training import evaluate
+
+        spec, model_name = self.spec, self.model_name
+        local = spec.method == "local"
+        train, test = draw_cycle(self.scenario, self.clusters, self.cfg, spec.seed, a, c, spec.test_samples)
+        x, y, xt, yt = train.data.x, train.data.y, test.data.x, test.data.y
+        seed = int(np.random.default_rng([spec.seed, a, c, 1]).integers(2**31))
+        start = held[a] if local else agent.installed.vector
+        acc_held = evaluate(model_name, start, xt, yt)[0]
+        cpu0 = time.thread_time()
+        alpha_own = None
+        if spec.method == "fedsoft-async":
+            ws = agent.installed.clusters
+            alpha_own = estimate_alpha_argmin(model_name, ws, x, y)
+            mix = sum(float(al) * w for al, w in zip(alpha_own, ws, strict=True))
+            result = train_fedsoft(model_name, mix, ws, alpha_own, x, y, epochs=spec.local_epochs,
+                                   lr=spec.local_lr, rho=spec.rho, seed=seed)
+        else:
+            result = train_local(model_name, start, x, y, epochs=spec.local_epochs, lr=spec.local_lr,
+                                 rho=spec.rho, seed=seed)
+        compute_s = time.thread_time() - cpu0
+        acc_before = evaluate(model_name, result.vector, xt, yt)[0]
+        if local:
+            held[a] = result.vector
+            return UpdateRecord(i, 0, agent_name(a), c, len(train), 0, 0, 0, acc_held, acc_before,
+                                acc_before, math.nan, train.alpha.tolist(), None, 0, 0, compute_s,
+                                0.0, 0.0, 0.0)
+        tau = agent.installed.epoch
+        e0 = time.perf_counter()
+        env = agent.update_envelope(result.vector, len(train), alpha=alpha_own)
+        encode_s = time.perf_counter() - e0
+        r0 = time.perf_counter()
+        installed, up = agent.upload(env)
+        round_trip = time.perf_counter() - r0
+        acc_after = evaluate(model_name, installed.vector, xt, yt)[0]
+        alpha_est = alpha_own if alpha_own is not None else installed.alpha
+        kl = kl_divergence(train.alpha, alpha_est) if alpha_est else math.nan
+        return UpdateRecord(i, 0, agent.agent_id, c, len(train), tau, installed.epoch,
+                            installed.epoch - tau, acc_held, acc_before, acc_after, kl,
+                            train.alpha.tolist(), [float(v) for v in alpha_est] if alpha_est else None,
+                            up, installed.bytes_down, compute_s, encode_s, round_trip, 0.0)
+
+
+def play_events(dispatcher: _Dispatcher, player: CyclePlayer, agents: dict[int, Any],
+                held: dict[int, torch.Tensor] | None, workers: int,
+                progress: Callable[[int], None] | None = None) -> tuple[list[UpdateRecord], float]:
+    """Run the dispatcher's events on `workers` threads: (records, unix time of the first event).
+
+    A record's `t` is seconds from the first event; `arrival` is the order the cycles finished.
+    """
+    records: list[UpdateRecord] = []
+    lock = threading.Lock()
+    t_first: list[float] = []
+    t_first_unix: list[float] = []
+
+    def worker() -> None:
+        torch.set_num_threads(1)
+        while True:
+            item = dispatcher.take()
+            if item is None:
+                return
+            i, a, c = item
+            try:
+                with lock:
+                    if not t_first:
+                        t_first.append(time.perf_counter())
+                        t_first_unix.append(time.time())
+                rec = player.play(i, a, c, agents.get(a), held)
+            except BaseException as e:  # noqa: BLE001 - reported by the caller
+                event(log, "sim.cycle_failed", level=40, agent=a, cycle=c, error=repr(e))
+                dispatcher.fail(e)
+                return
+            with lock:
+                rec.t = time.perf_counter() - t_first[0]
+                rec.arrival = dispatcher.finish(a)
+                records.append(rec)
+            if progress is not None:
+                progress(1)
+
+    threads = [threading.Thread(target=worker, name=f"sim-worker-{w}") for w in range(max(1, workers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if dispatcher.failed is not None:
+        raise RuntimeError(f"{player.spec.label}: a cycle failed: {dispatcher.failed!r}") from dispatcher.failed
+    records.sort(key=lambda r: r.event)
+    return records, (t_first_unix[0] if t_first_unix else time.time())
+
+
 def run_fleet(spec: RunSpec, base: Config | None = None, *, broker_url: str | None = None,
               progress: Callable[[int], None] | None = None, clusters=None) -> RunResult:
     """Run one scenario x method x seed end to end; returns every record."""
-    from aggregator.bootstrap import build_engine, pretrain_clusters
-    from aggregator.service import AggregatorService
-    from edge_agent.runtime import EdgeAgent
-    from edge_agent.trainer import estimate_alpha_argmin, train_fedsoft, train_local
+    from aggregator.bootstrap import pretrain_clusters
     from fedmq.models import resolve_model_name
     from fedmq.training import evaluate
 
@@ -279,10 +432,7 @@ def run_fleet(spec: RunSpec, base: Config | None = None, *, broker_url: str | No
     eval_every = spec.eval_every or max(1, math.ceil(len(schedule) / 10))
     local = spec.method == "local"
     test_sets = [clusters.test(k) for k in range(spec.clusters)]
-    records: list[UpdateRecord] = []
     cluster_acc: list[dict[str, Any]] = []
-    lock = threading.Lock()
-    t_first: list[float] = []
     busy = {"seconds": 0.0, "batches": 0}
 
     def score_clusters(vectors: list[torch.Tensor], events: int) -> None:
@@ -294,131 +444,55 @@ def run_fleet(spec: RunSpec, base: Config | None = None, *, broker_url: str | No
     t_start = time.perf_counter()
     with contextlib.ExitStack() as stack:
         engine = None
+        held: dict[int, torch.Tensor] | None = None
         if local:
             url, kind = "", "none"
             # Local agents start where a joining CDFL agent does: the uniform mixture of the
             # server's pre-trained cluster models (same seed, same models).
             start_vectors = pretrain_clusters(cfg, clusters, model_name)
             start = torch.stack(start_vectors).mean(0)
-            held: dict[int, torch.Tensor] = dict.fromkeys(range(n_agents), start)
-            agents: list[Any] = [None] * n_agents
+            held = dict.fromkeys(range(n_agents), start)
+            agents: dict[int, Any] = {}
             current_clusters: Callable[[], list[torch.Tensor]] = lambda: start_vectors  # noqa: E731
         else:
             url, kind = stack.enter_context(running_broker(broker_url))
             cfg.broker.url = url
             if kind == "embedded":
                 cfg.broker.protocol = EMBEDDED_PROTOCOL
-            # One fleet (topic prefix, sessions) per run: runs may share a broker.
-            cfg.fleet = f"{cfg.fleet}.{spec.method}.K{spec.clusters}.s{spec.seed}"[:64]
-            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="fedmq-sim-"))
-            cfg.aggregator.state_dir = f"{tmp}/aggregator"
-            engine = build_engine(cfg, clusters=clusters)
-            _time_engine(engine, busy)
-            stack.enter_context(AggregatorService(cfg, engine))
-            # All agents' connections on one epoll thread (paho's own loop is a thread and a
-            # select() per client, which stops at ~340 clients); closed after the agents.
-            network = NetworkLoop("sim-network")
-            stack.callback(network.close)
-            agents = []
-            with use_network(network):
-                for i in range(n_agents):
-                    agent = EdgeAgent(cfg, f"sim-{i:05d}", algorithm=spec.method, reply_timeout_s=60.0)
-                    agent.start(timeout=30.0)
-                    stack.callback(agent.stop)
-                    agents.append(agent)
-            for agent in agents:
-                agent.join()
+            cfg.fleet = fleet_name(cfg.fleet, spec)
+            engine = start_aggregator(cfg, clusters, stack, busy).engine
+            agents = dict(enumerate(start_agents(cfg, spec, range(n_agents), stack)))
             current_clusters = lambda: list(engine.strategy.state_dict()["clusters"])  # noqa: E731
 
         score_clusters(current_clusters(), 0)
         dispatcher = _Dispatcher(schedule, eval_every, lambda i: score_clusters(current_clusters(), i))
-
-        def cycle(i: int, a: int, c: int) -> UpdateRecord:
-            train, test = draw_cycle(scenario, clusters, cfg, spec.seed, a, c, spec.test_samples)
-            x, y, xt, yt = train.data.x, train.data.y, test.data.x, test.data.y
-            seed = int(np.random.default_rng([spec.seed, a, c, 1]).integers(2**31))
-            agent = agents[a]
-            start = held[a] if local else agent.installed.vector
-            acc_held = evaluate(model_name, start, xt, yt)[0]
-            cpu0 = time.thread_time()
-            alpha_own = None
-            if spec.method == "fedsoft-async":
-                ws = agent.installed.clusters
-                alpha_own = estimate_alpha_argmin(model_name, ws, x, y)
-                mix = sum(float(al) * w for al, w in zip(alpha_own, ws, strict=True))
-                result = train_fedsoft(model_name, mix, ws, alpha_own, x, y, epochs=spec.local_epochs,
-                                       lr=spec.local_lr, rho=spec.rho, seed=seed)
-            else:
-                result = train_local(model_name, start, x, y, epochs=spec.local_epochs, lr=spec.local_lr,
-                                     rho=spec.rho, seed=seed)
-            compute_s = time.thread_time() - cpu0
-            acc_before = evaluate(model_name, result.vector, xt, yt)[0]
-            if local:
-                held[a] = result.vector
-                return UpdateRecord(i, 0, f"sim-{a:05d}", c, len(train), 0, 0, 0, acc_held, acc_before,
-                                    acc_before, math.nan, train.alpha.tolist(), None, 0, 0, compute_s,
-                                    0.0, 0.0, 0.0)
-            tau = agent.installed.epoch
-            e0 = time.perf_counter()
-            env = agent.update_envelope(result.vector, len(train), alpha=alpha_own)
-            encode_s = time.perf_counter() - e0
-            r0 = time.perf_counter()
-            installed, up = agent.upload(env)
-            round_trip = time.perf_counter() - r0
-            acc_after = evaluate(model_name, installed.vector, xt, yt)[0]
-            alpha_est = alpha_own if alpha_own is not None else installed.alpha
-            kl = kl_divergence(train.alpha, alpha_est) if alpha_est else math.nan
-            return UpdateRecord(i, 0, agent.agent_id, c, len(train), tau, installed.epoch,
-                                installed.epoch - tau, acc_held, acc_before, acc_after, kl,
-                                train.alpha.tolist(), [float(v) for v in alpha_est] if alpha_est else None,
-                                up, installed.bytes_down, compute_s, encode_s, round_trip, 0.0)
-
-        def worker() -> None:
-            torch.set_num_threads(1)
-            while True:
-                item = dispatcher.take()
-                if item is None:
-                    return
-                i, a, c = item
-                try:
-                    if not t_first:
-                        t_first.append(time.perf_counter())
-                    rec = cycle(i, a, c)
-                except BaseException as e:  # noqa: BLE001 - reported by run_fleet
-                    event(log, "sim.cycle_failed", level=40, agent=a, cycle=c, error=repr(e))
-                    dispatcher.fail(e)
-                    return
-                with lock:
-                    rec.t = time.perf_counter() - t_first[0]
-                    rec.arrival = dispatcher.finish(a)
-                    records.append(rec)
-                if progress is not None:
-                    progress(1)
-
-        threads = [threading.Thread(target=worker, name=f"sim-worker-{w}") for w in range(max(1, spec.workers))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if dispatcher.failed is not None:
-            raise RuntimeError(f"{spec.label}: a cycle failed: {dispatcher.failed!r}") from dispatcher.failed
+        player = CyclePlayer(spec, scenario, clusters, cfg, model_name)
+        records, _ = play_events(dispatcher, player, agents, held, spec.workers, progress)
         score_clusters(current_clusters(), len(schedule))
         agent_bytes = {}
         info: dict[str, Any] = {"events": len(schedule), "agents": n_agents}
         if not local:
-            for agent in agents:
+            for agent in agents.values():
                 agent_bytes[agent.agent_id] = {"up": agent.channel.bytes_sent,
                                                "down": agent.channel.bytes_received}
-            info["aggregator_counters"] = {k: int(v) for k, v in engine.counters.items()}
-            info["stale_updates"] = int(engine.strategy.counters.get("stale", 0))
-            info["aggregator_busy_s"] = round(busy["seconds"], 4)
-            info["aggregator_batches"] = busy["batches"]
-    records.sort(key=lambda r: r.event)
+            info.update(aggregator_info(engine, busy))
     return RunResult(spec, records, cluster_acc, agent_bytes, time.perf_counter() - t_start, kind, info)
 
 
-def _time_engine(engine: Any, busy: dict[str, float]) -> None:
-    """Count the aggregator's time in Engine.handle (validation, decode, strategy, journal)."""
+def aggregator_info(engine: Any, busy: dict[str, float]) -> dict[str, Any]:
+    """The aggregator's counters and busy time, as summary.json holds them."""
+    return {"aggregator_counters": {k: int(v) for k, v in engine.counters.items()},
+            "stale_updates": int(engine.strategy.counters.get("stale", 0)),
+            "aggregator_busy_s": round(busy["seconds"], 4),
+            "aggregator_batches": busy["batches"]}
+
+
+def _time_engine(engine: Any, busy: dict[str, float],
+                 after_batch: Callable[[list[Any]], None] | None = None) -> None:
+    """Count the aggregator's time in Engine.handle (validation, decode, strategy, journal).
+
+    `after_batch(batch)` runs after each batch, outside the counted time.
+    """
     handle = engine.handle
 
     def timed(batch: list[Any]) -> list[Any]:
@@ -428,6 +502,8 @@ def _time_engine(engine: Any, busy: dict[str, float]) -> None:
         finally:
             busy["seconds"] += time.perf_counter() - t0
             busy["batches"] += 1
+            if after_batch is not None:
+                after_batch(batch)
 
     engine.handle = timed
 

@@ -5,8 +5,13 @@
 reads DIR/runs/*/summary.json (and updates.csv) and writes DIR/report.md with
 - Table 1: client and cluster accuracy, mean +- std over seeds, per method and K;
 - a cost table: KL(true || estimated), bytes down and up per update, agent compute per update;
-and the figures DIR/figures/accuracy_over_time.png (Figure 3), kl.png (Figure 5) and
-relative_cost.png (Figure 6: download bytes and client compute relative to CDFL).
+and the figures DIR/figures/SCENARIO_accuracy_over_time.png (Figure 3), _kl.png (Figure 5)
+and _relative_cost.png (Figure 6: download bytes and client compute relative to CDFL).
+A split run's parts (DIR/parts/, see sim/split.py) are merged into DIR/runs/ first.
+
+For a `fedmq sim rounds` dir (DIR/results.json) it writes sim.rounds' table (time to the
+target accuracy, wasted work, finishers / stragglers / late / dropouts per round) and
+figures/rounds_accuracy.png (sim.rounds' plot) and rounds_cost.png.
 """
 
 from __future__ import annotations
@@ -194,11 +199,101 @@ def figures(runs: list[dict[str, Any]], fig_dir: Path) -> list[Path]:
     return paths
 
 
+ROUNDS_RESULTS = "results.json"
+"""What `fedmq sim rounds --out DIR` writes (with table.md and accuracy.png)."""
+
+
+def is_rounds_dir(out: Path) -> bool:
+    """A `fedmq sim rounds` output dir: results.json with the fleet, settings and runs."""
+    p = out / ROUNDS_RESULTS
+    if not p.is_file():
+        return False
+    try:
+        data = json.loads(p.read_text())
+    except ValueError:
+        return False
+    return isinstance(data, dict) and {"fleet", "settings", "runs"} <= data.keys()
+
+
+def rounds_report(out: Path, fig_dir: Path) -> tuple[str, list[Path]]:
+    """CATA-Fed / FedAvg / FedProx deadline rounds: sim.rounds' own table and plot, plus costs."""
+    from sim.rounds import load_results, markdown_table, plot, summary_rows
+
+    runs, target, data = load_results(out / ROUNDS_RESULTS)
+    rows = summary_rows(runs)
+    fleet, settings = data["fleet"], data["settings"]
+    seeds = sorted({r.seed for r in runs})
+    text = "\n".join([
+        f"### Deadline rounds: time to {target:.2f} test accuracy (seeds {seeds})", "",
+        f"{fleet['agents']} agents, {100 * fleet['slow_share']:.0f} % slow at {fleet['slow_factor']}x, "
+        f"dropout p = {fleet['dropout_p']}, return p = {fleet['return_p']}; deadline T = "
+        f"{settings['deadline_s']} s + grace {settings['grace_s']} s, P = {settings['groups']} groups "
+        f"of N = {settings['per_group']}, {settings['epochs']} local epochs, at most "
+        f"{settings['rounds']} rounds (simulated clock).", "",
+        markdown_table(rows, target)])
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    accuracy = fig_dir / "rounds_accuracy.png"
+    plot(runs, accuracy)
+    cost = fig_dir / "rounds_cost.png"
+    _rounds_cost_figure(rows, target, cost)
+    return text, [accuracy, cost]
+
+
+def _rounds_cost_figure(rows: list[dict[str, Any]], target: float, path: Path) -> None:
+    """Simulated time to the target per seed (dots) and mean (bar); share of wasted training."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.4))
+    names = [r["algorithm"] for r in rows]
+    x = np.arange(len(rows))
+    means = [r["time_to_target_s"] if r["time_to_target_s"] is not None else np.nan for r in rows]
+    ax1.bar(x, means, 0.6, alpha=0.6)
+    for j, r in enumerate(rows):
+        each = [v for v in r["time_to_target_each"] if v is not None]
+        ax1.plot([j] * len(each), each, "k.", ms=5)
+    ax1.set_xticks(x, names)
+    ax1.set_ylabel(f"simulated s to {target:.2f}")
+    ax1.set_title("time to target (dots: seeds that reached it)")
+    ax2.bar(x, [100 * r["wasted_share"] for r in rows], 0.6, color="tab:red", alpha=0.7)
+    ax2.set_xticks(x, names)
+    ax2.set_ylabel("% of training time")
+    ax2.set_title("wasted work")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_report(out: Path, command: str | None = None) -> tuple[Path, list[Path], str]:
-    """report.md and the figures; returns (report path, figure paths, the tables' markdown)."""
-    runs = load_runs(out)
-    text = tables(runs)
-    paths = figures(runs, out / "figures")
+    """report.md and the figures; returns (report path, figure paths, the tables' markdown).
+
+    Reads a `fedmq sim run` dir (runs/; a split run's parts/ are merged into runs/ first) and
+    a `fedmq sim rounds` dir (results.json); a dir may hold both.
+    """
+    sections: list[str] = []
+    paths: list[Path] = []
+    if (out / "parts").is_dir():
+        from sim.split import merge_parts
+
+        merge_parts(out)
+    fleet_runs = (out / "runs").is_dir()
+    rounds = is_rounds_dir(out)
+    if not fleet_runs and not rounds:
+        raise FileNotFoundError(f"{out}: neither runs/*/summary.json (fedmq sim run), parts/ (a split "
+                                f"run) nor {ROUNDS_RESULTS} (fedmq sim rounds)")
+    if fleet_runs:
+        runs = load_runs(out)
+        sections.append(tables(runs))
+        paths += figures(runs, out / "figures")
+    if rounds:
+        text, figs = rounds_report(out, out / "figures")
+        sections.append(text)
+        paths += figs
+    text = "\n".join(sections)
     lines = ["# Simulator report", ""]
     if command:
         lines += ["Made by:", "", "```sh", command, "```", ""]

@@ -308,6 +308,14 @@ def markdown_table(rows: list[dict], target: float) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+def load_results(path: Path) -> tuple[list[SimRun], float, dict]:
+    """(runs, target accuracy, the whole file) from a results.json that `main` wrote."""
+    data = json.loads(Path(path).read_text())
+    runs = [SimRun(**{**{k: v for k, v in r.items() if k != "rounds"},
+                      "rounds": [SimRound(**x) for x in r["rounds"]]}) for r in data["runs"]]
+    return runs, float(data["settings"]["target_accuracy"]), data
+
+
 def plot(runs: list[SimRun], path: Path) -> None:
     import matplotlib
 
