@@ -7,7 +7,10 @@
 `run` starts a broker (the one given with --broker, else Mosquitto, else the embedded one)
 and, for every (K, method, seed), a fresh aggregator and 20*K edge agents (each its own MQTT
 client), and writes results/runs/LABEL/{updates,clusters,agents}.csv and summary.json, then
-the report (report.md and figures/). See docs/simulator.md.
+the report (report.md and figures/). One run can also be split over processes and
+machines that share a broker (`sim aggregator`, `sim agents --first-agent I --count N`,
+`sim merge`; sim/split.py). `report` also reads a `sim rounds --out` dir (CATA-Fed).
+See docs/simulator.md.
 """
 
 from __future__ import annotations
@@ -66,8 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--max-samples", type=int, help="most samples per agent (default data.max_samples, 2000)")
     r.add_argument("--test-samples", type=int, default=300, help="test samples per agent and cycle (300)")
     r.add_argument("--out", required=True, type=Path, help="output dir")
-    rep = sub.add_parser("report", help="table (paper's Table 1) and figures from a run's output dir")
-    rep.add_argument("out", type=Path, help="the --out dir of `fedmq sim run`")
+    rep = sub.add_parser("report", help="table (paper's Table 1) and figures from a run's output dir "
+                                        "(sim run, a split run's parts, or sim rounds)")
+    rep.add_argument("out", type=Path, help="the --out dir of `fedmq sim run`, `sim agents` or `sim rounds`")
     rounds = sub.add_parser("rounds", add_help=False, prefix_chars="+",
                             help="CATA-Fed vs FedAvg/FedProx deadline rounds on a simulated clock "
                                  "(fedmq sim rounds --help)")
