@@ -49,7 +49,7 @@ def _add_part_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="sim_command", metavar="{run,report,rounds,aggregator,agents,merge}")
+    sub = p.add_subparsers(dest="sim_command", metavar="{run,report,rounds,ablation,aggregator,agents,merge}")
     r = sub.add_parser("run", help="run scenarios x methods x K x seeds and write CSV/JSON + report")
     add_config_arguments(r, ("broker", "fleet", "log_level", "data_dir", "seed"))
     r.add_argument("--scenario", default="rotated-digits",
@@ -76,6 +76,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                             help="CATA-Fed vs FedAvg/FedProx deadline rounds on a simulated clock "
                                  "(fedmq sim rounds --help)")
     rounds.add_argument("rest", nargs=argparse.REMAINDER)
+    ablation = sub.add_parser("ablation", add_help=False, prefix_chars="+",
+                              help="replay one fleet per CDFL variant (personalization, estimator, "
+                                   "update rule) and compare (fedmq sim ablation --help)")
+    ablation.add_argument("rest", nargs=argparse.REMAINDER)
     agg = sub.add_parser("aggregator", help="the aggregator of a run split over processes: serves one "
                                             "run's fleet on --broker until every update is applied")
     _add_part_arguments(agg)
@@ -112,6 +116,10 @@ def run(args: argparse.Namespace) -> int:
         from sim.rounds import main as rounds_main
 
         return rounds_main(args.rest)
+    if args.sim_command == "ablation":
+        from sim.ablation import main as ablation_main
+
+        return ablation_main(args.rest)
     if args.sim_command in ("aggregator", "agents"):
         return run_part(args)
     if args.sim_command == "merge":
