@@ -391,6 +391,7 @@ class DeviceAgent:
         assert self.agent is not None
         while True:
             try:
+                self.agent.counters["last_upload_at"] = round(time.time(), 3)
                 installed, up = self.agent.upload(env, resend=resend)
             except AgentError as e:
                 if e.reason == "interrupted":
@@ -447,6 +448,10 @@ class DeviceAgent:
         event(log, "model.installed", agent=self.agent_id, epoch=epoch, alpha=alpha, accuracy=acc,
               backend=self.predictor.backend if self.predictor else None)
         self.save()
+        if self.agent is not None:
+            if acc is not None:
+                self.agent.counters["last_accuracy"] = round(float(acc), 4)
+            self.agent.publish_status()
 
     def _make_predictor(self) -> None:
         s = self.settings

@@ -92,7 +92,7 @@ class EdgeAgent:
             will=Will(protocol.agent_status(self.fleet, self.agent_id), self._status("offline")),
         )
         self.channel = Channel(self.transport, cfg.protocol)
-        self.counters: dict[str, int] = {"uploads": 0, "resends": 0, "errors": 0, "rejected": 0,
+        self.counters: dict[str, float] = {"uploads": 0, "resends": 0, "errors": 0, "rejected": 0,
                                          "joins": 0}
 
     # ------------------------------------------------------------------ lifecycle
@@ -113,6 +113,13 @@ class EdgeAgent:
         self.transport.connect(timeout)
         self.transport.subscribe(protocol.downlink(self.fleet, self.agent_id), self._on_down, qos=1)
         return self
+
+    def publish_status(self) -> None:
+        """Re-publish the retained online status with the current counters: `fedmq fleet
+        status` reads an agent's last accuracy and last upload time from there."""
+        if self.transport.connected:
+            self.transport.publish(protocol.agent_status(self.fleet, self.agent_id),
+                                   self._status("online"), qos=1, retain=True)
 
     def stop(self) -> None:
         if self.transport.connected:

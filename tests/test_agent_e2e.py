@@ -36,6 +36,7 @@ from edge_agent.state import AgentState
 from fedmq import codecs, protocol
 from fedmq.config import Config, load_config
 from fedmq.data import clusters_from_settings
+from fedmq.fleet_status import FleetWatcher
 from fedmq.models import model_spec
 from fedmq.training import evaluate
 
@@ -228,6 +229,15 @@ def test_drift_upload_personalized_model_beats_held_model(mosquitto, aggregator,
               f"received: {acc_after:.3f} on the new mixture; alpha {cycle.installed.alpha}")
         assert acc_after >= acc_before + 0.1, (acc_before, acc_after)
         assert agg.svc.engine.counters["applied.update"] == 2
+
+        # Operators see the last accuracy and upload time in the retained status.
+        with FleetWatcher(cfg) as watcher:
+            watcher.settle()
+            _, agents = watcher.snapshot()
+        (me,) = [p for p in agents if p.name == device.agent_id]
+        assert me.state == "online" and me.epoch == 2
+        assert me.last_accuracy == pytest.approx(device.state.reference_accuracy, abs=1e-4)
+        assert me.last_upload_at is not None and abs(me.last_upload_at - time.time()) < 120
 
         # ONNX Runtime serves exactly the installed model (within 1e-4 of torch).
         x = new_test[0][:64].numpy()
