@@ -17,7 +17,7 @@ from fedmq.config import ConfigError
 # name -> (module, one-line help). Order is the order shown in --help.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("sim.demo", "run a small fleet end to end over a real broker"),
-    "aggregator": ("aggregator.cli", "run the aggregator (CDFL, FedSoft-Async, FedAsync)"),
+    "aggregator": ("aggregator.cli", "run the aggregator (CDFL, FedSoft-Async, FedAsync; CATA-Fed, FedAvg, FedProx rounds)"),
     "agent": ("edge_agent.cli", "run an edge agent"),
     "sim": ("sim.cli", "simulated fleets: run experiments and report"),
     "broker": ("fedmq.broker_cli", "start a broker for development (Mosquitto or embedded)"),
