@@ -159,7 +159,7 @@ class CDFLSettings:
     eval_compile: bool = False
     """torch.compile the evaluation (about 1.5x on CPU here after ~4 s of compiling)."""
     personalization: str = "finetune"
-    """How the one reply model is made (aggregator/personalize.py): finetune (the agent's upload trained on alpha-weighted proxy data: the measured winner, +18-26 pp over the paper's mixture on rotated digits), mixture (the paper's sum_k alpha_k w_k, cheapest), upload (the agent's own upload), distill (finetune taught by each cluster's specialist) or distill-mixture (distill from the mixture). finetune costs a short training per reply: ~0.06-0.1 s for the digits model, ~16 s for cnn28 on a 2-core CPU (use a GPU, or mixture). See docs/results_cdfl.md."""
+    """How the one reply model is made (aggregator/personalize.py): finetune (the agent's upload trained on alpha-weighted proxy data: the measured winner, +18-26 pp over the paper's mixture on rotated digits), mixture (the paper's sum_k alpha_k w_k, cheapest), upload (the agent's own upload), distill (finetune taught by each cluster's specialist) or distill-mixture (distill from the mixture). finetune costs a short training per reply: ~0.06-0.1 s for the digits model; for cnn28 with K = 4 and 1000 proxy samples per cluster, 1.4 s against 0.78 s for mixture per upload on an idle 2-core CPU. See docs/results_cdfl.md."""
     personalize_epochs: int = 2
     """finetune/distill: epochs over the alpha-weighted proxy sets per reply."""
     personalize_lr: float = 0.01
