@@ -11,10 +11,10 @@ import pytest
 
 from fedmq import protocol
 from fedmq.config import Config
-from fedmq.transport import Message, MqttTransport
 from sim.fleet import RunSpec, kl_divergence, make_schedule, run_fleet, write_run
 from sim.report import write_report
 from sim.scenarios import SCENARIOS, build_clusters, draw_cycle, route_mixture
+from tests.wire_counter import WireCounter
 
 
 def tiny_config() -> Config:
@@ -28,23 +28,6 @@ def tiny_config() -> Config:
 def tiny_spec(method: str, seed: int = 0) -> RunSpec:
     return RunSpec(scenario="rotated-digits", method=method, clusters=2, agents=4, seed=seed,
                    updates_per_agent=2, test_samples=60, local_epochs=1)
-
-
-class WireCounter:
-    """A broker-side subscriber: payload bytes on every agent's up and down topics (any fleet)."""
-
-    def __init__(self, url: str, fleet: str) -> None:
-        cfg = Config()
-        cfg.broker.url = url
-        self.bytes = {"up": 0, "down": 0}
-        self.lock = threading.Lock()
-        self.transport = MqttTransport("wire-counter", cfg.broker, clean_start=True).connect()
-        for kind in ("up", "down"):
-            self.transport.subscribe(f"fedmq/+/agents/+/{kind}", self._count, qos=1)
-
-    def _count(self, m: Message) -> None:
-        with self.lock:
-            self.bytes[m.topic.rsplit("/", 1)[1]] += len(m.payload)
 
 
 def test_schedule_is_seeded_and_keeps_each_agents_cycles_in_order():
@@ -81,7 +64,7 @@ def test_digits_domains_differ_and_follow_a_route():
 def test_tiny_fleet_end_to_end_over_mosquitto(mosquitto, tmp_path):
     cfg = tiny_config()
     cfg.fleet = "simtest"
-    counter = WireCounter(mosquitto.url, cfg.fleet)
+    counter = WireCounter(mosquitto.url)
     results = {}
     try:
         for method in ("cdfl", "fedsoft-async"):

@@ -13,32 +13,15 @@ from pathlib import Path
 import pytest
 
 from fedmq.config import Config
-from fedmq.transport import Message, MqttTransport
 from sim.fleet import RunSpec, configure, make_schedule, run_fleet
 from sim.report import write_report
 from sim.scenarios import build_clusters, draw_cycle
 from sim.split import SplitRunError, merge_parts, run_agents_part, run_aggregator_part
+from tests.wire_counter import WireCounter
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_FLAGS = ["--clusters", "2", "--agents", "4", "--seed", "0", "--updates-per-agent", "2",
              "--min-samples", "60", "--max-samples", "120", "--test-samples", "60", "--log-level", "error"]
-
-
-class WireCounter:
-    """A broker-side subscriber: payload bytes on every agent's up and down topics."""
-
-    def __init__(self, url: str) -> None:
-        cfg = Config()
-        cfg.broker.url = url
-        self.bytes = {"up": 0, "down": 0}
-        self.lock = threading.Lock()
-        self.transport = MqttTransport("wire-counter", cfg.broker, clean_start=True).connect()
-        for kind in ("up", "down"):
-            self.transport.subscribe(f"fedmq/+/agents/+/{kind}", self._count, qos=1)
-
-    def _count(self, m: Message) -> None:
-        with self.lock:
-            self.bytes[m.topic.rsplit("/", 1)[1]] += len(m.payload)
 
 
 def _sim(*args: str, log: Path) -> subprocess.Popen:
