@@ -36,6 +36,7 @@ import torch
 
 from aggregator.catafed import RoundOutcome, RoundResult, RoundStrategy
 from aggregator.journal import atomic_write
+from aggregator.service import serve_fleet
 from fedmq import codecs, protocol
 from fedmq.channel import Channel, Refused
 from fedmq.config import Config
@@ -107,12 +108,7 @@ class RoundService:
         if self.state_path is not None and self.state_path.exists():
             self.strategy.load_state(msgpack.unpackb(self.state_path.read_bytes(), raw=False))
             event(log, "rounds.resumed", round=self.strategy.round)
-        self.transport.on_connect_hooks.append(
-            lambda t, _: t.publish(protocol.aggregator_status(self.fleet), self._status("online"),
-                                   qos=1, retain=True))
-        self.transport.connect()
-        self.transport.subscribe(protocol.all_uplinks(self.fleet), self._inbox.put, qos=1)
-        self.transport.subscribe(protocol.all_agent_status(self.fleet), self._inbox.put, qos=1)
+        serve_fleet(self.transport, self.fleet, lambda: self._status("online"), self._inbox.put)
         event(log, "rounds.started", fleet=self.fleet, algorithm=self.strategy.name,
               round=self.strategy.round)
         return self

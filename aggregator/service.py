@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from aggregator.engine import Engine, Inbound
@@ -36,6 +37,18 @@ log = get_logger("aggregator")
 
 EXPIRE_EVERY_S = 0.5
 """How often partial (chunked) messages past their timeout are dropped and answered."""
+
+
+def serve_fleet(transport: MqttTransport, fleet: str, online_status: Callable[[], bytes],
+                handler: Callable[[Message], None]) -> None:
+    """Connect as the fleet's aggregator: retained online status after every (re)connect (the
+    broker may have published our will meanwhile), then every uplink and agent status to
+    `handler`. Shared by the asynchronous and the round service."""
+    transport.on_connect_hooks.append(
+        lambda t, _: t.publish(protocol.aggregator_status(fleet), online_status(), qos=1, retain=True))
+    transport.connect()
+    transport.subscribe(protocol.all_uplinks(fleet), handler, qos=1)
+    transport.subscribe(protocol.all_agent_status(fleet), handler, qos=1)
 
 
 class AggregatorService:
@@ -73,13 +86,7 @@ class AggregatorService:
     def start(self) -> AggregatorService:
         replayed = self.engine.recover()
         self.counters["replayed"] += replayed
-        # After every (re)connect: the broker may have published our will meanwhile.
-        self.transport.on_connect_hooks.append(
-            lambda t, _: t.publish(protocol.aggregator_status(self.fleet), self._status("online"),
-                                   qos=1, retain=True))
-        self.transport.connect()
-        self.transport.subscribe(protocol.all_uplinks(self.fleet), self._inbox.put, qos=1)
-        self.transport.subscribe(protocol.all_agent_status(self.fleet), self._inbox.put, qos=1)
+        serve_fleet(self.transport, self.fleet, lambda: self._status("online"), self._inbox.put)
         self._worker = threading.Thread(target=self._run, name="fedmq-aggregator", daemon=True)
         self._worker.start()
         event(log, "aggregator.started", fleet=self.fleet, epoch=self.engine.strategy.epoch,
