@@ -21,7 +21,8 @@ on identical inputs.
 
     python -m sim.ablation --clusters 2,3 --seeds 2 --agents 12 --updates-per-agent 3 \
         --variant local=local --variant fedsoft=fedsoft-async \
-        --variant cdfl-mixture=cdfl --variant "cdfl-distill=cdfl:cdfl.personalization=distill" \
+        --variant cdfl-mixture=cdfl:cdfl.personalization=mixture \
+        --variant "cdfl-distill=cdfl:cdfl.personalization=distill" \
         --out sim/results/ablation
 """
 
@@ -81,8 +82,12 @@ class Variant:
         return load_config(None, dict(self.settings), base=copy.deepcopy(base))
 
 
-DEFAULT_VARIANTS = ("local=local", "fedsoft-async=fedsoft-async", "cdfl-mixture=cdfl",
+DEFAULT_VARIANTS = ("local=local", "fedsoft-async=fedsoft-async",
+                    "cdfl-mixture=cdfl:cdfl.personalization=mixture",
+                    "cdfl-finetune=cdfl:cdfl.personalization=finetune",
                     "cdfl-distill=cdfl:cdfl.personalization=distill")
+"""Each CDFL variant names its personalization explicitly: a bare `cdfl` follows the config
+default (finetune since the ablation), so `cdfl-mixture=cdfl` would silently run finetune."""
 
 
 @dataclass

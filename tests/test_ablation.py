@@ -9,12 +9,25 @@ import struct
 import numpy as np
 import pytest
 
+from aggregator.personalize import PERSONALIZATIONS
 from fedmq.config import Config, load_config
 from fedmq.data import clear_cache
-from sim.ablation import AblationSpec, Fleet, Variant, main, run_ablation, run_variant
+from sim.ablation import (
+    DEFAULT_VARIANTS,
+    AblationSpec,
+    Fleet,
+    Variant,
+    main,
+    run_ablation,
+    run_variant,
+)
 
 SMALL = {"data.min_samples": "60", "data.max_samples": "90", "data.proxy_per_cluster": "60",
          "data.pretrain_per_cluster": "120", "aggregator.pretrain_epochs": "3"}
+
+
+MIXTURE = "mix=cdfl:cdfl.personalization=mixture"
+"""The paper's reply, named: a bare `cdfl` follows the config default (finetune)."""
 
 
 def small_config(**extra: str) -> Config:
@@ -33,10 +46,25 @@ def test_variant_parse():
         Variant.parse("x=cdfl:beta0")
 
 
+def test_default_variants_run_the_personalization_their_names_say():
+    """A bare `cdfl` follows the config default, so a variant named cdfl-mixture must set it."""
+    named = {}
+    for text in DEFAULT_VARIANTS:
+        v = Variant.parse(text)
+        if v.method == "cdfl":
+            named[v.name] = v.config(Config()).cdfl.personalization
+    assert named, "no CDFL variant among the defaults"
+    for name, personalization in named.items():
+        assert name == f"cdfl-{personalization}", (name, personalization)
+        assert personalization in PERSONALIZATIONS
+    # the paper's mixture stays in the default comparison whatever the config default is
+    assert "mixture" in named.values() and Config().cdfl.personalization in named.values()
+
+
 def test_every_variant_replays_the_same_fleet_and_a_rerun_is_identical():
     spec = AblationSpec(clusters=2, seed=3, agents=4, updates_per_agent=2, test_samples=40)
     fleet = Fleet(spec, small_config())
-    variants = [Variant.parse("local"), Variant.parse("mix=cdfl"),
+    variants = [Variant.parse("local"), Variant.parse(MIXTURE),
                 Variant.parse("up=cdfl:cdfl.personalization=upload"), Variant.parse("fedsoft-async")]
     results = {v.name: run_variant(fleet, v) for v in variants}
     # Local and CDFL-upload hold exactly what they trained, from the same start, data and seeds
@@ -48,12 +76,12 @@ def test_every_variant_replays_the_same_fleet_and_a_rerun_is_identical():
     assert results["mix"].models_down_per_update == 1 and results["fedsoft-async"].models_down_per_update == 2
     assert results["fedsoft-async"].bytes_down_per_update == 2 * results["mix"].bytes_down_per_update
     assert math.isnan(results["local"].kl) and results["mix"].kl >= 0
-    again = run_variant(Fleet(spec, small_config()), Variant.parse("mix=cdfl"))
+    again = run_variant(Fleet(spec, small_config()), Variant.parse(MIXTURE))
     assert again.acc_received == results["mix"].acc_received and again.kl == results["mix"].kl
 
 
 def test_extra_estimators_score_the_same_uploads():
-    results = run_ablation([Variant.parse("mix=cdfl")], clusters=[2], seeds=[0], base=small_config(),
+    results = run_ablation([Variant.parse(MIXTURE)], clusters=[2], seeds=[0], base=small_config(),
                            agents=3, updates_per_agent=1, test_samples=30, estimators=["metrics", "evidence"])
     (r,) = results
     # the variant's own estimator is metrics: scored on the same uploads it gives the same KL
