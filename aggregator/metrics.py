@@ -96,8 +96,15 @@ class ServiceCollector(Collector):
                                   "messages stay unacknowledged.", value=own.get("batch_failures", 0))
 
         yield GaugeMetricFamily(f"{PREFIX}_queue_depth", "Raw messages received and waiting for "
-                                "the worker (the broker holds the rest: its in-flight window).",
+                                "the worker (bounded by aggregator.inbox_max_messages).",
                                 value=svc._inbox.qsize())
+        yield GaugeMetricFamily(f"{PREFIX}_queue_bytes", "Payload bytes waiting for the worker "
+                                "(bounded by aggregator.inbox_max_bytes).", value=svc.inbox_bytes)
+        yield GaugeMetricFamily(f"{PREFIX}_reading_paused", "1 while back-pressure has stopped "
+                                "reading from the broker.", value=int(svc.transport.reading_paused))
+        yield CounterMetricFamily(f"{PREFIX}_backpressure_pauses", "Times the inbox filled and "
+                                  "reading from the broker stopped.",
+                                  value=own.get("backpressure.paused", 0))
         yield GaugeMetricFamily(f"{PREFIX}_epoch", "The strategy's epoch t (applied uploads).",
                                 value=strategy.epoch)
         yield GaugeMetricFamily(f"{PREFIX}_known_agents", "Agents the engine holds a record of.",

@@ -7,8 +7,11 @@ the replies and only then acknowledges the raw messages to the broker (manual ac
 - an acknowledged upload is in the journal (kill -9 loses nothing);
 - an upload applied but not yet acknowledged is redelivered after a crash and recognized by
   its msg_id (applied once, its reply re-sent);
-- back-pressure is the broker's: it sends at most its in-flight window of unacknowledged
-  messages to this client and queues the rest, so the worker's queue stays bounded.
+- back-pressure is ours: above `inbox_max_messages` / `inbox_max_bytes` received but
+  unprocessed, the transport stops reading its socket (resuming at half), so TCP flow
+  control makes the broker hold the rest. The broker's in-flight window alone does not
+  bound the queue: Mosquitto 2.0.11 keeps sending to a subscriber that acks as it goes
+  (docs/reliability.md). The transport runs on a `NetworkLoop`, which can pause reads.
 If the state dir cannot be written, nothing is acknowledged: the worker reloads the durable
 state, logs why, and retries the batch with backoff.
 """
@@ -28,7 +31,7 @@ from fedmq import protocol
 from fedmq.channel import Channel, Received, Refused
 from fedmq.config import Config
 from fedmq.logs import event, get_logger
-from fedmq.transport import Message, MqttTransport, Will
+from fedmq.transport import Message, MqttTransport, NetworkLoop, Will, default_network
 
 if TYPE_CHECKING:
     from aggregator.metrics import AggregatorMetrics
@@ -67,9 +70,17 @@ class AggregatorService:
         """agent -> online/offline, from the agents' retained status and last wills."""
         self.metrics: AggregatorMetrics | None = None
         """Set by `AggregatorMetrics(service)`; told about each finished batch."""
+        self._inbox_lock = threading.Lock()
+        self.inbox_bytes = 0
+        """Payload bytes received and not yet taken by the worker."""
+        self.inbox_peak = (0, 0)
+        """Most (messages, bytes) ever waiting in the inbox: what back-pressure bounds."""
+        shared = default_network()
+        self._own_network = None if shared is not None else NetworkLoop(f"fedmq-aggregator-{cfg.fleet}")
         self.transport = MqttTransport(
             self.client_id, cfg.broker, clean_start=False, manual_ack=True,
             will=Will(protocol.aggregator_status(self.fleet), self._status("offline")),
+            network=shared or self._own_network,
         )
         self.channel = Channel(self.transport, cfg.protocol)
 
@@ -86,7 +97,7 @@ class AggregatorService:
     def start(self) -> AggregatorService:
         replayed = self.engine.recover()
         self.counters["replayed"] += replayed
-        serve_fleet(self.transport, self.fleet, lambda: self._status("online"), self._inbox.put)
+        serve_fleet(self.transport, self.fleet, lambda: self._status("online"), self._receive)
         self._worker = threading.Thread(target=self._run, name="fedmq-aggregator", daemon=True)
         self._worker.start()
         event(log, "aggregator.started", fleet=self.fleet, epoch=self.engine.strategy.epoch,
@@ -106,12 +117,40 @@ class AggregatorService:
                                        self._status("offline"), qos=1, retain=True)
             h.wait(5)
         self.transport.close()
+        if self._own_network is not None:
+            self._own_network.close()
 
     def __enter__(self) -> AggregatorService:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    # ------------------------------------------------------------------ back-pressure
+
+    def _receive(self, message: Message) -> None:
+        """Network thread: queue the message; stop reading once the inbox is full."""
+        a = self.cfg.aggregator
+        with self._inbox_lock:
+            self._inbox.put(message)
+            self.inbox_bytes += len(message.payload)
+            n, size = self._inbox.qsize(), self.inbox_bytes
+            self.inbox_peak = (max(self.inbox_peak[0], n), max(self.inbox_peak[1], size))
+            if (n >= a.inbox_max_messages or size >= a.inbox_max_bytes) and not self.transport.reading_paused:
+                self.transport.pause_reading()
+                self.counters["backpressure.paused"] += 1
+                event(log, "backpressure.paused", messages=n, bytes=size)
+
+    def _taken(self, messages: list[Message]) -> None:
+        """Worker: these left the inbox; read again once it is down to half."""
+        a = self.cfg.aggregator
+        with self._inbox_lock:
+            self.inbox_bytes -= sum(len(m.payload) for m in messages)
+            n, size = self._inbox.qsize(), self.inbox_bytes
+            if (self.transport.reading_paused and n <= a.inbox_max_messages // 2
+                    and size <= a.inbox_max_bytes // 2):
+                self.transport.resume_reading()
+                event(log, "backpressure.resumed", messages=n, bytes=size)
 
     # ------------------------------------------------------------------ the worker
 
@@ -131,6 +170,7 @@ class AggregatorService:
                     raw.append(self._inbox.get_nowait())
                 except queue.Empty:
                     break
+            self._taken(raw)
             try:
                 self._process(raw)
             except Exception:  # a bug must not kill the service silently

@@ -74,6 +74,8 @@ class ProtocolSettings:
     """A partial message older than this is dropped with a reason."""
     max_pending_bytes: int = 256 * 1024 * 1024
     """Memory bound for all partially reassembled messages together."""
+    max_partials_per_sender: int = 2
+    """Partial (chunked) messages one sender may have open at once; more are refused, so one flooding agent cannot take the others' share of max_pending_bytes."""
 
 
 @dataclass
@@ -233,6 +235,10 @@ class AggregatorSettings:
     """Epochs of server-side pre-training of each cluster model on its pretrain pool."""
     accuracy_every: int = 10
     """Epochs between refreshes of the per-cluster proxy accuracy metric (0 = after every batch)."""
+    inbox_max_messages: int = 256
+    """Back-pressure: above this many received, unprocessed messages the aggregator stops reading from the broker (resumes at half)."""
+    inbox_max_bytes: int = 64 * 1024 * 1024
+    """Back-pressure: the same bound in payload bytes."""
     snapshot_every: int = 200
     """Journal records between snapshots (a snapshot bounds replay time after a crash)."""
     norm_bound: float = 0.0

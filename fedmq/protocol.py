@@ -770,7 +770,9 @@ class Reassembler:
     `total_bytes` against `max_pending_bytes` (refused with "chunk_overflow" if it does not
     fit), and every piece's length is checked against its slot, so the bytes actually stored
     never exceed the reservation. A message that would exceed `max_message_bytes` is refused
-    ("too_large") before anything is stored. A piece that contradicts its message (other
+    ("too_large") before anything is stored. A sender may have at most
+    `max_partials_per_sender` partial messages open ("chunk_overflow" beyond), so one agent's
+    chunk flood cannot take the pending memory the others' uploads need. A piece that contradicts its message (other
     count, size, hash, piece length, or different content for an index already held) drops
     the whole partial message ("chunk_inconsistent"); the sender must send it again.
 
@@ -798,8 +800,11 @@ class Reassembler:
         self._completed: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._remember = remember_completed
 
+        max_partials_per_sender: int = 0,
     @property
     def pending_bytes(self) -> int:
+        self.max_partials_per_sender = max_partials_per_sender
+        """0 = no per-sender limit (only max_pending_bytes)."""
         """Bytes reserved by partial messages (sum of their declared total_bytes)."""
         return self._reserved
 
@@ -861,6 +866,10 @@ class Reassembler:
         ):
             self._inconsistent(key, f"piece {chunk.index} declares other count/size/sha256")
         if len(chunk.data) != partial.expected_len(chunk.index):
+            cap = self.max_partials_per_sender
+            if cap and sum(1 for s, _ in self._partials if s == sender) >= cap:
+                raise ProtocolError("chunk_overflow", f"message {chunk.of!r}: {sender!r} already "
+                                    f"has {cap} partial messages open (max_partials_per_sender)")
             self._inconsistent(key, f"piece {chunk.index} has {len(chunk.data)} bytes, expected "
                                     f"{partial.expected_len(chunk.index)}")
         held = partial.pieces.get(chunk.index)

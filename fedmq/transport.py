@@ -81,6 +81,27 @@ PROTOCOL_CHOICES = {
 }
 
 
+class _GatedClient(paho.Client):
+    """paho's client with a gate on reading new packets, so a pause takes effect at once.
+
+    Without it, the read that delivered the message which filled the consumer's queue goes on
+    reading: paho's loop_read reads as many packets as it has unacknowledged publishes (after
+    a long pause, hundreds of queued replies), and a 256-message bound measured 447. Closed,
+    the gate refuses the first byte of the next packet (paho takes it as EAGAIN); a packet
+    already begun is always finished. `allow` lets that many packets through (keepalive)."""
+
+    gate_closed = False
+    allow = 0
+
+    def _sock_recv(self, bufsize: int) -> bytes:
+        packet = getattr(self, "_in_packet", None)  # paho 2.x internals; without them gate every read
+        if self.gate_closed and (not isinstance(packet, dict) or packet.get("command", 0) == 0):
+            if self.allow <= 0:
+                raise BlockingIOError()
+            self.allow -= 1
+        return super()._sock_recv(bufsize)
+
+
 class TransportError(RuntimeError):
     """The broker could not be reached, refused us, or did not answer in time."""
 
@@ -92,6 +113,12 @@ class NetworkLoop:
     reads, writes, keepalive (`loop_misc`, once a second per client) and reconnects with
     backoff run on this loop's thread, so every transport handler runs there: a handler that
     blocks stalls every connection of the loop. Started on first use, stopped by `close()`.
+
+    Reading can be paused per client (`MqttTransport.pause_reading`): its socket stays
+    registered for writes only, so its publishes, acks and PINGREQs still go out while TCP
+    flow control holds the broker's messages back. A paused client still reads once every
+    half keepalive (a packet or so) so that paho, which closes a connection that has received
+    nothing for a keepalive after a PINGREQ, keeps it open.
     """
 
     MISC_INTERVAL_S = 1.0
@@ -107,6 +134,12 @@ class NetworkLoop:
         self._clients: dict[paho.Client, MqttTransport] = {}
         self._reconnect: dict[paho.Client, tuple[float, float]] = {}
         """client -> (when, current delay)."""
+        self._paused: dict[paho.Client, float] = {}
+        """client -> when it last read while paused."""
+        self._writing: set[Any] = set()
+        """Sockets with data waiting to be written."""
+        self.keepalive_reads = 0
+        """Reads made for keepalive's sake while a client was paused."""
         self._thread: threading.Thread | None = None
         self._stopping = False
 
@@ -127,29 +160,78 @@ class NetworkLoop:
 
     # -- paho socket callbacks (any thread) ----------------------------------------------
 
+    def _apply(self, sock: Any, client: paho.Client) -> None:
+        """Register `sock` for what it needs now: reads unless paused, writes when pending."""
+        events = (0 if client in self._paused else selectors.EVENT_READ) | (
+            selectors.EVENT_WRITE if sock in self._writing else 0)
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            if not events:
+                self._sel.unregister(sock)
+                return
+            try:
+                self._sel.modify(sock, events, client)
+            except KeyError:
+                self._sel.register(sock, events, client)
+
     def register(self, sock: Any, client: paho.Client) -> None:
         with self._lock:
             with contextlib.suppress(KeyError, ValueError):
                 self._sel.unregister(sock)
-            self._sel.register(sock, selectors.EVENT_READ, client)
+            self._writing.discard(sock)
+            self._apply(sock, client)
         self._ensure_started()
         self._wake()
 
     def forget(self, sock: Any) -> None:
         with self._lock, contextlib.suppress(KeyError, ValueError, OSError):
+            self._writing.discard(sock)
             self._sel.unregister(sock)
 
     def _on_socket_close(self, client: paho.Client, userdata: Any, sock: Any) -> None:
         self.forget(sock)
 
     def _on_register_write(self, client: paho.Client, userdata: Any, sock: Any) -> None:
-        with self._lock, contextlib.suppress(KeyError, ValueError, OSError):
-            self._sel.modify(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, client)
+        with self._lock:
+            self._writing.add(sock)
+            self._apply(sock, client)
         self._wake()
 
     def _on_unregister_write(self, client: paho.Client, userdata: Any, sock: Any) -> None:
-        with self._lock, contextlib.suppress(KeyError, ValueError, OSError):
-            self._sel.modify(sock, selectors.EVENT_READ, client)
+        with self._lock:
+            self._writing.discard(sock)
+            self._apply(sock, client)
+
+    def pause(self, client: paho.Client) -> None:
+        """Stop reading `client`'s socket (writes go on) until `resume`."""
+        with self._lock:
+            if client in self._paused:
+                return
+            self._paused[client] = time.monotonic()
+            sock = client.socket()
+            if sock is not None:
+                self._apply(sock, client)
+
+    def resume(self, client: paho.Client) -> None:
+        with self._lock:
+            if self._paused.pop(client, None) is None:
+                return
+            sock = client.socket()
+            if sock is not None:
+                self._apply(sock, client)
+        self._wake()
+
+    def _keepalive_reads(self, now: float) -> None:
+        with self._lock:
+            due = [c for c, last in self._paused.items()
+                   if c in self._clients and now - last >= self._clients[c].settings.keepalive_s / 2]
+            for c in due:
+                self._paused[c] = now
+        for client in due:
+            if client.socket() is not None:
+                self.keepalive_reads += 1
+                if isinstance(client, _GatedClient):
+                    client.allow = 1
+                client.loop_read()
 
     def install(self, client: paho.Client) -> None:
         """Route a new client's socket callbacks here (before its first connect)."""
@@ -168,6 +250,7 @@ class NetworkLoop:
         with self._lock:
             self._clients.pop(client, None)
             self._reconnect.pop(client, None)
+            self._paused.pop(client, None)
             sock = client.socket()
             if sock is not None:
                 self.forget(sock)
@@ -211,6 +294,8 @@ class NetworkLoop:
                     clients = list(self._clients)
                 for client in clients:
                     client.loop_misc()
+                if self._paused:
+                    self._keepalive_reads(now)
             self._reconnect_due(now)
 
     def _reconnect_due(self, now: float) -> None:
@@ -245,6 +330,11 @@ class NetworkLoop:
 
 
 _default_network: NetworkLoop | None = None
+
+
+def default_network() -> NetworkLoop | None:
+    """The loop `use_network` set for this process, if any."""
+    return _default_network
 
 
 @contextlib.contextmanager
@@ -414,20 +504,33 @@ class _MidBook:
 
 
 class _Window:
-    """A counting window whose limit can shrink to what the broker allows."""
+    """A counting window whose limit can shrink to what the broker allows.
+
+    While `open` is set (the transport's reads are paused), nobody waits: the PUBACKs that
+    would free the window are not being read, so a full window lets messages through
+    uncounted (paho queues them) instead of deadlocking the publisher.
+    """
 
     def __init__(self, limit: int) -> None:
         self._cond = threading.Condition()
         self.limit = max(1, limit)
         self.outstanding = 0
+        self.open = False
 
-    def acquire(self, timeout: float | None) -> bool:
+    def acquire(self, timeout: float | None) -> bool | None:
+        """True: counted; None: let through uncounted (window open); False: timed out."""
         with self._cond:
-            return self._cond.wait_for(lambda: self.outstanding < self.limit, timeout) and self._take()
+            if not self._cond.wait_for(lambda: self.outstanding < self.limit or self.open, timeout):
+                return False
+            if self.outstanding < self.limit:
+                self.outstanding += 1
+                return True
+            return None
 
-    def _take(self) -> bool:
-        self.outstanding += 1
-        return True
+    def set_open(self, open_: bool) -> None:
+        with self._cond:
+            self.open = open_
+            self._cond.notify_all()
 
     def release(self) -> None:
         with self._cond:
@@ -513,6 +616,7 @@ class MqttTransport:
         self._in_callback = threading.local()
         self._dispatch_lock = threading.RLock()
         self._parked: deque[Message] = deque()
+        self._read_paused = False
 
     # -- state ---------------------------------------------------------------------------
 
@@ -537,6 +641,42 @@ class MqttTransport:
 
     def wait_connected(self, timeout: float | None = None) -> bool:
         return self._connected.wait(timeout)
+
+    # -- read pause (back-pressure) --------------------------------------------------------
+
+    @property
+    def reading_paused(self) -> bool:
+        return self._read_paused
+
+    def pause_reading(self) -> None:
+        """Stop taking messages from the broker; TCP flow control then holds them back there.
+
+        For a consumer whose own queue is full (the aggregator's inbox): a bound that does
+        not depend on the broker honouring an in-flight window. Needs a `NetworkLoop`
+        (paho's own thread cannot pause). Publishes and acks still go out; meanwhile the
+        publish window does not block (its PUBACKs are not read) and extra publishes queue
+        in paho. Idempotent; safe from any thread, handlers included.
+        """
+        if self.network is None:
+            raise TransportError("pause_reading needs a NetworkLoop (MqttTransport(..., network=))")
+        self._read_paused = True
+        self._window.set_open(True)
+        client = self._client
+        if client is not None:
+            if isinstance(client, _GatedClient):
+                client.gate_closed = True
+            self.network.pause(client)
+
+    def resume_reading(self) -> None:
+        if self.network is None or not self._read_paused:
+            return
+        self._read_paused = False
+        client = self._client
+        if client is not None:
+            if isinstance(client, _GatedClient):
+                client.gate_closed = False
+            self.network.resume(client)
+        self._window.set_open(False)
 
     # -- connect -------------------------------------------------------------------------
 
@@ -592,7 +732,7 @@ class MqttTransport:
     def _make_client(self, protocol: MQTTProtocolVersion) -> paho.Client:
         s, addr = self.settings, self.address
         v5 = protocol == MQTTProtocolVersion.MQTTv5
-        client = paho.Client(
+        client = _GatedClient(
             CallbackAPIVersion.VERSION2,
             client_id=self.client_id,
             clean_session=None if v5 else self.clean_start,
@@ -854,8 +994,9 @@ class MqttTransport:
         in_callback = getattr(self._in_callback, "active", False)
         # On the network thread a full window is never waited for (the PUBACKs that would
         # free it are read by this very thread): the message goes uncounted, paho queues it.
-        counted = qos > 0 and self._window.acquire(0 if in_callback else timeout)
-        if qos > 0 and not counted and not in_callback:
+        got = self._window.acquire(0 if in_callback else timeout) if qos > 0 else None
+        counted = got is True
+        if got is False and not in_callback:
             raise TransportError(
                 f"publish to {topic!r}: {self._window.limit} messages still unacknowledged after "
                 f"{timeout}s (broker slow or unreachable)")

@@ -7,8 +7,9 @@ a real Mosquitto, the N `EdgeAgent`s on one network loop, joins them, then relea
 uploads at once (one thread per agent) and waits for every reply. Counted three times:
 at the agents (uploads sent, replies installed), at the broker (a subscriber on every
 uplink topic sees each publish), at the aggregator (journal records). Back-pressure: the
-aggregator acknowledges only what it has applied, so the broker holds the burst and the
-aggregator's queue stays at the broker's in-flight window; its RSS is sampled throughout.
+aggregator stops reading its socket while its inbox holds `aggregator.inbox_max_messages`
+(or _bytes) unprocessed messages, so the broker holds the rest of the burst; the inbox's
+true peak (messages, bytes), the number of pauses and the RSS are reported.
 Latency: upload sent -> personalized model installed, per agent (p50/p99).
 
     python -m soak.load_burst --agents 1000          # figures -> soak/results/load_burst.json
@@ -79,7 +80,8 @@ def serve(broker_url: str, state_dir: Path, model: str, agents: int) -> int:
     print("ready", flush=True)
     while not stop.wait(0.05):
         print(f"stats inbox={svc._inbox.qsize()} rss={rss_mib():.1f} "
-              f"applied={svc.engine.counters['applied.update']}", flush=True)
+              f"applied={svc.engine.counters['applied.update']} peak={svc.inbox_peak[0]} "
+              f"peak_bytes={svc.inbox_peak[1]} paused={svc.counters['backpressure.paused']}", flush=True)
     svc.stop()
     return 0
 
@@ -119,7 +121,8 @@ def run_burst(broker_url: str, workdir: Path, *, agents: int, model: str = "cnn2
                              "--state", str(state), "--model", model, "--agents", str(agents)],
                             stdout=subprocess.PIPE, stderr=(workdir / "aggregator.log").open("wb"),
                             cwd=REPO)
-    stats: dict[str, float] = {"inbox_max": 0, "rss_max": 0.0, "rss_start": 0.0, "applied": 0}
+    stats: dict[str, float] = {"inbox_max": 0, "rss_max": 0.0, "rss_start": 0.0, "applied": 0,
+                               "peak": 0, "peak_bytes": 0, "paused": 0}
     ready = threading.Event()
 
     def read() -> None:
@@ -133,6 +136,8 @@ def run_burst(broker_url: str, workdir: Path, *, agents: int, model: str = "cnn2
                 stats["rss_max"] = max(stats["rss_max"], float(kv["rss"]))
                 stats["rss_start"] = stats["rss_start"] or float(kv["rss"])
                 stats["applied"] = int(kv["applied"])
+                for key in ("peak", "peak_bytes", "paused"):
+                    stats[key] = int(kv[key])
 
     threading.Thread(target=read, daemon=True).start()
     if not ready.wait(600):
@@ -195,6 +200,10 @@ def run_burst(broker_url: str, workdir: Path, *, agents: int, model: str = "cnn2
             "join_seconds": round(join_s, 2),
             "aggregator_inbox_max": int(stats["inbox_max"]),
             "aggregator_inbox_max_while_connecting": int(inbox_max_connect),
+            "aggregator_inbox_peak_messages": int(stats["peak"]),
+            "aggregator_inbox_peak_bytes": int(stats["peak_bytes"]),
+            "aggregator_inbox_limit_messages": cfg.aggregator.inbox_max_messages,
+            "aggregator_reading_paused_times": int(stats["paused"]),
             "aggregator_rss_start_mib": stats["rss_start"], "aggregator_rss_max_mib": stats["rss_max"],
             "driver_rss_mib_after_joins": rss_agents,
         }

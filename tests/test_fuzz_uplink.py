@@ -10,6 +10,7 @@ field, and a chunk flood that fills the broker's in-flight window.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -95,12 +96,12 @@ def test_envelope_naming_another_agent_is_refused(mosquitto, pretrained, tmp_pat
             mallory.close()
 
 
-def test_chunk_flood_filling_the_broker_window_only_delays_others(mosquitto, pretrained, tmp_path) -> None:
-    """80 partial messages that never complete: more than the broker's in-flight window (64)
-    of unacknowledged messages to the aggregator. Chunks are acked only with their message
-    (durability), so deliveries stall until the partials time out (chunk_timeout_s, 2 s here):
-    each partial then gets its chunk_timeout reply and an honest upload sent meanwhile is
-    applied once. docs/reliability.md discusses this limit."""
+def test_chunk_flood_is_capped_per_sender(mosquitto, pretrained, tmp_path) -> None:
+    """80 partial messages from one agent that never complete. Chunks are acked only with their
+    message (durability), so uncapped they would hold the broker's in-flight window to the
+    aggregator until they time out. With protocol.max_partials_per_sender (2) the sender keeps
+    2 open (answered chunk_timeout later) and the other 78 are refused and acked at once
+    (chunk_overflow); an honest upload sent meanwhile is applied once."""
     settings = {**CAMPAIGN_SETTINGS, "protocol.max_pending_bytes": 64 * 1024 * 1024}
     cfg = small_config(mosquitto.url, pretrained_state(tmp_path / "s", pretrained), "flood", **settings)
     with AggregatorService(cfg, build_engine(cfg)) as svc:
@@ -118,7 +119,8 @@ def test_chunk_flood_filling_the_broker_window_only_delays_others(mosquitto, pre
             assert isinstance(honest.expect(up.msg_id, timeout=60), protocol.Model)
             replies = fuzzer.collect(80, timeout=60)
             assert len(replies) == 80
-            assert {e.reason for _, e in replies} == {"chunk_timeout"}
+            reasons = Counter(e.reason for _, e in replies)
+            assert reasons == {"chunk_overflow": 78, "chunk_timeout": 2}, reasons
             assert svc.engine.counters["applied.update"] == 1
             assert svc.channel.reassembler.pending_messages == 0
         finally:

@@ -508,3 +508,18 @@ def test_reference_page_names_every_type_field_and_reason() -> None:
                 assert f"| `{f.name}` |" in section, f"{kind}.{f.name} missing from the docs"
     for reason in p.REASONS:
         assert f"| `{reason}` |" in text, f"reason {reason} missing from the docs"
+
+
+def test_one_sender_cannot_take_the_pending_memory_of_others() -> None:
+    r = _reassembler(max_pending_bytes=20_000, max_partials_per_sender=2)
+    flood = [_chunks(os.urandom(3_000), 1_000, of=f"flood-{i}") for i in range(3)]
+    r.add(flood[0][0], "car-1")
+    r.add(flood[1][0], "car-1")
+    with pytest.raises(ProtocolError) as e:
+        r.add(flood[2][0], "car-1")
+    assert e.value.reason == "chunk_overflow" and "car-1" in str(e.value)
+    assert r.pending_messages == 2 and r.pending_bytes == 6_000  # the refused one holds nothing
+    honest = _chunks(os.urandom(3_000), 1_000, agent="car-2", of="honest")
+    assert [r.add(c, "car-2") for c in honest][-1] is not None  # another sender still fits
+    assert r.add(flood[0][1], "car-1") is None  # an open partial of car-1 still takes pieces
+    assert r.add(flood[0][2], "car-1") is not None
