@@ -45,6 +45,7 @@ import torch
 
 from fedmq.config import Config, add_config_arguments, config_from_args, load_config
 from fedmq.logs import event, get_logger, setup_logging
+from fedmq.sketch import data_sketch
 from sim.fleet import RunSpec, configure, kl_divergence, make_schedule
 from sim.scenarios import build_clusters, draw_cycle
 
@@ -233,11 +234,12 @@ def run_variant(fleet: Fleet, variant: Variant, estimators: Sequence[str] = ()) 
             rows["received"].append(acc_trained)
             continue
         upload = Upload(f"sim-{a:05d}", result.vector, tau[a], n_samples=len(train), alpha=alpha_own,
-                        base=held[a] if variant.method == "cdfl" else None)
+                        base=held[a] if variant.method == "cdfl" else None,
+                        sketch=data_sketch(x) if variant.method == "cdfl" else None)
         for e, est in extra.items():
             batch = EstimationBatch(evaluator=strategy.evaluator, clusters=strategy.clusters,
                                     versions=list(strategy.versions), vectors=result.vector[None],
-                                    bases=[held[a]])
+                                    bases=[held[a]], sketches=[upload.sketch])
             est_kl[e].append(kl_divergence(train.alpha, est.estimate(batch)[0][0]))
         t0 = time.perf_counter()
         reply = strategy.update(upload)
@@ -339,10 +341,13 @@ def summarize(results: Sequence[VariantResult]) -> list[dict[str, Any]]:
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     est = sorted({k for r in rows for k in r if k.startswith("estkl_")})
-    head = ["K", "variant", *[c[1] for c in COLUMNS], *[e[6:] + " KL" for e in est]]
+    # a partial extra seed leaves some rows with fewer seeds: then say how many each row has
+    uneven = len({r["seeds"] for r in rows}) > 1
+    head = ["K", "variant", *(["seeds"] if uneven else []), *[c[1] for c in COLUMNS],
+            *[e[6:] + " KL" for e in est]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [str(r["K"]), r["variant"]]
+        cells = [str(r["K"]), r["variant"], *([str(r["seeds"])] if uneven else [])]
         for attr, _, digits in COLUMNS:
             v = r[attr]
             if isinstance(v, float) and math.isnan(v):
@@ -356,20 +361,48 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def write_results(results: Sequence[VariantResult], out: Path, command: str | None = None) -> str:
+def write_results(results: Sequence[VariantResult], out: Path, command: str | None = None,
+                  sources: Sequence[str] = ()) -> str:
+    """results.json (every run, the summary) and table.md, headed by the command(s) that made them."""
     out.mkdir(parents=True, exist_ok=True)
     rows = summarize(results)
-    (out / "results.json").write_text(json.dumps({"command": command, "runs": [asdict(r) for r in results],
-                                                  "summary": rows}, indent=1, default=float) + "\n")
+    data: dict[str, Any] = {"command": command, "runs": [asdict(r) for r in results], "summary": rows}
+    if sources:
+        data["sources"] = list(sources)
+    (out / "results.json").write_text(json.dumps(data, indent=1, default=float) + "\n")
     text = markdown_table(rows)
-    (out / "table.md").write_text((f"`{command}`\n\n" if command else "") + text + "\n")
+    head = (f"`{command}`\n\n" if command else "") + "".join(f"from `{c}`\n\n" for c in sources)
+    (out / "table.md").write_text(head + text + "\n")
     return text
 
 
 def rewrite_results(out: Path) -> str:
     """Rebuild table.md from results.json (after the table's format changed)."""
     data = json.loads((out / "results.json").read_text())
-    return write_results([VariantResult(**r) for r in data["runs"]], out, data.get("command"))
+    return write_results([VariantResult(**r) for r in data["runs"]], out, data.get("command"),
+                         data.get("sources", ()))
+
+
+def merge_results(sources: Sequence[Path], out: Path, command: str | None = None) -> str:
+    """One table from runs made by separate commands (e.g. a seed added later, run in parallel).
+
+    A (K, seed, variant, engine) present twice is refused: averaging a run with itself would
+    shrink the spread and count one seed as two.
+    """
+    runs: list[VariantResult] = []
+    commands: list[str] = []
+    seen: dict[tuple[int, int, str, str], Path] = {}
+    for src in sources:
+        data = json.loads((src / "results.json").read_text())
+        commands.extend(data.get("sources") or ([data["command"]] if data.get("command") else []))
+        for r in data["runs"]:
+            run = VariantResult(**r)
+            key = (run.clusters, run.seed, run.variant, run.engine)
+            if key in seen:
+                raise ValueError(f"K={key[0]} seed={key[1]} {key[2]} ({key[3]}) is in both {seen[key]} and {src}")
+            seen[key] = src
+            runs.append(run)
+    return write_results(runs, out, command, commands)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -387,9 +420,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--wire", action="store_true", help="run each variant through the fleet runner (MQTT)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--report", action="store_true", help="only rebuild OUT/table.md from OUT/results.json")
+    p.add_argument("--merge", action="append", type=Path, default=[], metavar="DIR",
+                   help="only write OUT from the runs in DIR/results.json (repeatable; runs nothing)")
     args = p.parse_args(argv)
+    command = "python -m sim.ablation " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     if args.report:
         print(rewrite_results(args.out))
+        return 0
+    if args.merge:
+        try:
+            print(merge_results(args.merge, args.out, command))
+        except (OSError, ValueError, KeyError) as e:
+            print(f"python -m sim.ablation: --merge: {e}", file=sys.stderr)
+            return 2
         return 0
     cfg = config_from_args(args)
     setup_logging(cfg.log.level, cfg.log.json)
@@ -403,7 +446,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     clusters = [int(k) for k in args.clusters.split(",") if k.strip()]
     estimators = [e.strip() for e in args.estimators.split(",") if e.strip()]
     torch.set_num_threads(1)
-    command = "python -m sim.ablation " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     done: list[VariantResult] = []
 
     def progress(r: VariantResult) -> None:

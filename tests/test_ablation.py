@@ -119,3 +119,41 @@ def test_the_same_command_runs_on_mnist_files_through_data_dir(tmp_path):
     assert "--data-dir" in data["command"] and "rotated-mnist" in data["command"]
     assert all(0.0 <= r["acc_trained"] <= 1.0 for r in data["runs"])
     assert "| 2 | cdfl-distill |" in (out / "table.md").read_text()
+
+
+def test_merge_builds_one_table_from_separate_runs_and_refuses_a_run_twice(tmp_path):
+    """A seed run later by its own command joins the table; the table names both commands."""
+    for seed in (0, 1):
+        rc = main(["--clusters", "2", "--seeds", "1", "--seed", str(seed), "--agents", "2",
+                   "--updates-per-agent", "1", "--test-samples", "30", "--variant", MIXTURE,
+                   *[x for k, v in SMALL.items() for x in ("--set", f"{k}={v}")], "--out", str(tmp_path / f"s{seed}")])
+        assert rc == 0
+    rc = main(["--merge", str(tmp_path / "s0"), "--merge", str(tmp_path / "s1"), "--out", str(tmp_path / "both")])
+    assert rc == 0
+    data = json.loads((tmp_path / "both" / "results.json").read_text())
+    assert sorted(r["seed"] for r in data["runs"]) == [0, 1]
+    (row,) = data["summary"]
+    assert row["seeds"] == 2
+    accs = [r["acc_received"] for r in data["runs"]]
+    assert row["acc_received"] == pytest.approx(np.mean(accs))
+    assert len(data["sources"]) == 2 and all("--seed" in c for c in data["sources"])
+    table = (tmp_path / "both" / "table.md").read_text()
+    assert table.count("from `python -m sim.ablation") == 2 and "--merge" in table
+    assert f"{row['acc_received']:.3f} ± " in table
+    # the same seed twice would count one run as two seeds
+    assert main(["--merge", str(tmp_path / "s0"), "--merge", str(tmp_path / "s0"),
+                 "--out", str(tmp_path / "twice")]) == 2
+    assert not (tmp_path / "twice").exists()
+
+
+def test_table_says_how_many_seeds_a_row_has_when_they_differ():
+    from sim.ablation import VariantResult, markdown_table, summarize
+
+    def run(variant: str, seed: int, acc: float) -> VariantResult:
+        return VariantResult(variant, "cdfl", 2, seed, 10, acc, acc, acc, 0.1, 0.9, 1, 4, 0.1, 0.01)
+
+    even = markdown_table(summarize([run("a", 0, 0.5), run("a", 1, 0.7)]))
+    assert "seeds" not in even and "| 2 | a | 0.600 ± 0.100 |" in even
+    uneven = markdown_table(summarize([run("a", 0, 0.5), run("b", 0, 0.8), run("a", 1, 0.7)]))
+    assert "| K | variant | seeds |" in uneven
+    assert "| 2 | a | 2 | 0.600 ± 0.100 |" in uneven and "| 2 | b | 1 | 0.800 |" in uneven
