@@ -182,6 +182,8 @@ class CDFL(SoftClusters):
                    "mode": settings.evidence_mode, "floor": settings.estimator_floor,
                    "epochs": settings.trajectory_epochs, "lr": settings.trajectory_lr,
                    "rho": settings.trajectory_rho}
+        if settings.estimator == "sketch":
+            options.update(fallback=settings.sketch_fallback, sketch_floor=settings.sketch_floor)
         personalize = {"epochs": settings.personalize_epochs, "lr": settings.personalize_lr,
                        "kd_weight": settings.personalize_kd_weight,
                        "temperature": settings.personalize_temperature}
@@ -221,7 +223,8 @@ class CDFL(SoftClusters):
     def estimate_many(self, uploads: Sequence[Upload], vectors: Tensor) -> list[tuple[list[float], dict[str, Any]]]:
         """Alpha for every upload against the clusters as they are now (one batched evaluation)."""
         batch = EstimationBatch(evaluator=self.evaluator, clusters=self.clusters, versions=list(self.versions),
-                                vectors=vectors, bases=[self._base_of(u) for u in uploads])
+                                vectors=vectors, bases=[self._base_of(u) for u in uploads],
+                                sketches=[u.sketch for u in uploads])
         return self.estimator.estimate(batch)
 
     def _base_of(self, upload: Upload) -> Tensor | None:

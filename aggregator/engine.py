@@ -28,7 +28,7 @@ import torch
 from aggregator.evaluator import ProxyEvaluator
 from aggregator.journal import Journal
 from aggregator.strategy import Reply, Strategy, Upload
-from fedmq import codecs, protocol
+from fedmq import codecs, protocol, sketch
 from fedmq.config import Config
 from fedmq.logs import event, get_logger
 from fedmq.models import ModelSpec
@@ -264,7 +264,8 @@ class Engine:
         dist = None if record.base is None else float(torch.linalg.vector_norm(v - record.base))
         self._check_norm(dist)
         upload = Upload(agent=env.agent, vector=v, tau=env.tau, n_samples=env.n_samples,
-                        alpha=env.alpha, msg_id=env.msg_id, base=record.base)
+                        alpha=env.alpha, msg_id=env.msg_id, base=record.base,
+                        sketch=_decode_sketch(env))
         try:
             self.strategy.check(upload)
         except ValueError as e:
@@ -343,3 +344,19 @@ class Engine:
         if c.name == "topk":
             return {"ratio": c.topk_ratio}
         return {}
+
+
+def _decode_sketch(env: protocol.Update) -> np.ndarray | None:
+    """The upload's data sketch as float32, checked: this server's method, length, finite,
+    within [-1, 1] (a mean of cosines)."""
+    if env.sketch is None:
+        return None
+    if env.sketch_method != sketch.METHOD:
+        raise Rejected("bad_sketch", f"sketch made by {env.sketch_method!r}; this aggregator "
+                                     f"reads {sketch.METHOD!r}")
+    values = np.frombuffer(env.sketch, dtype="<f2").astype(np.float32)
+    if values.shape != (sketch.DIM,):
+        raise Rejected("bad_sketch", f"sketch has {values.size} values, {sketch.METHOD} has {sketch.DIM}")
+    if not np.isfinite(values).all() or np.abs(values).max() > 1.0:
+        raise Rejected("bad_sketch", "sketch values must be finite and within [-1, 1]")
+    return values

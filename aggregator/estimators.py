@@ -11,6 +11,13 @@ diagnostics. Select one by name (cfg.cdfl.estimator) from `ESTIMATORS`:
   gradients, delta ~ -sum_k c_k grad F(.; D_k), c >= 0 by NNLS; alpha = c / sum(c).
 - "evidence": per-sample evidence of what v learned since u: the mean gain in the
   probability v gives the true label over u's, per proxy set; alpha ~ positive gains.
+- "trajectory": simulates the client's local run from u on each proxy set and fits the
+  step to those K steps by NNLS.
+- "sketch": fits the client's data sketch (2 KB of mean random Fourier features of its
+  inputs, sent with the upload) to the sketches of the K proxy sets by NNLS
+  (fedmq/sketch.py). Uses the client's data statistics, not only its model: the only
+  estimator that beats FedSoft's argmin on KL here. Uploads without a sketch go to a
+  fallback estimator.
 
 `fedsoft_argmin_alpha` is FedSoft's client-side estimate (share of the client's own
 samples on which each cluster model has the lowest loss), the baseline the server-side
@@ -31,6 +38,7 @@ from scipy.optimize import nnls
 from torch import Tensor
 
 from aggregator.evaluator import ProxyEvaluator, vector_digest
+from fedmq.sketch import data_sketch, mixture_from_sketch
 
 Estimate = tuple[list[float], dict[str, Any]]
 
@@ -48,6 +56,8 @@ class EstimationBatch:
     """[B, P] uploaded vectors."""
     bases: Sequence[Tensor | None]
     """The model each uploading agent received last (u_m), or None when unknown."""
+    sketches: Sequence[np.ndarray | None] = ()
+    """Each upload's data sketch (fedmq/sketch.py), or None; empty when none carry one."""
 
 
 def uniform(k: int) -> list[float]:
@@ -297,7 +307,48 @@ class TrajectoryEstimator(Estimator):
         return out
 
 
+class SketchEstimator(Estimator):
+    """NNLS of the upload's data sketch on the proxy sets' sketches; `fallback` otherwise."""
+
+    name = "sketch"
+
+    def __init__(self, fallback: str = "metrics", sketch_floor: float = 0.01, **options: Any) -> None:
+        if fallback == self.name:
+            raise ValueError("the sketch estimator's fallback must be another estimator")
+        self.fallback = make_estimator(fallback, **options)
+        self.needs_base = self.fallback.needs_base
+        self.floor = float(sketch_floor)
+        self._proxy_sketches: tuple[int, np.ndarray] | None = None
+
+    def cluster_sketches(self, evaluator: ProxyEvaluator) -> np.ndarray:
+        """[K, DIM] sketches of the proxy sets (computed once per evaluator)."""
+        if self._proxy_sketches is None or self._proxy_sketches[0] != id(evaluator):
+            s = np.stack([data_sketch(x) for x, _ in evaluator.proxies])
+            self._proxy_sketches = (id(evaluator), s)
+        return self._proxy_sketches[1]
+
+    def estimate(self, batch: EstimationBatch) -> list[Estimate]:
+        sketches = list(batch.sketches) or [None] * batch.vectors.shape[0]
+        out: list[Estimate | None] = [None] * len(sketches)
+        missing = [i for i, s in enumerate(sketches) if s is None]
+        if missing:
+            sub = EstimationBatch(batch.evaluator, batch.clusters, batch.versions,
+                                  batch.vectors[missing], [batch.bases[i] for i in missing])
+            for i, (alpha, diag) in zip(missing, self.fallback.estimate(sub), strict=True):
+                out[i] = (alpha, {**diag, "sketch": False, "fallback": self.fallback.name})
+        if len(missing) < len(sketches):
+            clusters = self.cluster_sketches(batch.evaluator)
+            for i, s in enumerate(sketches):
+                if s is not None:
+                    weights = mixture_from_sketch(s, clusters)
+                    alpha, degenerate = normalize_simplex(weights, self.floor)
+                    out[i] = (alpha, {"sketch": True, "weights": [float(w) for w in weights],
+                                      "degenerate": degenerate})
+        return [e for e in out if e is not None]
+
+
 ESTIMATORS: dict[str, type[Estimator]] = {
+    SketchEstimator.name: SketchEstimator,
     TrajectoryEstimator.name: TrajectoryEstimator,
     MetricsEstimator.name: MetricsEstimator,
     DirectionEstimator.name: DirectionEstimator,

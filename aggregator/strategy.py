@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -32,6 +33,8 @@ class Upload:
     base: Tensor | None = None
     """The model the agent started from (as it decoded it), when the service knows it; CDFL
     otherwise uses its own record of what it sent (only kept for estimators that need it)."""
+    sketch: np.ndarray | None = None
+    """The agent's data sketch (fedmq/sketch.py), for CDFL's sketch estimator."""
 
 
 @dataclass

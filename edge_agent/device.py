@@ -347,7 +347,7 @@ class DeviceAgent:
             return cycle
         env = self.agent.update_envelope(result.vector, len(y), alpha=alpha,
                                          metrics={"acc_held": acc_held, "acc_trained": acc_trained,
-                                                  "train_loss": result.final_loss})
+                                                  "train_loss": result.final_loss}, inputs=x)
         self.state.pending = PendingUpload(env.msg_id, protocol.encode(env), time.time())
         self.save()  # the durability point: from here on this upload is sent until answered
         cycle.msg_id = env.msg_id

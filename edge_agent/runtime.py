@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedmq import codecs, protocol
+from fedmq import codecs, protocol, sketch
 from fedmq.channel import Channel, Received, Refused
 from fedmq.config import Config
 from fedmq.logs import event, get_logger
@@ -293,8 +293,12 @@ class EdgeAgent:
 
     def update_envelope(self, vector: torch.Tensor, n_samples: int, *,
                         alpha: list[float] | None = None,
-                        metrics: dict[str, float] | None = None) -> protocol.Update:
-        """The upload of `vector`, encoded as a delta against the installed model."""
+                        metrics: dict[str, float] | None = None,
+                        inputs: torch.Tensor | None = None) -> protocol.Update:
+        """The upload of `vector`, encoded as a delta against the installed model.
+
+        With the training `inputs`, a CDFL upload carries their data sketch (fedmq/sketch.py)
+        unless `agent.send_sketch` is off."""
         if self.installed is None:
             raise AgentError("not_joined", "join before uploading")
         c = self.cfg.codec
@@ -302,10 +306,14 @@ class EdgeAgent:
         params: dict[str, Any] = {"block": c.int8_block} if c.name == "int8" else (
             {"ratio": c.topk_ratio} if c.name == "topk" else {})
         wire = codecs.encode(vector.detach().cpu().numpy(), c.name, base=base, zstd=c.zstd, **params)
+        summary = None
+        if inputs is not None and self.cfg.agent.send_sketch and self.algorithm == "cdfl":
+            summary = sketch.data_sketch(inputs).astype("<f2").tobytes()
         return protocol.Update(agent=self.agent_id, msg_id=protocol.new_msg_id(),
                                sent_at=protocol.now(), model=self.spec.hash,
                                tau=self.installed.epoch, tensor=wire, n_samples=n_samples,
-                               alpha=alpha, metrics=metrics or {})
+                               alpha=alpha, metrics=metrics or {}, sketch=summary,
+                               sketch_method=sketch.METHOD if summary is not None else "")
 
     def upload(self, env: protocol.Update, *, resend: bool = False) -> tuple[Installed, int]:
         """Send an update until answered; install the reply. Returns (installed, bytes up).

@@ -150,6 +150,10 @@ class CDFLSettings:
     """evidence estimator: gain (upload vs received model) in the true label's probability."""
     estimator_floor: float = 0.05
     """direction/evidence/trajectory: mix this much uniform into alpha (KL stays finite, no cluster starves)."""
+    sketch_fallback: str = "metrics"
+    """sketch estimator: the estimator used for uploads that carry no data sketch (agent.send_sketch off, or an older agent)."""
+    sketch_floor: float = 0.01
+    """sketch estimator: mix this much uniform into alpha."""
     trajectory_epochs: int = 2
     """trajectory estimator: epochs of each simulated per-cluster run (match the agents' local training)."""
     trajectory_lr: float = 0.05
@@ -231,14 +235,14 @@ class AggregatorSettings:
     """Snapshots and the write-ahead journal; restart from here resumes."""
     max_batch: int = 32
     """Most queued uploads evaluated together."""
-    pretrain_epochs: int = 5
-    """Epochs of server-side pre-training of each cluster model on its pretrain pool."""
-    accuracy_every: int = 10
-    """Epochs between refreshes of the per-cluster proxy accuracy metric (0 = after every batch)."""
     inbox_max_messages: int = 256
     """Back-pressure: above this many received, unprocessed messages the aggregator stops reading from the broker (resumes at half)."""
     inbox_max_bytes: int = 64 * 1024 * 1024
     """Back-pressure: the same bound in payload bytes."""
+    pretrain_epochs: int = 5
+    """Epochs of server-side pre-training of each cluster model on its pretrain pool."""
+    accuracy_every: int = 10
+    """Epochs between refreshes of the per-cluster proxy accuracy metric (0 = after every batch)."""
     snapshot_every: int = 200
     """Journal records between snapshots (a snapshot bounds replay time after a crash)."""
     norm_bound: float = 0.0
@@ -291,6 +295,8 @@ class AgentSettings:
     """L2 weight decay of the local optimizer."""
     rho: float = 0.1
     """Proximal weight: local loss + (rho/2)||v - u||^2 (FedSoft-Async: toward each cluster model, weighted by alpha)."""
+    send_sketch: bool = True
+    """Send a 2 KB sketch of the training inputs with each CDFL upload (mean random Fourier features, fedmq/sketch.py): the aggregator's sketch estimator fits the mixture to it. It reveals an average of the inputs' features, no sample and no label."""
     max_train_seconds: float = 120.0
     """Local training stops at the first batch past this budget (0 = no limit)."""
     inference: str = "onnx"

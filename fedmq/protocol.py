@@ -337,6 +337,8 @@ Name = StrRule(1, 64, pattern=Token)
 OptName = StrRule(0, 64, pattern=Token)
 NonNegInt = IntRule(0, INT64_MAX)
 SentAt = NumRule(0.0)
+MAX_SKETCH = 4096
+"""Most values in an update's data sketch."""
 Alpha = OptionalRule(ListRule(NumRule(0.0), 1, 64))
 Metrics = MapRule(StrRule(1, 64), NumRule(), 64)
 Counters = MapRule(
@@ -438,7 +440,9 @@ class Join(Envelope):
 @dataclass(frozen=True)
 class Update(Envelope):
     """A locally trained model: `tensor` encodes it (or its delta), `tau` is the epoch of the
-    model it started from; FedSoft-Async adds the agent's own `alpha`."""
+    model it started from; FedSoft-Async adds the agent's own `alpha`. `sketch` (optional,
+    little-endian float16) describes the training data for CDFL's mixture estimate, made by
+    the feature map `sketch_method` (fedmq/sketch.py)."""
 
     TYPE: ClassVar[str] = "update"
 
@@ -448,6 +452,14 @@ class Update(Envelope):
     n_samples: Annotated[int, NonNegInt]
     alpha: Annotated[list[float] | None, Alpha] = None
     metrics: Annotated[dict[str, float], Metrics] = field(default_factory=dict)
+    sketch: Annotated[bytes | None, OptionalRule(BytesRule(2, 2 * MAX_SKETCH))] = None
+    sketch_method: Annotated[str, StrRule(0, 64)] = ""
+
+    def cross_check(self) -> None:
+        if self.sketch is not None and len(self.sketch) % 2:
+            Rule.fail("update.sketch", "float16 bytes (an even length)", self.sketch)
+        if self.sketch is not None and not self.sketch_method:
+            Rule.fail("update.sketch_method", "the sketch's method name", self.sketch_method)
 
 
 @dataclass(frozen=True)
@@ -788,8 +800,11 @@ class Reassembler:
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
         remember_completed: int = 1024,
+        max_partials_per_sender: int = 0,
     ) -> None:
         self.max_message_bytes = max_message_bytes
+        self.max_partials_per_sender = max_partials_per_sender
+        """0 = no per-sender limit (only max_pending_bytes)."""
         self.max_pending_bytes = max_pending_bytes
         self.timeout_s = timeout_s
         self.clock = clock
@@ -800,11 +815,8 @@ class Reassembler:
         self._completed: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._remember = remember_completed
 
-        max_partials_per_sender: int = 0,
     @property
     def pending_bytes(self) -> int:
-        self.max_partials_per_sender = max_partials_per_sender
-        """0 = no per-sender limit (only max_pending_bytes)."""
         """Bytes reserved by partial messages (sum of their declared total_bytes)."""
         return self._reserved
 
@@ -854,6 +866,10 @@ class Reassembler:
                 raise ProtocolError("chunk_inconsistent", f"piece {chunk.index} of {chunk.count} "
                                     f"has {len(chunk.data)} bytes, impossible for "
                                     f"{chunk.total_bytes}")
+            cap = self.max_partials_per_sender
+            if cap and sum(1 for s, _ in self._partials if s == sender) >= cap:
+                raise ProtocolError("chunk_overflow", f"message {chunk.of!r}: {sender!r} already "
+                                    f"has {cap} partial messages open (max_partials_per_sender)")
             if self._reserved + chunk.total_bytes > self.max_pending_bytes:
                 raise ProtocolError("chunk_overflow", f"message {chunk.of!r} of "
                                     f"{chunk.total_bytes} bytes does not fit: {self._reserved} of "
@@ -866,10 +882,6 @@ class Reassembler:
         ):
             self._inconsistent(key, f"piece {chunk.index} declares other count/size/sha256")
         if len(chunk.data) != partial.expected_len(chunk.index):
-            cap = self.max_partials_per_sender
-            if cap and sum(1 for s, _ in self._partials if s == sender) >= cap:
-                raise ProtocolError("chunk_overflow", f"message {chunk.of!r}: {sender!r} already "
-                                    f"has {cap} partial messages open (max_partials_per_sender)")
             self._inconsistent(key, f"piece {chunk.index} has {len(chunk.data)} bytes, expected "
                                     f"{partial.expected_len(chunk.index)}")
         held = partial.pieces.get(chunk.index)

@@ -356,7 +356,7 @@ class CyclePlayer:
                                 0.0, 0.0, 0.0)
         tau = agent.installed.epoch
         e0 = time.perf_counter()
-        env = agent.update_envelope(result.vector, len(train), alpha=alpha_own)
+        env = agent.update_envelope(result.vector, len(train), alpha=alpha_own, inputs=x)
         encode_s = time.perf_counter() - e0
         r0 = time.perf_counter()
         installed, up = agent.upload(env)

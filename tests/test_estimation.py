@@ -2,7 +2,8 @@
 
 Cluster models are pre-trained briefly on rotated scikit-learn digits; clients start from
 the uniform mixture the server sends at join, train a short proximal local run on a known
-mixture, and upload. Every estimator sees the same uploads; FedSoft's per-sample argmin
+mixture, and upload with the sketch of its data. Every estimator sees the same uploads (all
+but "sketch" ignore the sketch); FedSoft's per-sample argmin
 (computed on the client's own data with the cluster models) is the reference. The
 measured KL(true || estimate) of each is printed (pytest -s) and summarized in docs/cdfl.md.
 """
@@ -24,6 +25,7 @@ from aggregator.estimators import (
 from aggregator.strategy import Upload
 from fedmq.data import RotatedClusters, load_dataset, sample_agent_data
 from fedmq.models import build_model, model_spec, to_vector
+from fedmq.sketch import data_sketch
 from fedmq.training import fit
 
 ARCH = "digits-cnn"
@@ -56,8 +58,9 @@ def measure(k: int) -> dict[str, float]:
         assert all(torch.equal(s, u) for s in sent)
         torch.testing.assert_close(u, clusters.mean(0))
         v = fit(ARCH, u, local.data.x, local.data.y, epochs=2, lr=0.05, anchors=[(u, 0.1)], seed=i).vector
+        summary = data_sketch(local.data.x)  # what the agent sends with its upload
         for name, strategy in strategies.items():
-            reply = strategy.update(Upload(agent, v, tau=0))
+            reply = strategy.update(Upload(agent, v, tau=0, sketch=summary))
             kl[name].append(kl_divergence(true, reply.alpha))
             print(f"K={k} true={np.round(true, 2)} {name:10s} {np.round(reply.alpha, 3)}")
         argmin = fedsoft_argmin_alpha(strategies["metrics"].evaluator, clusters, local.data.x, local.data.y)
@@ -92,11 +95,25 @@ def test_trajectory_fitting_beats_the_metric_softmax_baseline(results):
     assert traj < 0.7 * metrics, results
 
 
+MODEL_ONLY = [n for n in ESTIMATORS if n != "sketch"]
+
+
 @pytest.mark.slow
-def test_fedsoft_argmin_on_client_data_is_still_better_with_well_separated_clusters(results):
-    """The issue asks for a server estimate closer than FedSoft's client-side argmin. Measured:
-    at K = 2 (180 degrees, weak cluster models) the best server estimator is about even with
-    argmin; at K = 3 argmin, which sees the client's own samples, is ~10x closer. This test
-    records that; if it fails, an estimator has overtaken argmin: update docs/cdfl.md."""
-    ours = min(results[3][n] for n in ESTIMATORS)
+def test_fedsoft_argmin_beats_every_estimator_that_sees_only_the_model(results):
+    """From the uploaded model alone, argmin (which sees the client's own samples) stays ~10x
+    closer at K = 3. If this fails, a model-only estimator has overtaken it: update docs/cdfl.md."""
+    ours = min(results[3][n] for n in MODEL_ONLY)
     assert results[3]["argmin"] < ours, results
+
+
+@pytest.mark.slow
+def test_data_sketch_estimate_beats_fedsoft_argmin(results):
+    """The issue's target: the server's estimate closer than FedSoft's per-sample argmin on the
+    same data, with no cluster model on the client. With the sketch (2 KB of mean random
+    features of the client's inputs): at K = 3 about 2x closer; at K = 2 (180 degrees, 400
+    samples, these 4 mixtures) level with argmin (0.030 vs 0.029); the 3-seed ablation in
+    docs/results_cdfl.md has it below argmin at every K."""
+    assert results[3]["sketch"] < results[3]["argmin"], results
+    assert results[2]["sketch"] < 1.1 * results[2]["argmin"], results
+    for k, means in results.items():
+        assert means["sketch"] < min(means[n] for n in MODEL_ONLY), (k, means)
