@@ -7,14 +7,15 @@ concatenation of the K proxy sets, and the per-sample results are averaged per s
 Three formulations compute the same numbers (float32 throughout):
 - "fused" (the default on CPU when the architecture fits, see `FusedPlan`): the forward pass
   rewritten for conv3x3 -> ReLU -> 2x2 max-pool blocks followed by an MLP. The first conv
-  (few input channels) and its pool become one GEMM over 4x4 input windows, one per pooled
-  position (the 3x3 kernel placed at the 4 offsets of the 2x2 pool window), followed by a
-  max over the 4 column blocks; later convs are oneDNN channels_last convolutions; every
-  pool is taken before its ReLU (they commute) with strided elementwise maxima instead of
+  (few input channels) and its pool become 4 GEMMs over the 4x4 input windows under every
+  pooled position (the 3x3 kernel placed at each offset of the 2x2 pool window), max-
+  accumulated; later convs are oneDNN channels_last convolutions; every pool is taken before
+  its ReLU (they commute) with strided elementwise maxima instead of
   max_pool2d; fc1's weight is permuted to NHWC order instead of permuting activations. The
   proxy windows are computed once and cached. Work is split over one single-threaded worker
   per torch thread, by (model, chunk of samples): on a shared 2-core machine the many small
-  ops of a 2-thread OpenMP team spend their time in barriers. About 2-4x "stacked" here.
+  ops of a 2-thread OpenMP team spend their time in barriers. 3-5x "stacked" here; the
+  `compile` flag does not apply to it.
 - "stacked": one model at a time (`torch.func.functional_call` with views of the
   flat vector from `spec.unflatten`, no copies into an nn.Module) over the concatenated
   proxy samples, cut into chunks of `chunk` samples. On CPU the inputs and conv weights are
@@ -101,8 +102,9 @@ class ProxyEvaluator:
         self._windows: Tensor | None = None
         self._forward = self._eager_forward
         if compile:
-            # torch.compile (inductor) of the functional forward: ~20 s to compile once per
-            # chunk shape on CPU, then ~1.6x the eager rate (bench_aggregator).
+            # torch.compile (inductor) of the stacked/vmap functional forward: 4-20 s to
+            # compile once per chunk shape on CPU, then ~1.5x the eager stacked rate, still
+            # well below "fused", which does not use it (bench_aggregator).
             self._forward = torch.compile(self._eager_forward, dynamic=False)
         xs, ys, sizes = [], [], []
         for k, (x, y) in enumerate(proxies):
@@ -326,7 +328,7 @@ class FusedPlan:
     """
 
     WINDOW_MAX_IN_CHANNELS = 4
-    """A first conv with at most this many input channels runs as the window GEMM (oneDNN is
+    """A first conv with at most this many input channels runs as window GEMMs (oneDNN is
     slow with 1-3 input channels: cnn28's conv1 ran at ~13 GFLOP/s against ~180 for conv2)."""
 
     def __init__(self, module: nn.Module, spec: ModelSpec) -> None:
@@ -361,7 +363,7 @@ class FusedPlan:
             raise NotFusable(f"{spec.arch}: {linears[0]} does not take the flattened last block")
         self.convs, self.linears = convs, linears
         self.window = spec.input_shape[0] <= self.WINDOW_MAX_IN_CHANNELS
-        """First conv as the window GEMM; else all convs are oneDNN convs."""
+        """First conv as window GEMMs; else all convs are oneDNN convs."""
 
     def windows(self, x: Tensor) -> Tensor:
         """[n, C, H, W] -> [n * H/2 * W/2, C * 16]: the 4x4 (zero-padded) input window under
@@ -379,12 +381,13 @@ class FusedPlan:
             weight, bias = params[f"{name}.weight"], params[f"{name}.bias"]
             if i == 0 and self.window:
                 co, ci = weight.shape[:2]
-                # the 3x3 kernel at the 4 offsets of a 2x2 pool window inside a 4x4 window:
-                # columns are [pool position, output channel]
-                w4 = weight.new_zeros(4, co, ci, 4, 4)
-                for pos, (dy, dx) in enumerate(((0, 0), (0, 1), (1, 0), (1, 1))):
-                    w4[pos, :, :, dy : dy + 3, dx : dx + 3] = weight
-                out += [w4.permute(2, 3, 4, 0, 1).reshape(ci * 16, 4 * co), bias]
+                # the 3x3 kernel at each of the 4 offsets of a 2x2 pool window inside a 4x4
+                # window: one [ci * 16, co] matrix per pool position
+                for dy, dx in ((0, 0), (0, 1), (1, 0), (1, 1)):
+                    w4 = weight.new_zeros(co, ci, 4, 4)
+                    w4[:, :, dy : dy + 3, dx : dx + 3] = weight
+                    out.append(w4.reshape(co, ci * 16).t().contiguous())
+                out.append(bias)
             else:
                 out += [weight.contiguous(memory_format=torch.channels_last), bias]
         c, h, w = self.shapes[-1]
@@ -397,32 +400,44 @@ class FusedPlan:
 
     def forward(self, weights: list[Tensor], x: Tensor | None, windows: Tensor | None, n: int) -> Tensor:
         """Logits [n, classes] of one model on n samples: `windows` (from `windows()`) when the
-        first conv is the window GEMM, else `x` (channels_last)."""
-        i = 0
+        first conv is window GEMMs, else `x` (channels_last)."""
         if self.window:
-            c, h, w = self.shapes[0]
-            z = torch.mm(windows, weights[0])  # [n*h*w, 4c]: conv1 at the 4 pool positions
-            z = torch.maximum(z[:, : 2 * c], z[:, 2 * c :])
-            a = torch.maximum(z[:, :c], z[:, c:])
-            a = a.add_(weights[1]).relu_().view(n, h, w, c)  # max(z) + b == max(z + b)
-            i = 2
+            a, i = self.window_block(weights, windows, n), 5
         else:
-            a = x.permute(0, 2, 3, 1)  # NHWC view of channels_last
-        while i < 2 * len(self.convs):
-            y = F.conv2d(a.permute(0, 3, 1, 2), weights[i], weights[i + 1], padding=1)
-            a = _pool_relu(y.permute(0, 2, 3, 1))
+            a, i = x.permute(0, 2, 3, 1), 0  # NHWC view of channels_last
+        end = 2 * len(self.convs) + (3 if self.window else 0)
+        while i < end:
+            a = pool_relu(self.conv(a, weights[i], weights[i + 1]))
             i += 2
-        h = a.reshape(n, -1)
-        last = len(weights) - 2
-        while i < len(weights):
+        return self.mlp(weights[i:], a.reshape(n, -1))
+
+    def window_block(self, weights: list[Tensor], windows: Tensor, n: int) -> Tensor:
+        """relu(maxpool(conv1)) as NHWC [n, h, w, c]: conv1 at each pool position by a GEMM
+        over the windows, max-accumulated (4 small GEMMs on contiguous tensors; one GEMM of
+        4c columns and maxima of its column blocks was ~2x slower)."""
+        c, h, w = self.shapes[0]
+        a = torch.mm(windows, weights[0])
+        z = torch.empty_like(a)
+        for pos in (1, 2, 3):
+            a = torch.maximum(a, torch.mm(windows, weights[pos], out=z), out=a)
+        return a.add_(weights[4]).relu_().view(n, h, w, c)  # max(z) + b == max(z + b)
+
+    @staticmethod
+    def conv(a: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+        """3x3 conv of NHWC `a` (oneDNN, channels_last) -> NHWC view of the output."""
+        return F.conv2d(a.permute(0, 3, 1, 2), weight, bias, padding=1).permute(0, 2, 3, 1)
+
+    @staticmethod
+    def mlp(weights: list[Tensor], h: Tensor) -> Tensor:
+        """Linear layers with ReLU between them (weights, biases alternating)."""
+        for i in range(0, len(weights), 2):
             h = F.linear(h, weights[i], weights[i + 1])
-            if i < last:
+            if i + 2 < len(weights):
                 h = h.relu_()
-            i += 2
         return h
 
 
-def _pool_relu(a: Tensor) -> Tensor:
+def pool_relu(a: Tensor) -> Tensor:
     """relu(max_pool2d(., 2)) of an NHWC tensor (channels innermost) -> contiguous NHWC: three
     elementwise maxima of strided views (vectorized along channels; ATen's channels_last
     max_pool2d was ~3x slower here), the ReLU on the 4x smaller result."""

@@ -7,20 +7,25 @@ same as real ones). Side by side in one run, on CUDA when available, else this C
   regular nn.Module, NCHW, one batch of 1000) against `update_many` on queued batches of
   8/16/32 uploads through ProxyEvaluator. Both keep the same F(w_k; D_k) cache, so the ratio
   is the evaluation alone;
-- GFLOP/s of the evaluation (forward FLOPs of cnn28 counted per layer, 2 x MACs) for each
-  formulation (NCHW big batch, channels_last small chunks, vmap, torch.compile), against a
-  dense float32 2048 x 2048 matmul measured in the same run.
+- GFLOP/s of the evaluation (forward FLOPs of cnn28 counted per layer, 2 x MACs of the
+  model's convs and linears as written, whatever a formulation actually computes) for each
+  formulation (fused, the CPU default; stacked NCHW big batch and channels_last small chunks;
+  vmap; torch.compile), against a dense float32 2048 x 2048 matmul with all torch threads,
+  measured before and after the evaluations (the higher of the two is the reference: the
+  machine is shared, and a slow matmul would flatter the ratio);
+- where the time goes, per layer, for the old stacked path and the fused one.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 from torch import nn
 
 from aggregator.cdfl import CDFL
-from aggregator.evaluator import ProxyEvaluator
+from aggregator.evaluator import FusedPlan, ProxyEvaluator, pool_relu
 from aggregator.strategy import Upload
 from fedmq.models import build_model, model_spec, to_vector
 
@@ -57,12 +62,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def best_seconds(fn, device: torch.device, repeats: int) -> float:
-    """Best of `repeats` after one warm-up: the machine is shared, the minimum is the signal."""
-    fn()
-    _sync(device)
+def best_seconds(fn, device: torch.device, repeats: int, warmup: bool = True) -> float:
+    """Best of `repeats` (at least one) after one warm-up: the machine is shared, the minimum
+    is the signal."""
+    if warmup:
+        fn()
+        _sync(device)
     best = float("inf")
-    for _ in range(repeats):
+    for _ in range(max(repeats, 1)):
         t0 = time.perf_counter()
         fn()
         _sync(device)
@@ -104,11 +111,68 @@ def layer_breakdown(device: torch.device, n: int, repeats: int) -> dict:
     return out
 
 
+def layer_breakdown_fused(ev: ProxyEvaluator, vector: torch.Tensor, repeats: int) -> dict:
+    """The fused formulation's stages over all proxy samples, in its chunks, split over its
+    workers as in a real call: ms and GFLOP/s (true FLOPs of the layers each stage covers)."""
+    plan = ev.plan
+    assert isinstance(plan, FusedPlan) and plan.window and len(plan.convs) == 2
+    n_total, chunk = ev.x.shape[0], ev.chunk
+    weights = plan.prepare(ev.spec.unflatten(vector))
+    windows = plan.windows(ev.x)
+    (c1, h1, w1), (c2, _, _) = plan.shapes
+    c0 = ev.spec.input_shape[0]
+    starts = list(range(0, n_total, chunk))
+
+    def size(i: int) -> int:
+        return min(chunk, n_total - i)
+
+    def win(i: int) -> torch.Tensor:
+        return windows[i * h1 * w1 : (i + size(i)) * h1 * w1]
+
+    with torch.inference_mode():
+        p1 = {i: plan.window_block(weights, win(i), size(i)) for i in starts}
+        a2 = {i: plan.conv(p1[i], weights[5], weights[6]) for i in starts}
+        p2 = {i: pool_relu(a2[i]).reshape(size(i), -1) for i in starts}
+    shape_of = dict(zip(ev.spec.names, ev.spec.shapes, strict=True))
+    fc_flops = 2 * sum(math.prod(shape_of[f"{name}.weight"]) for name in plan.linears)
+    stages = {
+        "conv1_pool1_relu": (lambda i: plan.window_block(weights, win(i), size(i)), 2 * 4 * h1 * w1 * c1 * c0 * 9),
+        "conv2": (lambda i: plan.conv(p1[i], weights[5], weights[6]), 2 * h1 * w1 * c2 * c1 * 9),
+        "pool2_relu": (lambda i: pool_relu(a2[i]), 0),
+        "fc1_fc2": (lambda i: plan.mlp(weights[7:], p2[i]), fc_flops),
+    }
+    count = ev.workers.count if ev.workers is not None else 1
+    spans = [starts[k::count] for k in range(count)]
+    out = {}
+    for name, (fn, flops) in stages.items():
+        def part(span: list[int], fn=fn) -> None:
+            with torch.inference_mode():
+                for i in span:
+                    fn(i)
+
+        def stage(part=part) -> None:
+            if ev.workers is None:
+                part(spans[0])
+            else:
+                ev.workers.run([lambda s=s: part(s) for s in spans])
+
+        dt = best_seconds(stage, torch.device("cpu"), repeats)
+        out[name] = {"ms": round(dt * 1e3, 1), "gflops": round(n_total * flops / dt / 1e9, 1) if flops else None}
+    return out
+
+
 class NaiveEvaluator(ProxyEvaluator):
-    """losses() one vector and one proxy set at a time through a regular nn.Module."""
+    """losses() and cluster losses one vector and one proxy set at a time through a regular
+    nn.Module."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, formulation="stacked", **kwargs)
 
     def losses(self, vectors: torch.Tensor) -> torch.Tensor:
         return torch.tensor([[self.losses_naive(v, k) for k in range(self.num_sets)] for v in vectors])
+
+    def loss_on(self, vector: torch.Tensor, k: int) -> float:
+        return self.losses_naive(vector, k)
 
 
 def make_uploads(clusters: torch.Tensor, n: int, seed: int) -> list[Upload]:
@@ -120,7 +184,7 @@ def make_uploads(clusters: torch.Tensor, n: int, seed: int) -> list[Upload]:
 def run(quick: bool = False) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     n_proxy = 250 if quick else 1000
-    repeats = 2 if quick else 3
+    repeats = 2 if quick else 4
     spec = model_spec(ARCH)
     g = torch.Generator().manual_seed(0)
     proxies = [(torch.randn(n_proxy, 1, 28, 28, generator=g), torch.randint(0, 10, (n_proxy,), generator=g))
@@ -129,7 +193,7 @@ def run(quick: bool = False) -> dict:
     flops_per_sample = forward_flops(ARCH)
     out: dict = {"device": str(device), "torch_threads": torch.get_num_threads(), "arch": ARCH, "K": K,
                  "proxy_per_cluster": n_proxy, "forward_mflop_per_sample": round(flops_per_sample / 1e6, 3)}
-    out["matmul_gflops"] = round(matmul_gflops(device), 1)
+    matmul_runs = [round(matmul_gflops(device), 1)]
 
     # -- evaluation rate per formulation: M vectors on all K proxy sets
     m = 4 if quick else 8
@@ -138,42 +202,63 @@ def run(quick: bool = False) -> dict:
     on_cpu = device.type == "cpu"
     variants = {
         "naive_nchw_per_set": dict(cls=NaiveEvaluator),
-        "stacked_nchw_batch1000": dict(chunk=1000, channels_last=False),
-        "stacked_channels_last_chunk16": dict(chunk=16, channels_last=True),
-        "stacked_channels_last_chunk32": dict(chunk=32, channels_last=True),
-        "stacked_channels_last_chunk64": dict(chunk=64, channels_last=True),
-        "stacked_channels_last_chunk128": dict(chunk=128, channels_last=True),
+        "stacked_nchw_batch1000": dict(formulation="stacked", chunk=1000, channels_last=False),
+        "stacked_channels_last_chunk16": dict(formulation="stacked", chunk=16, channels_last=True),
+        "stacked_channels_last_chunk32": dict(formulation="stacked", chunk=32, channels_last=True),
+        "stacked_channels_last_chunk64": dict(formulation="stacked", chunk=64, channels_last=True),
+        "stacked_channels_last_chunk128": dict(formulation="stacked", chunk=128, channels_last=True),
         "vmap_chunk250": dict(formulation="vmap", chunk=250, channels_last=False),
+        "fused_chunk32": dict(formulation="fused", chunk=32),
+        "fused_chunk64": dict(formulation="fused", chunk=64),
+        "fused_chunk128": dict(formulation="fused", chunk=128),
+        # the same ops run by one caller with a torch.get_num_threads() OpenMP team per op
+        "fused_chunk64_one_thread_team": dict(formulation="fused", chunk=64, workers=1),
     }
     if not on_cpu:
         variants = {"naive_nchw_per_set": dict(cls=NaiveEvaluator),
                     "stacked_batch4000": dict(chunk=K * n_proxy),
                     "stacked_batch1000": dict(chunk=1000),
                     "vmap_chunk1000": dict(formulation="vmap", chunk=1000)}
-    rates = {}
+    default = ProxyEvaluator(spec, proxies, device=str(device))
+    default_name = f"fused_chunk{default.chunk}" if default.formulation == "fused" else "stacked_batch4000"
+    out["eval_default_formulation"] = default.formulation
+    evaluators: dict[str, ProxyEvaluator] = {}
     for name, opts in variants.items():
         opts = dict(opts)
         cls = opts.pop("cls", ProxyEvaluator)
-        ev = cls(spec, proxies, device=str(device), **opts)
-        dt = best_seconds(lambda ev=ev: ev.losses(vectors), device, repeats)
-        rates[name] = round(work / dt / 1e9, 2)
+        evaluators[name] = cls(spec, proxies, device=str(device), **opts)
     try:
         t0 = time.perf_counter()
-        ev = ProxyEvaluator(spec, proxies, device=str(device), compile=True)
+        ev = ProxyEvaluator(spec, proxies, device=str(device), formulation="stacked", compile=True)
         ev.losses(vectors[:1])
-        compile_s = time.perf_counter() - t0
-        dt = best_seconds(lambda: ev.losses(vectors), device, repeats)
-        rates["compiled" + ("_channels_last_chunk64" if on_cpu else "")] = round(work / dt / 1e9, 2)
-        out["compile_seconds"] = round(compile_s, 1)
+        out["compile_seconds"] = round(time.perf_counter() - t0, 1)
+        evaluators["compiled_stacked" + ("_channels_last_chunk64" if on_cpu else "")] = ev
     except Exception as e:  # compile needs a working C++ toolchain; report, don't fail
         out["compile_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    # Interleaved rounds, best per variant: on a shared machine every variant (and the
+    # matmul) gets its chances at the quiet moments, instead of one variant getting all.
+    seconds = {name: float("inf") for name in evaluators}
+    for e in evaluators.values():
+        e.losses(vectors)  # warm-up
+    for _ in range(repeats):
+        for name, e in evaluators.items():
+            seconds[name] = min(seconds[name], best_seconds(lambda e=e: e.losses(vectors), device, 0, warmup=False))
+        matmul_runs.append(round(matmul_gflops(device), 1))
+    rates = {name: round(work / dt / 1e9, 2) for name, dt in seconds.items()}
+    out["matmul_gflops_runs"] = matmul_runs
+    out["matmul_gflops"] = max(matmul_runs)
     out["eval_gflops"] = rates
     out["layer_breakdown"] = layer_breakdown(device, K * n_proxy, repeats)
+    if on_cpu and "fused_chunk64" in evaluators:
+        out["layer_breakdown_fused_chunk64"] = layer_breakdown_fused(evaluators["fused_chunk64"], vectors[0], repeats)
     best_name = max(rates, key=rates.get)
     out["eval_best"] = best_name
     out["eval_best_fraction_of_matmul"] = round(rates[best_name] / out["matmul_gflops"], 3)
-    default_name = "stacked_channels_last_chunk64" if on_cpu else "stacked_batch4000"
+    out["eval_default"] = default_name
     out["eval_default_fraction_of_matmul"] = round(rates[default_name] / out["matmul_gflops"], 3)
+    if on_cpu:
+        out["eval_old_default_fraction_of_matmul"] = round(rates["stacked_channels_last_chunk64"]
+                                                           / out["matmul_gflops"], 3)
 
     # -- CDFL updates per second: naive vs batched update_many (best of `repeats` passes
     # over the same queue; the clusters move between passes but the work is the same)
@@ -183,8 +268,10 @@ def run(quick: bool = False) -> dict:
     dt = best_seconds(lambda: [naive.update(u) for u in queue], device, repeats - 1)
     ups = {"naive": round(n_naive / dt, 3)}
     batched = {f"batched_{b}": (b, None) for b in ([8] if quick else [8, 16, 32])}
+    if on_cpu:  # the old default, for comparison
+        batched[f"batched_{8 if quick else 32}_stacked"] = (8 if quick else 32, evaluators["stacked_channels_last_chunk64"])
     if "compile_seconds" in out:
-        batched[f"batched_{8 if quick else 32}_compiled"] = (8 if quick else 32, ev)
+        batched[f"batched_{8 if quick else 32}_compiled_stacked"] = (8 if quick else 32, ev)
     for name, (batch, evaluator) in batched.items():
         s = CDFL(spec, clusters, proxies, device=str(device), tau0=10**6, evaluator=evaluator)
         queue = make_uploads(clusters, batch, seed=3)
