@@ -104,6 +104,17 @@ class Fuzzer:
                 break
         return out
 
+    def collect_until_quiet(self, quiet_s: float, timeout: float) -> list[tuple[str, protocol.Envelope | None]]:
+        """Replies until none came for `quiet_s` (or `timeout` in all)."""
+        out = []
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                out.append(self.replies.get(timeout=min(quiet_s, left)))
+            except queue.Empty:
+                break
+        return out
+
     def close(self) -> None:
         self.client.loop_stop()
         self.client.disconnect()
@@ -326,6 +337,7 @@ def run_campaign(broker_url: str, state_dir: Path, *, fleet: str, messages: int,
         sent: Counter[str] = Counter()
         reasons: Counter[str] = Counter()
         missing: list[str] = []
+        flood_replies = 0
         replays = 0
         round_trips: list[float] = []
         applied_envelopes: list[bytes] = []
@@ -365,10 +377,17 @@ def run_campaign(broker_url: str, state_dir: Path, *, fleet: str, messages: int,
                 for p in pieces:
                     fuzzer.publish(p)
                 sent["chunk_flood"] += len(pieces)
-                got = fuzzer.collect(flood_size, timeout=60)
+                # Each partial message gets a reply (chunk_timeout, chunk_inconsistent, or
+                # chunk_overflow beyond protocol.max_partials_per_sender); a contradicting
+                # piece of a refused message is refused again: up to one reply per piece.
+                got = fuzzer.collect_until_quiet(quiet_s=3 * cfg.protocol.chunk_timeout_s, timeout=120)
+                flood_replies += len(got)
                 reasons.update(f"flood.{e.reason}" if isinstance(e, protocol.Error) else "flood.?" for _, e in got)
-                if len(got) < flood_size:
-                    missing.append(f"chunk flood: {len(got)} of {flood_size} partials answered")
+                ofs = {protocol.decode(p, cfg.protocol.max_message_bytes).of for p in pieces}
+                answered = {getattr(e, "in_reply_to", None) for _, e in got}
+                if ofs - answered or len(got) > len(pieces):
+                    missing.append(f"chunk flood: {len(ofs - answered)} of {len(ofs)} partials unanswered, "
+                                   f"{len(got)} replies for {len(pieces)} pieces")
             batch = []
             for _ in range(min(WINDOW, messages - i)):
                 kind = KINDS[gen.rng.randrange(len(KINDS))]
@@ -398,6 +417,7 @@ def run_campaign(broker_url: str, state_dir: Path, *, fleet: str, messages: int,
         figures.update(
             sent=dict(sent), sent_total=sum(sent.values()), replies=dict(reasons),
             replies_total=sum(reasons.values()), unanswered=missing, late_replies=len(extra),
+            flood_replies=flood_replies,
             replays_sent=replays, duplicates_answered=svc.engine.counters["duplicates"] - dup_before,
             bad_topics_sent=bad_topics, bad_topics_logged=refused.get("refused.bad_topic", 0),
             regenerated=gen.regenerated, rss_start_mib=rss_start,
