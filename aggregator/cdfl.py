@@ -190,7 +190,9 @@ class CDFL(SoftClusters):
         if "evaluator" not in kwargs:
             kwargs["evaluator"] = ProxyEvaluator(spec, proxies, device=device, batch=settings.proxy_batch,
                                                  chunk=settings.eval_chunk or None,
-                                                 compile=settings.eval_compile)
+                                                 compile=settings.eval_compile,
+                                                 formulation=settings.eval_formulation,
+                                                 workers=settings.eval_workers or None)
         return cls(spec, clusters, proxies, tau0=settings.tau0, beta0=settings.beta0,
                    hinge_a=settings.hinge_a, hinge_b=settings.hinge_b, estimator=settings.estimator,
                    metric_weights=settings.metric_weights, temperature=settings.temperature,

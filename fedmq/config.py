@@ -132,8 +132,8 @@ class CDFLSettings:
     """Hinge staleness slope: s(d) = 1 if d <= b else 1 / (a (d - b) + 1)."""
     hinge_b: float = 5.0
     """Hinge staleness knee b: staleness up to b counts fully."""
-    estimator: str = "metrics"
-    """How alpha is estimated: metrics (the paper's softmax of loss / gap / distance), direction (NNLS of the step on proxy gradients), evidence (per-sample gain on proxy data) or trajectory (NNLS on server-simulated per-cluster local runs; best KL, costs K short trainings per upload). See docs/cdfl.md."""
+    estimator: str = "sketch"
+    """How alpha is estimated: sketch (NNLS of the agent's 2 KB data sketch on the proxy sets' sketches; the default: KL 0.001-0.034 at K = 2-6, below FedSoft's argmin; uploads without a sketch go to sketch_fallback), metrics (the paper's softmax of loss / gap / distance), direction (NNLS of the step on proxy gradients), evidence (per-sample gain on proxy data) or trajectory (NNLS on server-simulated per-cluster local runs; the best from the model alone, costs K short trainings per upload). See docs/cdfl.md and docs/results_cdfl.md."""
     metric_weights: list[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])
     """Convex weights of the loss, loss-gap and distance distributions."""
     temperature: float = 1.0
@@ -160,10 +160,14 @@ class CDFLSettings:
     """trajectory estimator: learning rate of the simulated runs."""
     trajectory_rho: float = 0.1
     """trajectory estimator: proximal strength of the simulated runs."""
+    eval_formulation: str = "auto"
+    """Proxy evaluation: auto (fused on CPU when it reproduces the model, else stacked), fused (conv1+pool as window GEMMs, oneDNN later layers, worker threads; 72 % of the matmul rate here), stacked, or vmap. See docs/cdfl.md."""
+    eval_workers: int = 0
+    """fused: worker threads (0 = torch's thread count)."""
     eval_chunk: int = 0
-    """Vectors per evaluation chunk (0 = the evaluator's default for the device)."""
+    """Proxy samples per evaluation chunk (0 = the evaluator's default for the device)."""
     eval_compile: bool = False
-    """torch.compile the evaluation (about 1.5x on CPU here after ~4 s of compiling)."""
+    """torch.compile the stacked/vmap evaluation (~1.6x those after ~4 s of compiling; the fused default does not use it and is faster)."""
     personalization: str = "finetune"
     """How the one reply model is made (aggregator/personalize.py): finetune (the agent's upload trained on alpha-weighted proxy data: the measured winner, +18-26 pp over the paper's mixture on rotated digits), mixture (the paper's sum_k alpha_k w_k, cheapest), upload (the agent's own upload), distill (finetune taught by each cluster's specialist) or distill-mixture (distill from the mixture). finetune costs a short training per reply: ~0.06-0.1 s for the digits model; for cnn28 with K = 4 and 1000 proxy samples per cluster, 1.4 s against 0.78 s for mixture per upload on an idle 2-core CPU. See docs/results_cdfl.md."""
     personalize_epochs: int = 2
