@@ -169,9 +169,9 @@ class CDFLSettings:
     eval_compile: bool = False
     """torch.compile the stacked/vmap evaluation (~1.6x those after ~4 s of compiling; the fused default does not use it and is faster)."""
     personalization: str = "finetune"
-    """How the one reply model is made (aggregator/personalize.py): finetune (the agent's upload trained on alpha-weighted proxy data: the measured winner, +18-26 pp over the paper's mixture on rotated digits), mixture (the paper's sum_k alpha_k w_k, cheapest), upload (the agent's own upload), distill (finetune taught by each cluster's specialist) or distill-mixture (distill from the mixture). finetune costs a short training per reply: ~0.06-0.1 s for the digits model; for cnn28 with K = 4 and 1000 proxy samples per cluster, 1.4 s against 0.78 s for mixture per upload on an idle 2-core CPU. See docs/results_cdfl.md."""
-    personalize_epochs: int = 2
-    """finetune/distill: epochs over the alpha-weighted proxy sets per reply."""
+    """How the one reply model is made (aggregator/personalize.py): finetune (the agent's upload trained on alpha-weighted proxy data: the measured winner, +18-26 pp over the paper's mixture on rotated digits), mixture (the paper's sum_k alpha_k w_k, cheapest), upload (the agent's own upload), distill (finetune taught by each cluster's specialist) or distill-mixture (distill from the mixture). finetune costs a training of personalize_epochs per reply: with 2 epochs ~0.06-0.1 s for the digits model and, for cnn28 with K = 4 and 1000 proxy samples per cluster, 1.4 s against 0.78 s for mixture per upload on an idle 2-core CPU; 8 epochs (the default) cost 4x that. See docs/results_cdfl.md."""
+    personalize_epochs: int = 8
+    """finetune/distill: epochs over the alpha-weighted proxy sets per reply. 8 against 2: received accuracy +1.0-3.7 pp on rotated digits at 4x the reply's cost (cnn28, K = 4, 1000 proxy samples per cluster, CPU: ~11 s against ~2.8 s per upload on a loaded 2-core machine); see docs/results_cdfl.md section 4."""
     personalize_lr: float = 0.01
     """finetune/distill: SGD learning rate (momentum 0.9)."""
     personalize_kd_weight: float = 0.5
