@@ -161,7 +161,7 @@ class CDFLSettings:
     trajectory_rho: float = 0.1
     """trajectory estimator: proximal strength of the simulated runs."""
     eval_formulation: str = "auto"
-    """Proxy evaluation: auto (fused on CPU when it reproduces the model, else stacked), fused (conv1+pool as window GEMMs, oneDNN later layers, worker threads; 72 % of the matmul rate here), stacked, or vmap. See docs/cdfl.md."""
+    """Proxy evaluation: auto (fused on CPU when it reproduces the model, else stacked), fused (conv1+pool as window GEMMs, oneDNN later layers, worker threads; 71 % of the matmul rate here, 142 of 200 GFLOP/s), stacked, or vmap. See docs/cdfl.md."""
     eval_workers: int = 0
     """fused: worker threads (0 = torch's thread count)."""
     eval_chunk: int = 0
