@@ -51,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(asdict(cfg), indent=2))
         return 0
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    for sig in (signal.SIGTERM, signal.SIGINT):  # also when started with SIGINT ignored (a background job)
+        signal.signal(sig, lambda *_: stop.set())
     if cfg.aggregator.algorithm in ROUND_ALGORITHMS:
         return _run_rounds(cfg, stop)
     from aggregator.bootstrap import build_engine

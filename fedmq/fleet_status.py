@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import threading
 import time
@@ -227,6 +228,10 @@ def run(args: argparse.Namespace) -> int:
     except Exception as e:  # noqa: BLE001 - any connection failure ends the tool with its reason
         print(f"fedmq fleet status: cannot connect to {cfg.broker.url}: {e}", file=sys.stderr)
         return 1
+    # Ctrl-C and SIGTERM end a watch cleanly, even when started with SIGINT ignored (a
+    # background job of a non-interactive shell inherits that).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         watcher.settle(max_s=args.wait)
         clear = sys.stdout.isatty() and not args.json
