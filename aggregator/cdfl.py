@@ -201,12 +201,22 @@ class CDFL(SoftClusters):
                    personalization=settings.personalization, personalize_options=personalize,
                    **kwargs)
 
+    @property
+    def reply_is_trained(self) -> bool:
+        """Whether a reply costs a training (then the journal keeps the reply vector, so that
+        replay after a crash does not train every reply again)."""
+        return self.personalizer.name != "mixture"
+
     def _personalized(self, agent: str, alpha: list[float], info: dict[str, Any],
-                      upload: Tensor | None = None) -> Reply:
+                      upload: Tensor | None = None, sent: Tensor | None = None) -> Reply:
         """Step 4: one model for the agent (aggregator/personalize.py; joins get the mixture).
 
-        Seeded by (seed, epoch): journal replay of the same record rebuilds the same model."""
-        if upload is None:
+        Seeded by (seed, epoch): journal replay of the same record rebuilds the same model;
+        `sent` (from the journal) skips rebuilding it."""
+        if sent is not None:
+            u = check_vector(sent, self.spec.numel, f"journaled reply to {agent}")
+            info.update(personalization="journal")
+        elif upload is None:
             u = self.mixture(alpha)
         else:
             u, diag = self.personalizer.personalize(PersonalizeRequest(
@@ -257,14 +267,16 @@ class CDFL(SoftClusters):
             replies.append(self._personalized(upload.agent, alpha, info, vector))
         return replies
 
-    def apply(self, upload: Upload, alpha: list[float] | None = None) -> Reply:
+    def apply(self, upload: Upload, alpha: list[float] | None = None, sent: Tensor | None = None) -> Reply:
         if alpha is None:
             return self.update_many([upload])[0]
         alpha = check_alpha(alpha, self.k)
         vector = check_vector(upload.vector, self.spec.numel, f"upload from {upload.agent}")
+        if sent is not None:
+            check_vector(sent, self.spec.numel, f"journaled reply to {upload.agent}")  # before any change
         info = self._step(upload, vector, alpha)
         info.update(estimator="given")
-        return self._personalized(upload.agent, alpha, info, vector)
+        return self._personalized(upload.agent, alpha, info, vector, sent=sent)
 
     def state_dict(self) -> dict[str, Any]:
         d = self._base_state()

@@ -139,7 +139,7 @@ class Engine:
             upload = Upload(agent=agent, vector=rec["vector"], tau=rec["tau"],
                             n_samples=rec["n_samples"], alpha=rec.get("upload_alpha"),
                             msg_id=rec["msg_id"])
-            reply = self.strategy.apply(upload, rec.get("alpha"))
+            reply = self.strategy.apply(upload, rec.get("alpha"), sent=rec.get("sent"))
             if rec.get("dist") is not None:
                 self.accepted_norms.append(rec["dist"])
         self._reply_envelope(reply, rec["msg_id"], whole=rec["op"] == "join")
@@ -213,13 +213,17 @@ class Engine:
             t0 = time.perf_counter()
             replies = self.strategy.update_many([u for _, u in updates])
             seconds = time.perf_counter() - t0
+            # A trained reply (CDFL finetune) is journaled too: replay then re-encodes it
+            # instead of training every reply again (restart time, docs/reliability.md).
+            keep_sent = getattr(self.strategy, "reply_is_trained", False)
             for (env, upload), reply in zip(updates, replies, strict=True):
                 out.append(self._reply_envelope(reply, env.msg_id))
                 records.append({"op": "update", "agent": env.agent, "msg_id": env.msg_id,
                                 "tau": env.tau, "n_samples": env.n_samples,
                                 "vector": upload.vector, "alpha": reply.alpha,
                                 "upload_alpha": upload.alpha,
-                                "dist": dists.get((env.agent, env.msg_id))})
+                                "dist": dists.get((env.agent, env.msg_id)),
+                                **({"sent": reply.vectors[0]} if keep_sent and len(reply.vectors) == 1 else {})})
                 info = reply.info
                 event(log, "update.applied", agent=env.agent, epoch=reply.epoch,
                       staleness=info.get("staleness"), stale=info.get("stale"),

@@ -45,7 +45,7 @@ class FedAsync(Strategy):
         self.counters["joins"] += 1
         return self._reply(agent, {"join": True})
 
-    def apply(self, upload: Upload, alpha: list[float] | None = None) -> Reply:
+    def apply(self, upload: Upload, alpha: list[float] | None = None, sent: Tensor | None = None) -> Reply:
         vector = check_vector(upload.vector, self.spec.numel, f"upload from {upload.agent}")
         self.epoch += 1
         d = self.epoch - int(upload.tau)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import Tensor
+
 from aggregator.cdfl import SoftClusters
 from aggregator.strategy import Reply, Upload, check_alpha, check_vector
 from fedmq.config import CDFLSettings
@@ -37,7 +39,7 @@ class FedSoftAsync(SoftClusters):
     def check(self, upload: Upload) -> None:
         check_alpha(upload.alpha, self.k)
 
-    def apply(self, upload: Upload, alpha: list[float] | None = None) -> Reply:
+    def apply(self, upload: Upload, alpha: list[float] | None = None, sent: Tensor | None = None) -> Reply:
         """Validates everything before any change: a bad alpha or vector raises ValueError."""
         alpha = check_alpha(alpha if alpha is not None else upload.alpha, self.k)
         vector = check_vector(upload.vector, self.spec.numel, f"upload from {upload.agent}")

@@ -103,8 +103,10 @@ class Strategy(ABC):
         """A new (or returning) agent asks for a model to start from."""
 
     @abstractmethod
-    def apply(self, upload: Upload, alpha: list[float] | None = None) -> Reply:
-        """Apply one upload; a given alpha (journal replay) replaces the strategy's own estimate."""
+    def apply(self, upload: Upload, alpha: list[float] | None = None, sent: Tensor | None = None) -> Reply:
+        """Apply one upload; a given alpha (journal replay) replaces the strategy's own estimate,
+        and a given `sent` (journal replay) is the reply vector, so a trained reply is not
+        trained again. Strategies whose replies cost nothing ignore `sent`."""
 
     def check(self, upload: Upload) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Refuse an upload this strategy cannot apply (raise ValueError with the reason)

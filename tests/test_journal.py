@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -95,3 +96,48 @@ def test_full_disk_raises_journal_error_and_keeps_snapshot(tmp_path) -> None:
         j.append([{"i": 1}])
     log.unlink()
     assert Journal(tmp_path).load() == ({"t": 5}, [])
+
+
+def test_replay_reuses_the_journaled_reply_instead_of_training_it_again(tmp_path) -> None:
+    """A trained reply (CDFL finetune) is journaled with its record: recovery re-encodes it
+    and trains nothing, and the agent's base and cached reply come out identical."""
+    from aggregator.bootstrap import build_engine
+    from aggregator.engine import Inbound
+    from fedmq import codecs, protocol
+    from fedmq.config import load_config
+    from fedmq.models import model_spec
+
+    spec = model_spec("digits-cnn")
+    cfg = load_config(None, {"fleet": "j", "cdfl.clusters": 2, "data.dataset": "digits",
+                             "data.proxy_per_cluster": 100, "data.pretrain_per_cluster": 200,
+                             "aggregator.pretrain_epochs": 1, "device": "cpu",
+                             "aggregator.state_dir": str(tmp_path / "state"),
+                             "cdfl.personalization": "finetune", "cdfl.personalize_epochs": 2})
+    live = build_engine(cfg)
+    live.recover()
+    base = None
+    join = protocol.Join(agent="car-1", msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
+                         model=spec.hash, algorithm="cdfl")
+    (reply,) = live.handle([Inbound("car-1", join)])
+    base = codecs.decode(reply.tensors[0])
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        v = base + rng.normal(0, 0.01, spec.numel).astype(np.float32)
+        up = protocol.Update(agent="car-1", msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
+                             model=spec.hash, tau=reply.epoch, n_samples=100,
+                             tensor=codecs.encode(v, "int8", base=base))
+        (reply,) = live.handle([Inbound("car-1", up)])
+        base = codecs.decode(reply.tensors[0], base=base)
+    live.journal.close()
+
+    restarted = build_engine(cfg)
+    calls = []
+    personalize = restarted.strategy.personalizer.personalize
+    restarted.strategy.personalizer.personalize = lambda req: calls.append(1) or personalize(req)
+    assert restarted.recover() == 4
+    assert calls == []  # nothing trained again
+    a, b = live.agents["car-1"], restarted.agents["car-1"]
+    assert torch.equal(a.base, b.base) and np.array_equal(b.base.numpy(), base)
+    ra, rb = protocol.decode(a.last_reply, 1 << 24), protocol.decode(b.last_reply, 1 << 24)
+    assert (ra.tensors, ra.alpha, ra.epoch, ra.in_reply_to) == (rb.tensors, rb.alpha, rb.epoch, rb.in_reply_to)
+    assert all(torch.equal(x, y) for x, y in zip(live.strategy.clusters, restarted.strategy.clusters, strict=True))
