@@ -134,7 +134,7 @@ class NetworkLoop:
         self._clients: dict[paho.Client, MqttTransport] = {}
         self._reconnect: dict[paho.Client, tuple[float, float]] = {}
         """client -> (when, current delay)."""
-        self._paused: dict[paho.Client, float] = {}
+        self._paused: dict[_GatedClient, float] = {}
         """client -> when it last read while paused."""
         self._writing: set[Any] = set()
         """Sockets with data waiting to be written."""
@@ -201,20 +201,23 @@ class NetworkLoop:
             self._writing.discard(sock)
             self._apply(sock, client)
 
-    def pause(self, client: paho.Client) -> None:
-        """Stop reading `client`'s socket (writes go on) until `resume`."""
+    def pause(self, client: _GatedClient) -> None:
+        """Stop reading `client`'s socket (writes go on) until `resume`: the socket leaves the
+        read set, and the client's gate stops the read in progress at the next packet."""
         with self._lock:
             if client in self._paused:
                 return
+            client.gate_closed = True
             self._paused[client] = time.monotonic()
             sock = client.socket()
             if sock is not None:
                 self._apply(sock, client)
 
-    def resume(self, client: paho.Client) -> None:
+    def resume(self, client: _GatedClient) -> None:
         with self._lock:
             if self._paused.pop(client, None) is None:
                 return
+            client.gate_closed = False
             sock = client.socket()
             if sock is not None:
                 self._apply(sock, client)
@@ -229,8 +232,7 @@ class NetworkLoop:
         for client in due:
             if client.socket() is not None:
                 self.keepalive_reads += 1
-                if isinstance(client, _GatedClient):
-                    client.allow = 1
+                client.allow = 1
                 client.loop_read()
 
     def install(self, client: paho.Client) -> None:
@@ -601,7 +603,7 @@ class MqttTransport:
         self.on_disconnect_hooks: list[DisconnectHook] = []
         """Called as hook(transport, reason) whenever an established connection ends."""
 
-        self._client: paho.Client | None = None
+        self._client: _GatedClient | None = None
         self._protocol: MQTTProtocolVersion | None = None
         self._connected = threading.Event()
         self._connection = 0
@@ -661,21 +663,15 @@ class MqttTransport:
             raise TransportError("pause_reading needs a NetworkLoop (MqttTransport(..., network=))")
         self._read_paused = True
         self._window.set_open(True)
-        client = self._client
-        if client is not None:
-            if isinstance(client, _GatedClient):
-                client.gate_closed = True
-            self.network.pause(client)
+        if self._client is not None:
+            self.network.pause(self._client)
 
     def resume_reading(self) -> None:
         if self.network is None or not self._read_paused:
             return
         self._read_paused = False
-        client = self._client
-        if client is not None:
-            if isinstance(client, _GatedClient):
-                client.gate_closed = False
-            self.network.resume(client)
+        if self._client is not None:
+            self.network.resume(self._client)
         self._window.set_open(False)
 
     # -- connect -------------------------------------------------------------------------
@@ -729,7 +725,7 @@ class MqttTransport:
         scheme = "mqtts" if self.address.tls else "mqtt"
         return f"{scheme}://{self.address.host}:{self.address.port}"
 
-    def _make_client(self, protocol: MQTTProtocolVersion) -> paho.Client:
+    def _make_client(self, protocol: MQTTProtocolVersion) -> _GatedClient:
         s, addr = self.settings, self.address
         v5 = protocol == MQTTProtocolVersion.MQTTv5
         client = _GatedClient(
