@@ -212,9 +212,9 @@ class CDFL(SoftClusters):
         """Step 4: one model for the agent (aggregator/personalize.py; joins get the mixture).
 
         Seeded by (seed, epoch): journal replay of the same record rebuilds the same model;
-        `sent` (from the journal) skips rebuilding it."""
+        `sent` (from the journal, checked by the caller) skips rebuilding it."""
         if sent is not None:
-            u = check_vector(sent, self.spec.numel, f"journaled reply to {agent}")
+            u = sent
             info.update(personalization="journal")
         elif upload is None:
             u = self.mixture(alpha)
@@ -272,8 +272,8 @@ class CDFL(SoftClusters):
             return self.update_many([upload])[0]
         alpha = check_alpha(alpha, self.k)
         vector = check_vector(upload.vector, self.spec.numel, f"upload from {upload.agent}")
-        if sent is not None:
-            check_vector(sent, self.spec.numel, f"journaled reply to {upload.agent}")  # before any change
+        if sent is not None:  # checked before any change
+            sent = check_vector(sent, self.spec.numel, f"journaled reply to {upload.agent}")
         info = self._step(upload, vector, alpha)
         info.update(estimator="given")
         return self._personalized(upload.agent, alpha, info, vector, sent=sent)

@@ -318,13 +318,13 @@ class SketchEstimator(Estimator):
         self.fallback = make_estimator(fallback, **options)
         self.needs_base = self.fallback.needs_base
         self.floor = float(sketch_floor)
-        self._proxy_sketches: tuple[int, np.ndarray] | None = None
+        self._proxy_sketches: tuple[ProxyEvaluator, np.ndarray] | None = None
 
     def cluster_sketches(self, evaluator: ProxyEvaluator) -> np.ndarray:
         """[K, DIM] sketches of the proxy sets (computed once per evaluator)."""
-        if self._proxy_sketches is None or self._proxy_sketches[0] != id(evaluator):
+        if self._proxy_sketches is None or self._proxy_sketches[0] is not evaluator:
             s = np.stack([data_sketch(x) for x, _ in evaluator.proxies])
-            self._proxy_sketches = (id(evaluator), s)
+            self._proxy_sketches = (evaluator, s)
         return self._proxy_sketches[1]
 
     def estimate(self, batch: EstimationBatch) -> list[Estimate]:
