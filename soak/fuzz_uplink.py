@@ -91,7 +91,8 @@ class Fuzzer:
     def publish(self, payload: bytes, topic: str | None = None) -> mqtt.MQTTMessageInfo:
         return self.client.publish(topic or protocol.uplink(self.fleet, self.agent), payload, qos=1)
 
-    def collect(self, n: int, timeout: float) -> list[tuple[str, protocol.Envelope | None]]:
+    def collect(self, n: int, timeout: float, quiet_s: float | None = None) -> list[tuple[str, protocol.Envelope | None]]:
+        """Up to `n` replies within `timeout`; with `quiet_s`, also stop once none came for that long."""
         out = []
         deadline = time.monotonic() + timeout
         while len(out) < n:
@@ -99,18 +100,7 @@ class Fuzzer:
             if left <= 0:
                 break
             try:
-                out.append(self.replies.get(timeout=left))
-            except queue.Empty:
-                break
-        return out
-
-    def collect_until_quiet(self, quiet_s: float, timeout: float) -> list[tuple[str, protocol.Envelope | None]]:
-        """Replies until none came for `quiet_s` (or `timeout` in all)."""
-        out = []
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                out.append(self.replies.get(timeout=min(quiet_s, left)))
+                out.append(self.replies.get(timeout=left if quiet_s is None else min(quiet_s, left)))
             except queue.Empty:
                 break
         return out
@@ -380,7 +370,8 @@ def run_campaign(broker_url: str, state_dir: Path, *, fleet: str, messages: int,
                 # Each partial message gets a reply (chunk_timeout, chunk_inconsistent, or
                 # chunk_overflow beyond protocol.max_partials_per_sender); a contradicting
                 # piece of a refused message is refused again: up to one reply per piece.
-                got = fuzzer.collect_until_quiet(quiet_s=3 * cfg.protocol.chunk_timeout_s, timeout=120)
+                # one more than can come, so an excess reply is caught below, not as a late one
+                got = fuzzer.collect(len(pieces) + 1, timeout=120, quiet_s=3 * cfg.protocol.chunk_timeout_s)
                 flood_replies += len(got)
                 reasons.update(f"flood.{e.reason}" if isinstance(e, protocol.Error) else "flood.?" for _, e in got)
                 ofs = {protocol.decode(p, cfg.protocol.max_message_bytes).of for p in pieces}
