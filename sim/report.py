@@ -104,17 +104,33 @@ def tables(runs: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend: figures are files, no display is needed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: Path) -> Path:
+    """Lay out, write (110 dpi) and close one figure; returns its path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _updates(run: dict[str, Any]) -> list[dict[str, str]]:
     with open(Path(run["dir"]) / "updates.csv", newline="") as f:
         return list(csv.DictReader(f))
 
 
 def figures(runs: list[dict[str, Any]], fig_dir: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig_dir.mkdir(parents=True, exist_ok=True)
     groups = _group(runs)
     paths: list[Path] = []
@@ -145,11 +161,7 @@ def figures(runs: list[dict[str, Any]], fig_dir: Path) -> list[Path]:
             ax.grid(alpha=0.3)
         axes[0][0].legend(fontsize=8)
         fig.suptitle(f"{scenario}: client accuracy over time")
-        fig.tight_layout()
-        p = fig_dir / f"{tag}_accuracy_over_time.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        paths.append(p)
+        paths.append(save_figure(fig, fig_dir / f"{tag}_accuracy_over_time.png"))
 
         # Figure 5: KL(true || estimated) per method and K.
         kl_methods = [m for m in methods if m != "local" and any(
@@ -165,11 +177,7 @@ def figures(runs: list[dict[str, Any]], fig_dir: Path) -> list[Path]:
             ax.set_ylabel("mean KL(true ‖ estimated)")
             ax.legend(fontsize=8)
             ax.set_title(f"{scenario}: mixture estimation")
-            fig.tight_layout()
-            p = fig_dir / f"{tag}_kl.png"
-            fig.savefig(p, dpi=110)
-            plt.close(fig)
-            paths.append(p)
+            paths.append(save_figure(fig, fig_dir / f"{tag}_kl.png"))
 
         # Figure 6: download bytes and client compute per update, relative to CDFL.
         if "cdfl" in methods:
@@ -191,11 +199,7 @@ def figures(runs: list[dict[str, Any]], fig_dir: Path) -> list[Path]:
                 ax.set_title(title)
                 ax.legend(fontsize=8)
             fig.suptitle(f"{scenario}: cost relative to CDFL")
-            fig.tight_layout()
-            p = fig_dir / f"{tag}_relative_cost.png"
-            fig.savefig(p, dpi=110)
-            plt.close(fig)
-            paths.append(p)
+            paths.append(save_figure(fig, fig_dir / f"{tag}_relative_cost.png"))
     return paths
 
 
@@ -241,12 +245,7 @@ def rounds_report(out: Path, fig_dir: Path) -> tuple[str, list[Path]]:
 
 def _rounds_cost_figure(rows: list[dict[str, Any]], target: float, path: Path) -> None:
     """Simulated time to the target per seed (dots) and mean (bar); share of wasted training."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.4))
+    fig, (ax1, ax2) = pyplot().subplots(1, 2, figsize=(9, 3.4))
     names = [r["algorithm"] for r in rows]
     x = np.arange(len(rows))
     means = [r["time_to_target_s"] if r["time_to_target_s"] is not None else np.nan for r in rows]
@@ -263,9 +262,7 @@ def _rounds_cost_figure(rows: list[dict[str, Any]], target: float, path: Path) -
     ax2.set_title("wasted work")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def write_report(out: Path, command: str | None = None) -> tuple[Path, list[Path], str]:

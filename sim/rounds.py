@@ -317,12 +317,9 @@ def load_results(path: Path) -> tuple[list[SimRun], float, dict]:
 
 
 def plot(runs: list[SimRun], path: Path) -> None:
-    import matplotlib
+    from sim.report import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2) = pyplot().subplots(1, 2, figsize=(11, 4))
     colors = {"catafed": "tab:blue", "fedavg": "tab:red", "fedprox": "tab:green"}
     for r in runs:
         c = colors.get(r.algorithm, "black")
@@ -336,9 +333,7 @@ def plot(runs: list[SimRun], path: Path) -> None:
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
