@@ -99,15 +99,14 @@ class AblationSpec:
     agents: int = 0
     updates_per_agent: float = 3.0
     test_samples: int = 300
-    local_epochs: int = 2
-    local_lr: float = 0.01
-    rho: float = 0.1
 
-    def run_spec(self, method: str) -> RunSpec:
+    def run_spec(self, method: str, cfg: Config | None = None) -> RunSpec:
+        """The fleet runner's spec; local training (epochs, lr, rho) is the variant's `agent.*`."""
+        agent = (cfg or Config()).agent
         return RunSpec(scenario=self.scenario, method=method, clusters=self.clusters, agents=self.agents,
                        seed=self.seed, updates_per_agent=self.updates_per_agent,
-                       test_samples=self.test_samples, local_epochs=self.local_epochs,
-                       local_lr=self.local_lr, rho=self.rho)
+                       test_samples=self.test_samples, local_epochs=agent.epochs,
+                       local_lr=agent.lr, rho=agent.rho)
 
 
 @dataclass
@@ -147,7 +146,7 @@ class Fleet:
         from fedmq.models import model_spec, resolve_model_name
 
         self.spec = spec
-        self.scenario, self.cfg = configure(spec.run_spec("cdfl"), base)
+        self.scenario, self.cfg = configure(spec.run_spec("cdfl", base), base)
         self.clusters = build_clusters(self.scenario, self.cfg, spec.clusters)
         self.model_name = resolve_model_name(self.cfg.model, self.cfg.data.dataset)
         self.model_spec = model_spec(self.model_name)
@@ -181,6 +180,7 @@ def run_variant(fleet: Fleet, variant: Variant, estimators: Sequence[str] = ()) 
     spec, name = fleet.spec, fleet.model_name
     cfg = variant.config(fleet.cfg)
     cfg.aggregator.algorithm = variant.method if variant.method != "local" else "cdfl"
+    local = cfg.agent  # local training: epochs, lr, rho (a variant may set agent.*)
     strategy = None
     extra = {}
     if variant.method != "local":
@@ -221,11 +221,11 @@ def run_variant(fleet: Fleet, variant: Variant, estimators: Sequence[str] = ()) 
             ws = held_clusters[a]
             alpha_own = estimate_alpha_argmin(name, ws, x, y)
             mix = sum(float(al) * w for al, w in zip(alpha_own, ws, strict=True))
-            result = train_fedsoft(name, mix, ws, alpha_own, x, y, epochs=spec.local_epochs, lr=spec.local_lr,
-                                   rho=spec.rho, seed=seed)
+            result = train_fedsoft(name, mix, ws, alpha_own, x, y, epochs=local.epochs, lr=local.lr,
+                                   rho=local.rho, seed=seed)
         else:
-            result = train_local(name, held[a], x, y, epochs=spec.local_epochs, lr=spec.local_lr,
-                                 rho=spec.rho, seed=seed)
+            result = train_local(name, held[a], x, y, epochs=local.epochs, lr=local.lr,
+                                 rho=local.rho, seed=seed)
         rows["compute"].append(time.thread_time() - cpu0)
         acc_trained = evaluate(name, result.vector, xt, yt)[0]
         rows["trained"].append(acc_trained)
@@ -274,7 +274,7 @@ def run_variant_wire(spec: AblationSpec, variant: Variant, base: Config,
     from sim.fleet import run_fleet
 
     cfg = variant.config(base)
-    result = run_fleet(spec.run_spec(variant.method), cfg, broker_url=broker_url)
+    result = run_fleet(spec.run_spec(variant.method, cfg), broker_url=broker_url)
     s = result.summary()
     u = result.updates
     return VariantResult(

@@ -65,8 +65,11 @@ def test_every_variant_replays_the_same_fleet_and_a_rerun_is_identical():
     spec = AblationSpec(clusters=2, seed=3, agents=4, updates_per_agent=2, test_samples=40)
     fleet = Fleet(spec, small_config())
     variants = [Variant.parse("local"), Variant.parse(MIXTURE),
-                Variant.parse("up=cdfl:cdfl.personalization=upload"), Variant.parse("fedsoft-async")]
+                Variant.parse("up=cdfl:cdfl.personalization=upload"), Variant.parse("fedsoft-async"),
+                Variant.parse("local-ep1=local:agent.epochs=1")]
     results = {v.name: run_variant(fleet, v) for v in variants}
+    # a variant's agent.* settings are its local training: one epoch is another model
+    assert results["local-ep1"].acc_trained != results["local"].acc_trained
     # Local and CDFL-upload hold exactly what they trained, from the same start, data and seeds
     assert results["up"].acc_held == results["local"].acc_held
     assert results["up"].acc_trained == results["local"].acc_trained
