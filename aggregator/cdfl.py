@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from aggregator.cluster_refresh import refresh_cluster
 from aggregator.estimators import EstimationBatch, Estimator, make_estimator, uniform
 from aggregator.evaluator import Proxy, ProxyEvaluator
 from aggregator.personalize import Personalizer, PersonalizeRequest, make_personalizer
@@ -152,9 +153,15 @@ class CDFL(SoftClusters):
                  device: str = "auto", proxy_batch: int = 1000,
                  evaluator: ProxyEvaluator | None = None, update_rule: str = "alpha",
                  update_power: float = 2.0, personalization: str | Personalizer = "mixture",
-                 personalize_options: dict[str, Any] | None = None, seed: int = 0) -> None:
+                 personalize_options: dict[str, Any] | None = None, seed: int = 0,
+                 refresh_steps: int = 0, refresh_lr: float = 0.01) -> None:
         super().__init__(spec, clusters, tau0=tau0, beta0=beta0, hinge_a=hinge_a, hinge_b=hinge_b,
                          update_rule=update_rule, update_power=update_power)
+        if refresh_steps < 0 or refresh_lr <= 0:
+            raise ValueError(f"need cluster_refresh_steps >= 0 and cluster_refresh_lr > 0, "
+                             f"got {refresh_steps} and {refresh_lr}")
+        self.refresh_steps = int(refresh_steps)
+        self.refresh_lr = float(refresh_lr)
         if evaluator is None:
             if len(proxies) != self.k:
                 raise ValueError(f"{len(proxies)} proxy sets for {self.k} clusters")
@@ -185,6 +192,7 @@ class CDFL(SoftClusters):
         if settings.estimator == "sketch":
             options.update(fallback=settings.sketch_fallback, sketch_floor=settings.sketch_floor)
         personalize = {"epochs": settings.personalize_epochs, "lr": settings.personalize_lr,
+                       "samples": settings.personalize_samples,
                        "kd_weight": settings.personalize_kd_weight,
                        "temperature": settings.personalize_temperature}
         if "evaluator" not in kwargs:
@@ -199,6 +207,7 @@ class CDFL(SoftClusters):
                    estimator_options=options, device=device, proxy_batch=settings.proxy_batch,
                    update_rule=settings.update_rule, update_power=settings.update_power,
                    personalization=settings.personalization, personalize_options=personalize,
+                   refresh_steps=settings.cluster_refresh_steps, refresh_lr=settings.cluster_refresh_lr,
                    **kwargs)
 
     @property
@@ -206,6 +215,19 @@ class CDFL(SoftClusters):
         """Whether a reply costs a training (then the journal keeps the reply vector, so that
         replay after a crash does not train every reply again)."""
         return self.personalizer.name != "mixture"
+
+    def _step(self, upload: Upload, vector: Tensor, alpha: list[float]) -> dict[str, Any]:
+        """Steps 1 and 3, then the proxy refresh of every cluster the upload moved."""
+        info = super()._step(upload, vector, alpha)
+        if self.refresh_steps and not info["stale"]:
+            t0 = time.perf_counter()
+            for k, beta in enumerate(info["betas"]):
+                if beta > 0.0:
+                    self.clusters[k] = refresh_cluster(
+                        self.evaluator, self.clusters[k], k, steps=self.refresh_steps, lr=self.refresh_lr,
+                        seed=(self.seed * 1_000_003 + self.epoch) * 64 + k)
+            info["refresh_seconds"] = time.perf_counter() - t0
+        return info
 
     def _personalized(self, agent: str, alpha: list[float], info: dict[str, Any],
                       upload: Tensor | None = None, sent: Tensor | None = None) -> Reply:

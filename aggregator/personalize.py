@@ -83,7 +83,10 @@ class DistillPersonalizer(Personalizer):
     """Train one student on alpha-weighted proxy data, taught by each cluster's specialist.
 
     Per-sample weights: a sample of D_k weighs alpha_k / |D_k| (normalized per batch), so each
-    epoch sees the client's mixture. kd_weight = 0 is plain fine-tuning on the labels.
+    epoch sees the client's mixture. With `samples` > 0 an epoch instead draws that many
+    samples with replacement, with probability proportional to those weights, and weighs them
+    equally (the same expected loss), so the cost no longer grows with K and |D_k|.
+    kd_weight = 0 is plain fine-tuning on the labels.
     Teacher logits of w_k on D_k are cached by the cluster's content hash.
     """
 
@@ -91,10 +94,11 @@ class DistillPersonalizer(Personalizer):
 
     def __init__(self, evaluator: ProxyEvaluator, *, epochs: int = 2, lr: float = 0.01,
                  momentum: float = 0.9, batch_size: int = 64, kd_weight: float = 0.5,
-                 temperature: float = 2.0, start: str = "upload", rho: float = 0.0) -> None:
-        if epochs < 1 or lr <= 0 or batch_size < 1 or not 0.0 <= kd_weight <= 1.0 or temperature <= 0:
-            raise ValueError(f"need epochs >= 1, lr > 0, batch_size >= 1, 0 <= kd_weight <= 1, "
-                             f"temperature > 0; got {epochs}, {lr}, {batch_size}, {kd_weight}, {temperature}")
+                 temperature: float = 2.0, start: str = "upload", rho: float = 0.0, samples: int = 0) -> None:
+        if (epochs < 1 or lr <= 0 or batch_size < 1 or not 0.0 <= kd_weight <= 1.0 or temperature <= 0
+                or samples < 0):
+            raise ValueError(f"need epochs >= 1, lr > 0, batch_size >= 1, 0 <= kd_weight <= 1, temperature > 0, "
+                             f"samples >= 0; got {epochs}, {lr}, {batch_size}, {kd_weight}, {temperature}, {samples}")
         if start not in ("upload", "mixture"):
             raise ValueError(f"start must be upload or mixture, got {start!r}")
         self.evaluator = evaluator
@@ -106,6 +110,7 @@ class DistillPersonalizer(Personalizer):
         self.temperature = float(temperature)
         self.start = start
         self.rho = float(rho)
+        self.samples = int(samples)
         self._teacher: dict[int, tuple[str, Tensor]] = {}
 
     def _teacher_logits(self, clusters: Tensor) -> Tensor:
@@ -147,11 +152,16 @@ class DistillPersonalizer(Personalizer):
         keep = torch.nonzero(weights > 1e-6 * weights.max()).flatten().cpu()
         with torch.enable_grad():
             for _ in range(self.epochs):
-                order = keep[torch.randperm(len(keep), generator=gen)].to(device)
+                if self.samples:
+                    draw = torch.multinomial(weights.cpu(), self.samples, replacement=True, generator=gen)
+                    order = draw.to(device)
+                else:
+                    order = keep[torch.randperm(len(keep), generator=gen)].to(device)
                 for i in range(0, len(order), self.batch_size):
                     idx = order[i:i + self.batch_size]
                     logits = functional_call(module, ev.spec.unflatten(w), (x[idx],))
-                    bw = weights[idx] / weights[idx].sum()
+                    bw = (torch.full((len(idx),), 1.0 / len(idx), device=device) if self.samples
+                          else weights[idx] / weights[idx].sum())
                     loss = (1.0 - self.kd_weight) * (F.cross_entropy(logits, y[idx], reduction="none") * bw).sum()
                     if teacher is not None:
                         t = F.log_softmax(teacher[idx] / T, dim=1)

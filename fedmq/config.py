@@ -174,6 +174,8 @@ class CDFLSettings:
     """finetune/distill: epochs over the alpha-weighted proxy sets per reply. 8 against 2: received accuracy +1.0-3.7 pp on rotated digits at 4x the reply's cost (cnn28, K = 4, 1000 proxy samples per cluster, CPU: ~11 s against ~2.8 s per upload on a loaded 2-core machine); see docs/results_cdfl.md section 4."""
     personalize_lr: float = 0.01
     """finetune/distill: SGD learning rate (momentum 0.9)."""
+    personalize_samples: int = 0
+    """finetune/distill: proxy samples per epoch, drawn with replacement in proportion to alpha (0 = every sample of the clusters with alpha > 0, weighted by alpha). Caps a reply's cost whatever K and the proxy sizes are."""
     personalize_kd_weight: float = 0.5
     """distill: weight of the specialist teachers' tempered softmax against the true labels."""
     personalize_temperature: float = 2.0
@@ -182,6 +184,10 @@ class CDFLSettings:
     """Cluster update shares: alpha (beta_k = beta0 alpha_k s), sharpen (alpha_k^update_power renormalized) or confidence (alpha_k times 1 - H(alpha)/log K)."""
     update_power: float = 2.0
     """sharpen: the power applied to alpha before renormalizing."""
+    cluster_refresh_steps: int = 0
+    """After an upload moves cluster k, w_k takes this many SGD mini-batches (64 samples) on its own proxy set D_k, so the clusters stay specialists under a stream of mixed uploads (aggregator/cluster_refresh.py). 0: off (the paper's rule)."""
+    cluster_refresh_lr: float = 0.01
+    """Learning rate of the cluster refresh (plain SGD)."""
 
 
 @dataclass

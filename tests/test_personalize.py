@@ -104,6 +104,23 @@ def test_distill_weights_the_proxy_sets_by_alpha(world):
     assert after[0] - before[0] > after[1] - before[1]
 
 
+def test_sample_capped_finetune_draws_by_alpha_and_costs_what_it_is_told(world):
+    """`samples` per epoch, drawn in proportion to alpha: a pure cluster-0 client's reply
+    still learns cluster 0 more than cluster 1, in epochs * ceil(samples / 64) steps."""
+    _, w, proxies = world
+    ev = ProxyEvaluator(SPEC, proxies, device="cpu")
+    uniform = w.mean(0)
+    capped = make_personalizer("finetune", ev, epochs=3, samples=100)
+    out, diag = capped.personalize(PersonalizeRequest(w, [1.0, 0.0], uniform, seed=2))
+    assert diag["steps"] == 3 * 2
+    before, after = ev.accuracies(uniform[None])[0], ev.accuracies(out[None])[0]
+    assert after[0] - before[0] > after[1] - before[1]
+    again, _ = capped.personalize(PersonalizeRequest(w, [1.0, 0.0], uniform, seed=2))
+    assert torch.equal(out, again)
+    with pytest.raises(ValueError, match="samples >= 0"):
+        make_personalizer("finetune", ev, samples=-1)
+
+
 def test_update_rules_by_hand():
     assert update_weights([0.6, 0.4], "alpha") == [0.6, 0.4]
     assert update_weights([0.6, 0.4], "sharpen", 2.0) == pytest.approx([0.36 / 0.52, 0.16 / 0.52])
@@ -137,3 +154,39 @@ def test_joins_still_get_the_uniform_mixture(world):
     _, w, proxies = world
     s = CDFL.from_settings(SPEC, w, proxies, CDFLSettings(clusters=K, personalization="distill"), device="cpu")
     torch.testing.assert_close(s.join("a").vectors[0], w.mean(0))
+
+
+def test_cluster_refresh_pulls_a_blurred_cluster_back_and_replays_exactly(world):
+    """After the update, a moved cluster trains on its own proxy set; an unmoved one is untouched."""
+    clusters, w, proxies = world
+    settings = CDFLSettings(clusters=K, tau0=100, beta0=0.5, personalization="mixture",
+                            cluster_refresh_steps=20, cluster_refresh_lr=0.05)
+    plain = CDFL.from_settings(SPEC, w, proxies, CDFLSettings(clusters=K, tau0=100, beta0=0.5,
+                                                              personalization="mixture"), device="cpu")
+    s = CDFL.from_settings(SPEC, w, proxies, settings, device="cpu")
+    for strategy in (plain, s):
+        strategy.join("a")
+    state = s.state_dict()
+    blur = w.mean(0)  # an upload between the specialists: the paper's rule pulls w_0 halfway to it
+    up = Upload("a", blur, tau=0)
+    plain.apply(up, alpha=[1.0, 0.0])
+    reply = s.apply(up, alpha=[1.0, 0.0])
+    assert reply.info["refresh_seconds"] >= 0
+    torch.testing.assert_close(s.clusters[1], w[1], rtol=0, atol=0)  # beta_1 = 0: not refreshed
+    test0 = clusters.test(0)
+    acc_plain = evaluate(ARCH, plain.clusters[0], test0.x, test0.y)[0]
+    acc_refreshed = evaluate(ARCH, s.clusters[0], test0.x, test0.y)[0]
+    assert acc_refreshed > acc_plain + 0.02, (acc_plain, acc_refreshed)
+    replay = CDFL.from_settings(SPEC, w, proxies, settings, device="cpu")
+    replay.load_state_dict(state)
+    replay.apply(up, alpha=[1.0, 0.0])
+    assert torch.equal(replay.clusters, s.clusters)
+
+
+def test_cluster_refresh_refuses_bad_settings(world):
+    _, w, proxies = world
+    with pytest.raises(ValueError, match="cluster_refresh_steps"):
+        CDFL.from_settings(SPEC, w, proxies, CDFLSettings(clusters=K, cluster_refresh_steps=-1), device="cpu")
+    with pytest.raises(ValueError, match="cluster_refresh_lr"):
+        CDFL.from_settings(SPEC, w, proxies, CDFLSettings(clusters=K, cluster_refresh_steps=1,
+                                                          cluster_refresh_lr=0.0), device="cpu")
