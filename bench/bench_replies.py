@@ -1,0 +1,78 @@
+"""CDFL's cost per upload for each reply and cluster-update variant, side by side.
+
+The accuracy of each variant is measured on rotated digits by `python -m sim.ablation`
+(docs/results_cdfl.md); this is its price on a model the size of a real one: cnn28, K = 4,
+1000 random 28x28 proxy samples per cluster (random inputs cost the same as real ones), the
+sketch estimator (the default), on CUDA when available, else this CPU. Every variant handles
+the same uploads, one at a time through `CDFL.update` (estimate + cluster update + reply),
+and reports the median seconds per upload and where they went (estimate, reply training,
+cluster refresh). The ratios within one run are the figures to compare across machines.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from aggregator.cdfl import CDFL
+from aggregator.strategy import Upload
+from fedmq.config import CDFLSettings
+from fedmq.models import build_model, model_spec, to_vector
+from fedmq.sketch import data_sketch
+
+ARCH = "cnn28"
+K = 4
+
+DEFAULT = "default (finetune-ep8, refresh 1)"
+VARIANTS: dict[str, dict] = {
+    "paper (mixture, no refresh)": {"personalization": "mixture", "cluster_refresh_steps": 0},
+    DEFAULT: {},
+    "no refresh": {"cluster_refresh_steps": 0},
+    "finetune-ep2": {"personalize_epochs": 2},
+    "samples512": {"personalize_samples": 512},
+    "samples256": {"personalize_samples": 256},
+    "distill-ep8": {"personalization": "distill"},
+}
+"""Name -> CDFLSettings fields that differ from the defaults."""
+
+
+def run(quick: bool = False) -> dict:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    n_proxy = 250 if quick else 1000
+    uploads_per_variant = 2 if quick else 4
+    spec = model_spec(ARCH)
+    g = torch.Generator().manual_seed(0)
+    proxies = [(torch.randn(n_proxy, 1, 28, 28, generator=g), torch.randint(0, 10, (n_proxy,), generator=g))
+               for _ in range(K)]
+    clusters = torch.stack([to_vector(build_model(ARCH, seed=k)) for k in range(K)])
+    # an agent's data: mostly cluster 0, some cluster 1 (the sketch estimator fits that)
+    agent_x = torch.cat([proxies[0][0][:300], proxies[1][0][:100]])
+    sketch = data_sketch(agent_x)
+    out: dict = {"device": device, "torch_threads": torch.get_num_threads(), "arch": ARCH, "K": K,
+                 "proxy_per_cluster": n_proxy, "uploads_per_variant": uploads_per_variant, "variants": {}}
+    for name, fields in VARIANTS.items():
+        settings = CDFLSettings(clusters=K, tau0=1000, **fields)
+        strategy = CDFL.from_settings(spec, clusters, proxies, settings, device=device)
+        strategy.join("warm-up")
+        strategy.update(Upload("warm-up", clusters[0] + 0.01, tau=0, sketch=sketch))
+        seconds, parts = [], {"estimate": [], "reply": [], "refresh": []}
+        for i in range(uploads_per_variant):
+            v = clusters[i % K] + 0.01 * torch.randn(spec.numel, generator=g)
+            t0 = time.perf_counter()
+            reply = strategy.update(Upload(f"agent{i}", v, tau=strategy.epoch, sketch=sketch))
+            if device == "cuda":
+                torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - t0)
+            info = reply.info
+            parts["estimate"].append(info.get("estimate_seconds", 0.0))
+            parts["reply"].append(info.get("personalize", {}).get("seconds", 0.0))
+            parts["refresh"].append(info.get("refresh_seconds", 0.0))
+        out["variants"][name] = {"settings": fields, "s_per_upload": round(statistics.median(seconds), 4),
+                                 **{f"{k}_s": round(statistics.median(x), 4) for k, x in parts.items()}}
+        print(f"{name:28s} {statistics.median(seconds):8.3f} s/upload", flush=True)
+    base = out["variants"][DEFAULT]["s_per_upload"]
+    for row in out["variants"].values():
+        row["x_default"] = round(row["s_per_upload"] / base, 3)
+    return out
