@@ -181,15 +181,21 @@ def make_uploads(clusters: torch.Tensor, n: int, seed: int) -> list[Upload]:
             for i in range(n)]
 
 
+def random_world(n_proxy: int, seed: int = 0) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """K proxy sets of random 28x28 inputs and labels, and K freshly initialized cnn28 vectors
+    (random inputs cost the same as real ones)."""
+    g = torch.Generator().manual_seed(seed)
+    proxies = [(torch.randn(n_proxy, 1, 28, 28, generator=g), torch.randint(0, 10, (n_proxy,), generator=g))
+               for _ in range(K)]
+    return proxies, torch.stack([to_vector(build_model(ARCH, seed=k)) for k in range(K)])
+
+
 def run(quick: bool = False) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     n_proxy = 250 if quick else 1000
     repeats = 2 if quick else 4
     spec = model_spec(ARCH)
-    g = torch.Generator().manual_seed(0)
-    proxies = [(torch.randn(n_proxy, 1, 28, 28, generator=g), torch.randint(0, 10, (n_proxy,), generator=g))
-               for _ in range(K)]
-    clusters = torch.stack([to_vector(build_model(ARCH, seed=k)) for k in range(K)])
+    proxies, clusters = random_world(n_proxy)
     flops_per_sample = forward_flops(ARCH)
     out: dict = {"device": str(device), "torch_threads": torch.get_num_threads(), "arch": ARCH, "K": K,
                  "proxy_per_cluster": n_proxy, "forward_mflop_per_sample": round(flops_per_sample / 1e6, 3)}

@@ -18,12 +18,10 @@ import torch
 
 from aggregator.cdfl import CDFL
 from aggregator.strategy import Upload
+from bench.bench_aggregator import ARCH, K, random_world
 from fedmq.config import CDFLSettings
-from fedmq.models import build_model, model_spec, to_vector
+from fedmq.models import model_spec
 from fedmq.sketch import data_sketch
-
-ARCH = "cnn28"
-K = 4
 
 DEFAULT = "default (finetune-ep8, refresh 1)"
 VARIANTS: dict[str, dict] = {
@@ -43,10 +41,8 @@ def run(quick: bool = False) -> dict:
     n_proxy = 250 if quick else 1000
     uploads_per_variant = 2 if quick else 4
     spec = model_spec(ARCH)
-    g = torch.Generator().manual_seed(0)
-    proxies = [(torch.randn(n_proxy, 1, 28, 28, generator=g), torch.randint(0, 10, (n_proxy,), generator=g))
-               for _ in range(K)]
-    clusters = torch.stack([to_vector(build_model(ARCH, seed=k)) for k in range(K)])
+    proxies, clusters = random_world(n_proxy)
+    g = torch.Generator().manual_seed(1)
     # an agent's data: mostly cluster 0, some cluster 1 (the sketch estimator fits that)
     agent_x = torch.cat([proxies[0][0][:300], proxies[1][0][:100]])
     sketch = data_sketch(agent_x)
