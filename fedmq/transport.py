@@ -657,10 +657,14 @@ class MqttTransport:
         not depend on the broker honouring an in-flight window. Needs a `NetworkLoop`
         (paho's own thread cannot pause). Publishes and acks still go out; meanwhile the
         publish window does not block (its PUBACKs are not read) and extra publishes queue
-        in paho. Idempotent; safe from any thread, handlers included.
+        in paho. Idempotent; safe from any thread, handlers included. Only once connected:
+        connect() reads the CONNACK and SUBACKs through the same socket.
         """
         if self.network is None:
             raise TransportError("pause_reading needs a NetworkLoop (MqttTransport(..., network=))")
+        if not self._ever_connected:
+            raise TransportError("pause_reading before the first connect() has finished: connect "
+                                 "reads its CONNACK and SUBACKs through the paused socket")
         self._read_paused = True
         self._window.set_open(True)
         if self._client is not None:

@@ -13,11 +13,12 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from aggregator.bootstrap import build_engine
 from aggregator.service import AggregatorService
 from fedmq.config import BrokerSettings
-from fedmq.transport import Message, MqttTransport, NetworkLoop
+from fedmq.transport import Message, MqttTransport, NetworkLoop, TransportError
 from tests.raw_agent import RawAgent
 from tests.test_aggregator_service import FLEET, SPEC, make_cfg, pretrained  # noqa: F401
 
@@ -62,6 +63,24 @@ def test_paused_transport_takes_nothing_then_everything_after_resume(mosquitto) 
     finally:
         producer.close()
         consumer.close()
+        network.close()
+
+
+def test_pause_before_connect_is_a_clear_error_and_changes_nothing(mosquitto) -> None:
+    network = NetworkLoop("bp-early")
+    t = MqttTransport("early", BrokerSettings(url=mosquitto.url), network=network)
+    try:
+        with pytest.raises(TransportError, match="before the first connect"):
+            t.pause_reading()
+        assert not t.reading_paused
+        got: list[Message] = []
+        t.connect()
+        t.subscribe("bp/early", got.append, qos=1)
+        MqttTransport("early-producer", BrokerSettings(url=mosquitto.url)).connect().publish(
+            "bp/early", b"hello").wait(10)
+        assert _wait(lambda: len(got) == 1)
+    finally:
+        t.close()
         network.close()
 
 
