@@ -274,7 +274,7 @@ def run_variant_wire(spec: AblationSpec, variant: Variant, base: Config,
     from sim.fleet import run_fleet
 
     cfg = variant.config(base)
-    result = run_fleet(spec.run_spec(variant.method, cfg), broker_url=broker_url)
+    result = run_fleet(spec.run_spec(variant.method, cfg), cfg, broker_url=broker_url)
     s = result.summary()
     u = result.updates
     return VariantResult(

@@ -20,6 +20,7 @@ from sim.ablation import (
     main,
     run_ablation,
     run_variant,
+    run_variant_wire,
 )
 
 SMALL = {"data.min_samples": "60", "data.max_samples": "90", "data.proxy_per_cluster": "60",
@@ -81,6 +82,26 @@ def test_every_variant_replays_the_same_fleet_and_a_rerun_is_identical():
     assert math.isnan(results["local"].kl) and results["mix"].kl >= 0
     again = run_variant(Fleet(spec, small_config()), Variant.parse(MIXTURE))
     assert again.acc_received == results["mix"].acc_received and again.kl == results["mix"].kl
+
+
+def test_wire_variant_hands_its_own_config_to_the_fleet_runner(monkeypatch):
+    """--wire runs the variant's config (its cdfl.* and agent.* settings), not the base one."""
+    import sim.fleet
+
+    class Handed(Exception):
+        pass
+
+    def capture(spec, base=None, **kwargs):
+        raise Handed(spec, base)
+
+    monkeypatch.setattr(sim.fleet, "run_fleet", capture)
+    spec = AblationSpec(clusters=2, seed=0, agents=2, updates_per_agent=1)
+    variant = Variant.parse("v=cdfl:cdfl.personalization=mixture,agent.epochs=5")
+    with pytest.raises(Handed) as handed:
+        run_variant_wire(spec, variant, small_config())
+    run_spec, cfg = handed.value.args
+    assert cfg is not None and cfg.cdfl.personalization == "mixture" and cfg.agent.epochs == 5
+    assert run_spec.local_epochs == 5
 
 
 def test_extra_estimators_score_the_same_uploads():
