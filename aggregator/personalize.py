@@ -150,10 +150,11 @@ class DistillPersonalizer(Personalizer):
         module = ev.module
         # Only samples that matter: a cluster with weight ~0 only costs time.
         keep = torch.nonzero(weights > 1e-6 * weights.max()).flatten().cpu()
+        draw_weights = weights.cpu()  # the CPU generator draws from CPU weights
         with torch.enable_grad():
             for _ in range(self.epochs):
                 if self.samples:
-                    draw = torch.multinomial(weights.cpu(), self.samples, replacement=True, generator=gen)
+                    draw = torch.multinomial(draw_weights, self.samples, replacement=True, generator=gen)
                     order = draw.to(device)
                 else:
                     order = keep[torch.randperm(len(keep), generator=gen)].to(device)
