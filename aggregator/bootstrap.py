@@ -39,14 +39,27 @@ def resolve_device(device: str) -> str:
     return device
 
 
+# An auto pretrain_epochs shows each cluster model about this many samples: the paper's
+# 2000 per cluster for 5 epochs, so that small datasets get as far as large ones.
+PRETRAIN_SAMPLES_SEEN = 10_000
+
+
+def pretrain_epochs(configured: int, samples: int) -> int:
+    """`aggregator.pretrain_epochs`, or for 0 (auto) ceil(10,000 / samples), at least 5."""
+    if configured:
+        return configured
+    return max(5, -(-PRETRAIN_SAMPLES_SEEN // max(samples, 1)))
+
+
 def pretrain_clusters(cfg: Config, clusters: RotatedClusters, model_name: str) -> list[torch.Tensor]:
     """One model per cluster, each trained from the same seeded init on its pretrain pool."""
     start = to_vector(build_model(model_name, seed=cfg.seed))
     vectors = []
     for k in range(clusters.num_clusters):
-        data = clusters.pretrain(k, cfg.data.pretrain_per_cluster)
+        data = clusters.pretrain(k, cfg.data.pretrain_per_cluster or None)
         t0 = time.perf_counter()
-        result = fit(model_name, start, data.x, data.y, epochs=cfg.aggregator.pretrain_epochs,
+        epochs = pretrain_epochs(cfg.aggregator.pretrain_epochs, len(data))
+        result = fit(model_name, start, data.x, data.y, epochs=epochs,
                      batch_size=32, lr=0.05, momentum=0.9, seed=cfg.seed + k)
         event(log, "cluster.pretrained", cluster=k, samples=len(data),
               seconds=time.perf_counter() - t0, loss=result.final_loss)
@@ -80,7 +93,7 @@ def build_engine(cfg: Config, *, clusters: RotatedClusters | None = None) -> Eng
         vectors = [to_vector(build_model(model_name, seed=cfg.seed)) for _ in range(K)]
     else:
         vectors = pretrain_clusters(cfg, clusters, model_name)
-    proxies = [clusters.proxy(k, cfg.data.proxy_per_cluster) for k in range(K)]
+    proxies = [clusters.proxy(k, cfg.data.proxy_per_cluster or None) for k in range(K)]
     device = resolve_device(cfg.device)
     proxy_sets = [(p.x, p.y) for p in proxies]
     strategy: Strategy = make_strategy(cfg, spec, vectors, proxy_sets, device=device)

@@ -112,10 +112,10 @@ class DataSettings:
     """Smallest share of an agent's data from its primary cluster."""
     primary_max: float = 0.9
     """Largest share of an agent's data from its primary cluster."""
-    proxy_per_cluster: int = 1000
-    """Server-side proxy samples per cluster (CDFL's D_k)."""
-    pretrain_per_cluster: int = 2000
-    """Samples per cluster the server pre-trains its cluster models on."""
+    proxy_per_cluster: int = 0
+    """Server-side proxy samples per cluster (CDFL's D_k). 0 = auto: the paper's 1000, or what fits in half the dataset's train split with the pre-training sets (digits at K = 3: 209, shared by the clusters under their own rotations). An explicit value that does not fit is refused with the largest one that does."""
+    pretrain_per_cluster: int = 0
+    """Samples per cluster the server pre-trains its cluster models on. 0 = auto: the paper's 2000, or what fits (digits at K = 3: 418); see proxy_per_cluster."""
 
 
 @dataclass
@@ -249,8 +249,8 @@ class AggregatorSettings:
     """Back-pressure: above this many received, unprocessed messages the aggregator stops reading from the broker (resumes at half)."""
     inbox_max_bytes: int = 64 * 1024 * 1024
     """Back-pressure: the same bound in payload bytes."""
-    pretrain_epochs: int = 5
-    """Epochs of server-side pre-training of each cluster model on its pretrain pool."""
+    pretrain_epochs: int = 0
+    """Epochs of server-side pre-training of each cluster model on its pretrain pool. 0 = auto: enough epochs to see about 10,000 samples, at least 5 (5 for the paper's 2000 per cluster; 24 for digits' 418 at K = 3)."""
     accuracy_every: int = 10
     """Epochs between refreshes of the per-cluster proxy accuracy metric (0 = after every batch)."""
     snapshot_every: int = 200

@@ -20,6 +20,11 @@ from fedmq.data.sources import Dataset, load_dataset
 
 PURPOSES: tuple[str, ...] = ("proxy", "pretrain", "agents", "test")
 
+# The paper's server sets per cluster: what an auto size (None or 0) asks for before it is
+# shrunk to what the dataset can give.
+PAPER_PROXY_PER_CLUSTER = 1000
+PAPER_PRETRAIN_PER_CLUSTER = 2000
+
 
 def rotate(x: torch.Tensor, angle_deg: float, fill: Sequence[float] | None = None) -> torch.Tensor:
     """Rotate a batch (N, C, H, W) counter-clockwise by any angle about the image centre.
@@ -77,21 +82,27 @@ class RotatedClusters:
 
     Pools are base-image indices fixed by `seed` at construction: `pool(purpose, k)`.
     Purposes (proxy, pretrain, agents) never share a base image, and all come from the
-    train split; the test pools come from the test split. Clusters get disjoint base images
-    (`disjoint_clusters`) when K * (proxy + pretrain) fits in half the train split;
-    otherwise every cluster uses the same proxy, pretrain and agent base images under its
-    own rotation, and the proxy/pretrain blocks shrink to fit half the train split in the
-    ratio proxy : pretrain. Test pools are the whole test split for every cluster.
+    train split; the test pools come from the test split. The server's sets (proxy and
+    pretrain, all clusters) get at most half the train split; the agents get the rest.
+    Clusters get disjoint base images (`disjoint_clusters`) when K * (proxy + pretrain) fits
+    in that half; otherwise every cluster uses the same proxy, pretrain and agent base images
+    under its own rotation. Test pools are the whole test split for every cluster.
+
+    A size of None (or 0) is auto: the paper's 1000 proxy / 2000 pretrain per cluster, or,
+    where the dataset is too small for them, what fits in the server's half (the auto sizes
+    share what the explicit ones leave, in the paper's ratio 1 : 2). So every dataset works
+    with no size given, and a size given explicitly is either honoured exactly or refused
+    with the largest value that fits.
     """
 
     def __init__(self, train: Dataset, test: Dataset, num_clusters: int, *, seed: int = 0,
-                 angles: Sequence[float] | None = None, proxy_per_cluster: int = 1000,
-                 pretrain_per_cluster: int = 2000) -> None:
+                 angles: Sequence[float] | None = None, proxy_per_cluster: int | None = None,
+                 pretrain_per_cluster: int | None = None) -> None:
         if train.image_shape != test.image_shape or train.num_classes != test.num_classes:
             raise ValueError(f"train {train.image_shape}/{train.num_classes} classes and test "
                              f"{test.image_shape}/{test.num_classes} classes differ")
-        if proxy_per_cluster < 0 or pretrain_per_cluster < 0:
-            raise ValueError("proxy_per_cluster and pretrain_per_cluster must be >= 0")
+        if (proxy_per_cluster or 0) < 0 or (pretrain_per_cluster or 0) < 0:
+            raise ValueError("proxy_per_cluster and pretrain_per_cluster must be >= 0 (0 = auto)")
         self.angles: tuple[float, ...] = (tuple(float(a) for a in angles) if angles is not None
                                           else cluster_angles(num_clusters))
         if len(self.angles) != num_clusters:
@@ -112,18 +123,40 @@ class RotatedClusters:
     def image_shape(self) -> tuple[int, int, int]:
         return self.train_data.image_shape
 
-    def _make_pools(self, n_train: int, n_test: int, proxy: int, pretrain: int) -> dict[str, list[np.ndarray]]:
+    def _server_sizes(self, n_train: int, proxy: int | None, pretrain: int | None) -> tuple[int, int]:
+        """Per-cluster proxy and pretrain sizes (see the class docstring), or a ValueError that
+        names the config key, the dataset and the largest value that fits."""
+        k, budget = self.num_clusters, n_train // 2
+        want = {"proxy": proxy or PAPER_PROXY_PER_CLUSTER, "pretrain": pretrain or PAPER_PRETRAIN_PER_CLUSTER}
+        self.disjoint_clusters = k * sum(want.values()) <= budget
+        if self.disjoint_clusters:
+            return want["proxy"], want["pretrain"]
+        # Shared base images: each cluster's sets are the same images under its own rotation,
+        # so the sizes per cluster must fit the server's half together.
+        explicit = {name: n for name, n in (("proxy", proxy), ("pretrain", pretrain)) if n}
+        auto = [name for name in want if name not in explicit]
+        left = budget - sum(explicit.values())
+        if left < 0 or (auto and left <= 0):
+            keys = " + ".join(f"data.{name}_per_cluster={n}" for name, n in explicit.items())
+            raise ValueError(f"{keys} does not fit {self.name}: its {n_train} train images leave "
+                             f"{budget} for the server's sets (each cluster shares them under its "
+                             f"own rotation); lower it to {budget} in all, or set 0 for auto")
+        sizes = dict(explicit)
+        auto_total = sum(want[name] for name in auto)
+        for name in auto:
+            sizes[name] = min(want[name], left * want[name] // auto_total)
+        return sizes["proxy"], sizes["pretrain"]
+
+    def _make_pools(self, n_train: int, n_test: int, proxy: int | None,
+                    pretrain: int | None) -> dict[str, list[np.ndarray]]:
         k = self.num_clusters
         rng = np.random.default_rng([self.seed, 0x524F54])  # fixed stream for the pools
         order = rng.permutation(n_train)
-        server_budget = n_train // 2
-        self.disjoint_clusters = k * (proxy + pretrain) <= server_budget
+        self.proxy_size, self.pretrain_size = self._server_sizes(n_train, proxy, pretrain)
         if self.disjoint_clusters:
-            proxy_block, pretrain_block = k * proxy, k * pretrain
+            proxy_block, pretrain_block = k * self.proxy_size, k * self.pretrain_size
         else:
-            total = max(proxy + pretrain, 1)
-            proxy_block = min(proxy, server_budget * proxy // total)
-            pretrain_block = min(pretrain, server_budget * pretrain // total)
+            proxy_block, pretrain_block = self.proxy_size, self.pretrain_size
         blocks = np.split(order, [proxy_block, proxy_block + pretrain_block])
         pools: dict[str, list[np.ndarray]] = {}
         for purpose, block in zip(("proxy", "pretrain", "agents"), blocks, strict=True):
@@ -171,7 +204,9 @@ class RotatedClusters:
         pool = self.pool(purpose, cluster)
         if n is not None:
             if n > len(pool):
-                raise ValueError(f"{purpose} pool of cluster {cluster} has {len(pool)} images, asked for {n}")
+                raise ValueError(f"data.{purpose}_per_cluster={n} does not fit {self.name} with "
+                                 f"K={self.num_clusters}: the {purpose} pool of a cluster has "
+                                 f"{len(pool)} images; set {len(pool)} or less, or 0 for auto")
             pool = pool[:n]
         base = self.test_data if purpose == "test" else self.train_data
         data = self.rotated(base, cluster, pool, purpose)
@@ -204,5 +239,5 @@ def clusters_from_settings(settings: DataSettings, num_clusters: int, *, seed: i
     train = load_dataset(settings.dataset, data_dir=settings.data_dir, train=True, download=settings.download)
     test = load_dataset(settings.dataset, data_dir=settings.data_dir, train=False, download=settings.download)
     return RotatedClusters(train, test, num_clusters, seed=seed, angles=angles,
-                           proxy_per_cluster=settings.proxy_per_cluster,
-                           pretrain_per_cluster=settings.pretrain_per_cluster)
+                           proxy_per_cluster=settings.proxy_per_cluster or None,
+                           pretrain_per_cluster=settings.pretrain_per_cluster or None)
