@@ -19,7 +19,7 @@ import shlex
 import signal
 import sys
 import tempfile
-import time
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -102,10 +102,12 @@ def _run_embedded(args: argparse.Namespace) -> int:
         return 0
     broker = EmbeddedBroker(port=args.port)
     try:
-        broker.start()
-        print(f"url: {broker.url}", flush=True)
-        print(f"embedded amqtt broker (MQTT 3.1.1, anonymous; {why}); Ctrl-C stops it", flush=True)
-        _serve_until_interrupted(lambda: broker.running)
+        with _StopSignals() as stop:
+            broker.start()
+            print(f"url: {broker.url}", flush=True)
+            print(f"embedded amqtt broker (MQTT 3.1.1, anonymous; {why}); Ctrl-C stops it", flush=True)
+            if stop.wait_while(lambda: broker.running):
+                return 0
         print("fedmq broker: the embedded broker's thread ended", file=sys.stderr)
         return 1
     except BrokerError as e:
@@ -132,13 +134,17 @@ def _run_mosquitto(args: argparse.Namespace, binary: str, config_text: str) -> i
         print(f"fedmq broker: {e}", file=sys.stderr)
         return 1
     try:
-        broker.start()
-        print(f"url: {scheme}://{broker.host}:{broker.port}", flush=True)
-        print(f"mosquitto pid {broker.proc.pid if broker.proc else '?'}, config {broker.config_path}, "
-              f"log {broker.log_path}; Ctrl-C stops it", flush=True)
-        assert broker.proc is not None
-        proc = broker.proc
-        _serve_until_interrupted(lambda: proc.poll() is None)
+        with _StopSignals() as stop:
+            broker.start()
+            print(f"url: {scheme}://{broker.host}:{broker.port}", flush=True)
+            print(f"mosquitto pid {broker.proc.pid if broker.proc else '?'}, config {broker.config_path}, "
+                  f"log {broker.log_path}; Ctrl-C stops it", flush=True)
+            assert broker.proc is not None
+            proc = broker.proc
+            # A Ctrl-C or a service manager's stop signals the whole group: mosquitto may end
+            # from the same signal before we notice ours, and that is still a clean stop.
+            if stop.wait_while(lambda: proc.poll() is None) or stop.requested_within(1.0):
+                return 0
         print(f"fedmq broker: mosquitto exited with code {proc.returncode}\n"
               f"{broker.log_tail()}", file=sys.stderr)
         return 1
@@ -149,17 +155,30 @@ def _run_mosquitto(args: argparse.Namespace, binary: str, config_text: str) -> i
         broker.close()
 
 
-def _serve_until_interrupted(still_running: Callable[[], bool]) -> None:
-    """Return when `still_running()` turns false (the broker died by itself); SIGINT and
-    SIGTERM raise KeyboardInterrupt, whatever handlers (or SIG_IGN, as for background jobs
-    of a non-interactive shell) this process inherited."""
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
+class _StopSignals:
+    """SIGINT and SIGTERM ask for a stop, whatever handlers (or SIG_IGN, as for background
+    jobs of a non-interactive shell) this process inherited. Installed before the broker
+    starts, so a stop that comes right after the `url:` line is a clean stop, not a kill."""
 
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while still_running():
-            time.sleep(0.2)
-    finally:
-        for sig, handler in previous.items():
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> _StopSignals:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, lambda *_: self._stop.set())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+    def wait_while(self, still_running: Callable[[], bool]) -> bool:
+        """Wait until a stop is asked for (True) or `still_running()` turns false (False)."""
+        while still_running():
+            if self._stop.wait(0.2):
+                return True
+        return self._stop.is_set()
+
+    def requested_within(self, seconds: float) -> bool:
+        return self._stop.wait(seconds)
