@@ -154,7 +154,7 @@ class Fleet:
         t0 = time.perf_counter()
         self.start_vectors = pretrain_clusters(self.cfg, self.clusters, self.model_name)
         self.pretrain_s = time.perf_counter() - t0
-        proxies = [self.clusters.proxy(k, self.cfg.data.proxy_per_cluster) for k in range(spec.clusters)]
+        proxies = [self.clusters.proxy(k, self.cfg.data.proxy_per_cluster or None) for k in range(spec.clusters)]
         self.proxies = [(p.x, p.y) for p in proxies]
         self.n_agents = spec.run_spec("cdfl").resolved_agents()
         self.schedule = make_schedule(spec.seed, self.n_agents, spec.updates_per_agent)
@@ -422,6 +422,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--report", action="store_true", help="only rebuild OUT/table.md from OUT/results.json")
     p.add_argument("--merge", action="append", type=Path, default=[], metavar="DIR",
                    help="only write OUT from the runs in DIR/results.json (repeatable; runs nothing)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the scenario, dataset, variants and their keys, print the plan and exit")
     args = p.parse_args(argv)
     command = "python -m sim.ablation " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     if args.report:
@@ -445,6 +447,22 @@ def main(argv: Sequence[str] | None = None) -> int:
              else list(range(cfg.seed, cfg.seed + int(args.seeds))))
     clusters = [int(k) for k in args.clusters.split(",") if k.strip()]
     estimators = [e.strip() for e in args.estimators.split(",") if e.strip()]
+    if args.dry_run:
+        from sim.scenarios import describe_plan
+
+        try:
+            for v in variants:
+                v.config(cfg)  # every key=value of a variant is a real config key
+        except ValueError as e:
+            print(f"python -m sim.ablation: {e}", file=sys.stderr)
+            return 2
+        print(describe_plan(args.scenario, cfg, clusters))
+        for v in variants:
+            print(f"  variant {v.name}: {v.method}" + "".join(f", {k}={val}" for k, val in v.settings))
+        print(f"{len(variants)} variants x K {', '.join(map(str, clusters))} x seeds "
+              f"{', '.join(map(str, seeds))}, {args.updates_per_agent:g} updates per agent"
+              f"{' over MQTT' if args.wire else ''}; output {args.out} (dry run: nothing run)")
+        return 0
     torch.set_num_threads(1)
     done: list[VariantResult] = []
 

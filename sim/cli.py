@@ -36,6 +36,8 @@ def _int_list(text: str) -> list[int]:
 def _add_part_arguments(p: argparse.ArgumentParser) -> None:
     """The flags that decide one run; every process of a split run gets the same ones."""
     add_config_arguments(p, ("broker", "fleet", "log_level", "data_dir", "seed"))
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the scenario, dataset and flags, print the plan and exit")
     p.add_argument("--scenario", default="rotated-digits", help="as in `fedmq sim run` (default rotated-digits)")
     p.add_argument("--method", default="cdfl", help="cdfl (default), fedsoft-async, fedasync or local")
     p.add_argument("--clusters", type=int, default=3, help="K (default 3)")
@@ -69,6 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--max-samples", type=int, help="most samples per agent (default data.max_samples, 2000)")
     r.add_argument("--test-samples", type=int, default=300, help="test samples per agent and cycle (300)")
     r.add_argument("--out", required=True, type=Path, help="output dir")
+    r.add_argument("--dry-run", action="store_true",
+                   help="check the scenario, dataset, methods and flags, print the plan and exit")
     rep = sub.add_parser("report", help="table (paper's Table 1) and figures from a run's output dir "
                                         "(sim run, a split run's parts, or sim rounds)")
     rep.add_argument("out", type=Path, help="the --out dir of `fedmq sim run`, `sim agents` or `sim rounds`")
@@ -160,6 +164,13 @@ def run_part(args: argparse.Namespace) -> int:
                    seed=cfg.seed, updates_per_agent=args.updates_per_agent,
                    workers=getattr(args, "workers", 1), test_samples=args.test_samples)
     print(f"run {spec.label}: fleet {fleet_name(cfg.fleet, spec)} on {cfg.broker.url}", flush=True)
+    if args.dry_run:
+        from sim.scenarios import describe_plan
+
+        print(describe_plan(spec.scenario, cfg, [spec.clusters]))
+        print(f"{spec.resolved_agents()} agents, {spec.updates_per_agent:g} updates per agent; "
+              f"output {args.out} (dry run: nothing started)")
+        return 0
     if args.sim_command == "aggregator":
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -204,6 +215,14 @@ def run_experiments(args: argparse.Namespace) -> int:
                      test_samples=args.test_samples)
              for k in args.clusters for s in seeds for m in methods]
     total = sum(len(make_schedule(sp.seed, sp.resolved_agents(), sp.updates_per_agent)) for sp in specs)
+    if args.dry_run:
+        from sim.scenarios import describe_plan
+
+        print(describe_plan(scenario.name, cfg, args.clusters))
+        print(f"{len(specs)} runs (methods {', '.join(methods)}; K {', '.join(map(str, args.clusters))}; "
+              f"seeds {', '.join(map(str, seeds))}), {total} updates in all; output {args.out} "
+              "(dry run: nothing started)")
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     command = "fedmq sim " + " ".join(shlex.quote(a) for a in sys.argv[sys.argv.index("sim") + 1:]) \
         if "sim" in sys.argv else None

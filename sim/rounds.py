@@ -353,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-group", type=int, default=5)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--out", default="", help="directory for results.json, table.md, accuracy.png")
+    p.add_argument("--dry-run", action="store_true", help="check the flags, print the plan and exit")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     spec = FleetSpec(agents=a.agents, slow_share=a.slow_share, slow_factor=a.slow_factor,
@@ -360,6 +361,10 @@ def main(argv: list[str] | None = None) -> int:
     settings = CataFedSettings(groups=a.groups, per_group=a.per_group, deadline_s=a.deadline,
                                grace_s=a.grace, epochs=a.epochs, rounds=a.rounds,
                                target_accuracy=a.target)
+    if a.dry_run:
+        print(f"{a.algorithms} x seeds {a.seeds}: {spec}, {settings}; output {a.out or '-'} "
+              "(dry run: nothing run)")
+        return 0
     runs = []
     for seed in [int(s) for s in a.seeds.split(",")]:
         for alg in a.algorithms.split(","):

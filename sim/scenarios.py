@@ -17,6 +17,7 @@ of the same seed, whatever the thread timing.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -78,8 +79,8 @@ class DomainClusters(RotatedClusters):
     replaces the rotation by a domain transform in pixel space, then renormalizes.
     """
 
-    def __init__(self, train: Dataset, test: Dataset, *, seed: int = 0, proxy_per_cluster: int = 1000,
-                 pretrain_per_cluster: int = 2000) -> None:
+    def __init__(self, train: Dataset, test: Dataset, *, seed: int = 0, proxy_per_cluster: int | None = None,
+                 pretrain_per_cluster: int | None = None) -> None:
         super().__init__(train, test, len(DOMAINS), seed=seed, angles=[0.0] * len(DOMAINS),
                          proxy_per_cluster=proxy_per_cluster, pretrain_per_cluster=pretrain_per_cluster)
         self.name = f"{train.name}-domains"
@@ -116,8 +117,8 @@ def build_clusters(scenario: Scenario, cfg: Config, num_clusters: int) -> Rotate
     d = cfg.data
     train = load_dataset(d.dataset, data_dir=d.data_dir, train=True, download=d.download)
     test = load_dataset(d.dataset, data_dir=d.data_dir, train=False, download=d.download)
-    return DomainClusters(train, test, seed=cfg.seed, proxy_per_cluster=d.proxy_per_cluster,
-                          pretrain_per_cluster=d.pretrain_per_cluster)
+    return DomainClusters(train, test, seed=cfg.seed, proxy_per_cluster=d.proxy_per_cluster or None,
+                          pretrain_per_cluster=d.pretrain_per_cluster or None)
 
 
 def route_mixture(position: float, num_clusters: int, sharpness: float = 3.0) -> np.ndarray:
@@ -142,3 +143,25 @@ def draw_cycle(scenario: Scenario, clusters: RotatedClusters, cfg: Config, seed:
     n = int(rng.integers(d.min_samples, d.max_samples + 1))
     return (sample_agent_data(clusters, alpha, n, rng, split="train"),
             sample_agent_data(clusters, alpha, test_samples, rng, split="test"))
+
+
+def describe_plan(scenario_name: str, cfg: Config, clusters: list[int]) -> str:
+    """What a run of `scenario_name` at each K would use, checked without running it.
+
+    Loads the scenario's dataset from `cfg.data.data_dir` and lays out its clusters at every K,
+    so a `--dry-run` fails here, in seconds, on a missing dataset, an unknown scenario or
+    server set sizes that do not fit, instead of an hour into an experiment.
+    """
+    scenario = get_scenario(scenario_name)
+    cfg = copy.deepcopy(cfg)
+    cfg.data.dataset = scenario.dataset
+    apply_defaults(scenario, cfg)
+    lines = [f"scenario {scenario.name}: {scenario.description}; dataset {scenario.dataset}"
+             + ("" if scenario.dataset == "digits" else f" from {cfg.data.data_dir}")]
+    for k in clusters:
+        c = build_clusters(scenario, cfg, k)
+        lines.append(f"  K={k}: {len(c.train_data)} train / {len(c.test_data)} test images, per cluster "
+                     f"proxy {c.proxy_size}, pretrain {c.pretrain_size}, agents' pool "
+                     f"{len(c.pool('agents', 0))}" + (" (disjoint base images)" if c.disjoint_clusters
+                                                       else " (base images shared across clusters)"))
+    return "\n".join(lines)
