@@ -3,7 +3,7 @@
 examples:
   fedmq aggregator --broker mqtt://127.0.0.1:1883 --fleet demo --clusters 3
   fedmq aggregator --algorithm fedsoft-async --dataset mnist --data-dir ~/data --state-dir st/
-  fedmq aggregator --config aggregator.toml --set cdfl.beta0=0.1
+  fedmq aggregator --config deploy/aggregator.toml --state-dir st/agg --set cdfl.beta0=0.1
   fedmq aggregator --algorithm catafed --set catafed.deadline_s=20   # deadline rounds
 
 State (cluster models, journal) lives in --state-dir; a restart resumes from it. SIGTERM or
