@@ -182,7 +182,8 @@ def transcript(exchange: list[tuple[str, str, int, bool, bytes]]) -> str:
     out = []
     for direction, topic, qos, retain, payload in exchange:
         head = f"# {direction}  {topic}  QoS {qos}  retain {'yes' if retain else 'no'}  {len(payload)} bytes"
-        hexed = payload[:48].hex(" ") + (" ..." if len(payload) > 48 else "")
+        shown = len(payload) if len(payload) <= 256 else 48  # small messages whole
+        hexed = payload[:shown].hex(" ") + (" ..." if len(payload) > shown else "")
         if topic.endswith("/model/onnx"):
             body = "(raw ONNX file, a protobuf ModelProto; not msgpack)"
         else:
@@ -308,3 +309,20 @@ def test_a_device_that_knows_only_the_doc_joins_updates_and_runs_its_model(mosqu
     print(text)
     if os.environ.get("FEDMQ_PROTOCOL_EXCHANGE"):
         Path(os.environ["FEDMQ_PROTOCOL_EXCHANGE"]).write_text(text)
+
+
+def test_join_advertisement_is_left_off_an_agents_status_and_round_trips() -> None:
+    """Backwards compatibility: a status without the new fields is the same bytes as before,
+    so receivers that predate them (v1 refuses unknown keys) still read agents' statuses."""
+    from fedmq import protocol
+
+    base = dict(agent="a1", msg_id="m1", sent_at=1.0, state="online", role="agent")
+    plain = msgpack.unpackb(protocol.encode(protocol.Status(**base)))
+    assert sorted(plain) == sorted(["v", "type", "agent", "msg_id", "sent_at", "state", "role",
+                                    "algorithm", "epoch", "counters"])
+    full = protocol.Status(**base, model="5a9e7b9f05416da4", model_name="digits-cnn",
+                           model_spec="{}", clusters=3, codec={"name": "int8", "zstd": True},
+                           graph={"topic": "fedmq/f/model/onnx", "bytes": 10})
+    assert protocol.decode(protocol.encode(full), max_bytes=1 << 16) == full
+    with pytest.raises(protocol.ProtocolError, match="bad_field"):
+        protocol.encode(protocol.Status(**base, codec={"name": ["int8"]}))  # type: ignore[dict-item]
