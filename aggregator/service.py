@@ -18,6 +18,7 @@ state, logs why, and retries the batch with backoff.
 
 from __future__ import annotations
 
+import hashlib
 import queue
 import threading
 import time
@@ -31,6 +32,7 @@ from fedmq import protocol
 from fedmq.channel import Channel, Received, Refused
 from fedmq.config import Config
 from fedmq.logs import event, get_logger
+from fedmq.onnx_export import INPUT_NAME, OUTPUT_NAME, fleet_graph
 from fedmq.transport import Message, MqttTransport, NetworkLoop, Will, default_network
 
 if TYPE_CHECKING:
@@ -75,6 +77,8 @@ class AggregatorService:
         """Payload bytes received and not yet taken by the worker."""
         self.inbox_peak = (0, 0)
         """Most (messages, bytes) ever waiting in the inbox: what back-pressure bounds."""
+        self.graph: bytes | None = None
+        """The fleet's ONNX graph (no weights), made at start; None if the export failed."""
         shared = default_network()
         self._own_network = None if shared is not None else NetworkLoop(f"fedmq-aggregator-{cfg.fleet}")
         self.transport = MqttTransport(
@@ -85,18 +89,48 @@ class AggregatorService:
         self.channel = Channel(self.transport, cfg.protocol)
 
     def _status(self, state: str) -> bytes:
+        """The retained status; it also advertises what a device needs to join (protocol.Status)."""
+        spec, c = self.engine.spec, self.cfg.codec
+        clusters = getattr(self.engine.strategy, "clusters", None)
+        graph: dict[str, bool | int | float | str] = {}
+        if self.graph is not None:
+            graph = {"topic": protocol.model_graph(self.fleet), "format": "onnx",
+                     "bytes": len(self.graph), "sha256": hashlib.sha256(self.graph).hexdigest(),
+                     "input": INPUT_NAME, "output": OUTPUT_NAME}
         env = protocol.Status(agent="aggregator", msg_id=protocol.new_msg_id(),
                               sent_at=protocol.now(), state=state, role="aggregator",
                               algorithm=self.cfg.aggregator.algorithm,
                               epoch=self.engine.strategy.epoch,
-                              counters={k: v for k, v in self.engine.counters.items()})
+                              counters={k: v for k, v in self.engine.counters.items()},
+                              model=spec.hash, model_name=spec.arch,
+                              model_spec=spec.canonical_json,
+                              clusters=len(clusters) if clusters is not None else 1,
+                              codec={"name": c.name, "zstd": c.zstd, "delta": c.delta,
+                                     "int8_block": c.int8_block, "topk_ratio": c.topk_ratio},
+                              graph=graph)
         return protocol.encode(env)
+
+    def _export_graph(self) -> None:
+        """Export the model graph devices fetch (docs/protocol.md, "Model graph"); a failure
+        is logged and only leaves the graph unpublished (`graph` empty in the status)."""
+        try:
+            self.graph, info = fleet_graph(self.engine.spec.arch)
+        except Exception as e:  # no onnx, or an exporter failure: Python agents need no graph
+            event(log, "graph.unavailable", level=30, model=self.engine.spec.arch,
+                  error=f"{type(e).__name__}: {e}"[:300])
+            return
+        event(log, "graph.exported", model=self.engine.spec.arch, bytes=info.bytes,
+              exporter=info.exporter, seconds=round(info.seconds, 2))
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> AggregatorService:
         replayed = self.engine.recover()
         self.counters["replayed"] += replayed
+        self._export_graph()
+        if self.graph is not None:  # retained before the online status, which points at it
+            self.transport.on_connect_hooks.append(lambda t, _: t.publish(
+                protocol.model_graph(self.fleet), self.graph or b"", qos=1, retain=True))
         serve_fleet(self.transport, self.fleet, lambda: self._status("online"), self._receive)
         self._worker = threading.Thread(target=self._run, name="fedmq-aggregator", daemon=True)
         self._worker.start()

@@ -3,16 +3,8 @@
     predictor = make_predictor("cnn28", vector, path=state_dir / "model.onnx")
     logits = predictor.predict(x)          # x: (N, C, H, W) float32 numpy
 
-Export. A model is exported once per architecture; later models of the same spec only
-swap the weights inside the cached ONNX graph. Both of torch's exporters name the graph's
-initializers after the parameters (conv1.weight, ...) with the parameters' shapes, so a
-new vector is written into them by name (shape-checked) in milliseconds, where a fresh
-export costs 2-7 s with the dynamo exporter on this 2-core machine (0.01-0.08 s with the
-legacy TorchScript one, which torch deprecates). If a graph does not hold every parameter
-under its name, each model is exported afresh. The default exporter is dynamo
-(`torch.onnx.export(..., dynamo=True, external_data=False)`: one self-contained file,
-dynamic batch dimension); "legacy" is the fallback when dynamo fails, and "auto" means
-exactly that order.
+Export: `fedmq.onnx_export` (in the kernel, shared with the aggregator's published graph);
+a model is exported once per architecture and later models only swap its weights.
 
 Runtime. CUDAExecutionProvider first when this onnxruntime build offers it, then CPU;
 `intra_op_num_threads` bounds the CPU threads (1 by default: a device runs other things).
@@ -23,24 +15,25 @@ and returns a `TorchPredictor`.
 from __future__ import annotations
 
 import os
-import time
-import warnings
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from fedmq.atomic_file import atomic_write
 from fedmq.logs import event, get_logger
-from fedmq.models import ModelSpec, build_model, load_vector, model_spec
+from fedmq.models import ModelSpec, model_spec
+from fedmq.onnx_export import (  # noqa: F401  (re-exported: the agent's inference API)
+    EXPORTERS,
+    INPUT_NAME,
+    OUTPUT_NAME,
+    ExportInfo,
+    export_onnx,
+    model_at,
+)
 
 log = get_logger("edge_agent.inference")
-
-EXPORTERS = ("auto", "dynamo", "legacy")
-INPUT_NAME = "x"
-OUTPUT_NAME = "logits"
 
 
 class Predictor(Protocol):
@@ -57,10 +50,6 @@ def _as_batch(spec: ModelSpec, x: np.ndarray | torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.float32)
 
 
-def _model_at(model_name: str, vector: torch.Tensor) -> torch.nn.Module:
-    return load_vector(build_model(model_name), vector.detach().float().cpu()).eval()
-
-
 class TorchPredictor:
     """The model in eager torch: the reference, and the fallback where ONNX Runtime is not."""
 
@@ -69,98 +58,12 @@ class TorchPredictor:
     def __init__(self, model_name: str, vector: torch.Tensor, fallback_reason: str | None = None) -> None:
         self.model_name = model_name
         self.spec = model_spec(model_name)
-        self.model = _model_at(model_name, vector)
+        self.model = model_at(model_name, vector)
         self.fallback_reason = fallback_reason
 
     @torch.inference_mode()
     def predict(self, x: np.ndarray | torch.Tensor) -> np.ndarray:
         return self.model(torch.from_numpy(_as_batch(self.spec, x))).numpy()
-
-
-@dataclass
-class ExportInfo:
-    """How an ONNX file came to be: `exporter` used, and whether a cached graph was reused."""
-
-    exporter: str
-    seconds: float
-    reused_graph: bool
-    bytes: int
-
-
-_GRAPHS: dict[str, tuple[Any, str]] = {}
-"""spec hash -> (onnx.ModelProto whose initializers hold every parameter by name, exporter)."""
-
-
-def _fresh_export(model_name: str, vector: torch.Tensor, exporter: str) -> Any:
-    """A new onnx.ModelProto of this model with these weights (dynamic batch dimension)."""
-    import onnx
-
-    spec = model_spec(model_name)
-    model = _model_at(model_name, vector)
-    example = torch.zeros(2, *spec.input_shape)
-    if exporter == "dynamo":
-        program = torch.onnx.export(
-            model, (example,), None, dynamo=True, external_data=False, verbose=False,
-            input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
-            dynamic_shapes={INPUT_NAME: {0: torch.export.Dim("batch")}})
-        return program.model_proto
-    import io
-
-    buffer = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the legacy exporter's deprecation notice
-        torch.onnx.export(model, (example,), buffer, dynamo=False, input_names=[INPUT_NAME],
-                          output_names=[OUTPUT_NAME],
-                          dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}})
-    return onnx.load_from_string(buffer.getvalue())
-
-
-def _holds_every_parameter(graph: Any, spec: ModelSpec) -> bool:
-    dims = {init.name: tuple(init.dims) for init in graph.graph.initializer}
-    return all(dims.get(name) == tuple(shape) for name, shape in zip(spec.names, spec.shapes, strict=True))
-
-
-def _with_weights(graph: Any, spec: ModelSpec, vector: torch.Tensor) -> Any:
-    """A copy of `graph` whose parameter initializers hold `vector` (names and shapes checked)."""
-    import onnx
-    from onnx import numpy_helper
-
-    out = onnx.ModelProto()
-    out.CopyFrom(graph)
-    params = spec.unflatten(vector.detach().float().cpu())
-    for init in out.graph.initializer:
-        if init.name in params:
-            init.CopyFrom(numpy_helper.from_array(params[init.name].numpy(), init.name))
-    return out
-
-
-def export_onnx(model_name: str, vector: torch.Tensor, exporter: str = "auto",
-                reuse_graph: bool = True) -> tuple[bytes, ExportInfo]:
-    """The serialized ONNX model of `vector`, one self-contained blob (weights inside)."""
-    if exporter not in EXPORTERS:
-        raise ValueError(f"exporter must be one of {', '.join(EXPORTERS)}, got {exporter!r}")
-    spec = model_spec(model_name)
-    if vector.ndim != 1 or vector.numel() != spec.numel:
-        raise ValueError(f"{model_name} has {spec.numel} parameters, got a vector of shape {tuple(vector.shape)}")
-    t0 = time.perf_counter()
-    cached = _GRAPHS.get(spec.hash) if reuse_graph else None
-    if cached is not None and (exporter == "auto" or cached[1] == exporter):
-        blob = _with_weights(cached[0], spec, vector).SerializeToString()
-        return blob, ExportInfo(cached[1], time.perf_counter() - t0, True, len(blob))
-    order = ["dynamo", "legacy"] if exporter == "auto" else [exporter]
-    errors = []
-    for name in order:
-        try:
-            graph = _fresh_export(model_name, vector, name)
-        except Exception as exc:  # the exporter's failure modes are many; try the next one
-            errors.append(f"{name}: {type(exc).__name__}: {exc}")
-            event(log, "onnx.export_failed", exporter=name, error=f"{type(exc).__name__}: {exc}")
-            continue
-        if reuse_graph and _holds_every_parameter(graph, spec):
-            _GRAPHS[spec.hash] = (graph, name)
-        blob = graph.SerializeToString()
-        return blob, ExportInfo(name, time.perf_counter() - t0, False, len(blob))
-    raise RuntimeError(f"ONNX export of {model_name} failed: " + "; ".join(errors))
 
 
 def write_atomic(path: Path, data: bytes) -> None:

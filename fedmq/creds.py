@@ -188,6 +188,7 @@ def render_acl(aggregator_user: str, monitor_user: str | None = None) -> str:
         "pattern write fedmq/+/agents/%u/status",
         "pattern read fedmq/+/agents/%u/down",
         "pattern read fedmq/+/aggregator/status",
+        "pattern read fedmq/+/model/onnx",
         "",
         "# The aggregator reads every uplink and status, writes every downlink and its status.",
         f"user {aggregator_user}",
@@ -195,6 +196,7 @@ def render_acl(aggregator_user: str, monitor_user: str | None = None) -> str:
         "topic read fedmq/+/agents/+/status",
         "topic write fedmq/+/agents/+/down",
         "topic readwrite fedmq/+/aggregator/status",
+        "topic readwrite fedmq/+/model/onnx",
     ]
     if monitor_user:
         lines += [

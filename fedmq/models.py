@@ -34,8 +34,9 @@ class ModelSpec:
         return sum(math.prod(s) for s in self.shapes)
 
     @property
-    def hash(self) -> str:
-        """16 hex digits of SHA-256 over the canonical JSON of the spec."""
+    def canonical_json(self) -> str:
+        """The spec as JSON with sorted keys and no spaces: what `hash` digests, and what the
+        aggregator's status advertises (docs/protocol.md), so a device can check the hash."""
         doc = {
             "arch": self.arch,
             "names": list(self.names),
@@ -44,8 +45,12 @@ class ModelSpec:
             "num_classes": self.num_classes,
             "dtype": self.dtype,
         }
-        blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+
+    @property
+    def hash(self) -> str:
+        """16 hex digits of SHA-256 over the canonical JSON of the spec."""
+        return hashlib.sha256(self.canonical_json.encode()).hexdigest()[:16]
 
     def unflatten(self, vector: torch.Tensor) -> dict[str, torch.Tensor]:
         """Views of `vector` shaped as the named parameters (for torch.func.functional_call)."""

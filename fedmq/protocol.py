@@ -156,6 +156,12 @@ def aggregator_status(fleet: str) -> str:
     return f"{TOPIC_ROOT}/{validate_id(fleet, 'fleet')}/aggregator/status"
 
 
+def model_graph(fleet: str) -> str:
+    """Retained ONNX file of the fleet's model architecture (raw bytes, not an envelope), for
+    devices that do not run Python; the aggregator's status names it (`graph.topic`)."""
+    return f"{TOPIC_ROOT}/{validate_id(fleet, 'fleet')}/model/onnx"
+
+
 def all_uplinks(fleet: str) -> str:
     """What the aggregator subscribes to for every agent's uploads."""
     return f"{TOPIC_ROOT}/{validate_id(fleet, 'fleet')}/agents/+/up"
@@ -346,6 +352,13 @@ Counters = MapRule(
     AnyOfRule(((int, IntRule()), (float, NumRule()), (str, StrRule(0, 256))), "int, float or str"),
     64,
 )
+Settings = MapRule(
+    StrRule(1, 32),
+    AnyOfRule(((bool, BoolRule()), (int, IntRule()), (float, NumRule()), (str, StrRule(0, 256))),
+              "bool, int, float or str"),
+    32,
+)
+"""A flat map of named settings (the aggregator status's `codec` and `graph`)."""
 
 
 _TENSOR_KEYS: dict[str, Rule] = {
@@ -416,6 +429,9 @@ class Envelope:
     topic's agent): the sender on `up`, the addressee on `down`."""
 
     TYPE: ClassVar[str] = ""
+    OMIT_WHEN_DEFAULT: ClassVar[frozenset[str]] = frozenset()
+    """Fields added after v1 shipped: left off the wire while at their default, so a receiver
+    that predates them still reads what it always read (v1 refuses unknown keys)."""
 
     agent: Annotated[str, AgentId]
     msg_id: Annotated[str, MsgId]
@@ -499,15 +515,27 @@ class Ack(Envelope):
 
 @dataclass(frozen=True)
 class Status(Envelope):
-    """Retained presence of an agent or the aggregator (offline is the last will)."""
+    """Retained presence of an agent or the aggregator (offline is the last will).
+
+    The aggregator's status also advertises what a device needs to join without any other
+    source (docs/protocol.md, "Joining"): the model spec (hash, zoo name, canonical JSON
+    whose SHA-256 gives the hash), K, the codec settings and where the model graph is."""
 
     TYPE: ClassVar[str] = "status"
+    OMIT_WHEN_DEFAULT: ClassVar[frozenset[str]] = frozenset(
+        {"model", "model_name", "model_spec", "clusters", "codec", "graph"})
 
     state: Annotated[str, StrRule(choices=("online", "offline"))]
     role: Annotated[str, StrRule(choices=("agent", "aggregator"))]
     algorithm: Annotated[str, OptName] = ""
     epoch: Annotated[int, NonNegInt] = 0
     counters: Annotated[dict[str, float | int | str], Counters] = field(default_factory=dict)
+    model: Annotated[str, OptSpecHash] = ""
+    model_name: Annotated[str, OptName] = ""
+    model_spec: Annotated[str, StrRule(0, 16384)] = ""
+    clusters: Annotated[int, NonNegInt] = 0
+    codec: Annotated[dict[str, bool | int | float | str], Settings] = field(default_factory=dict)
+    graph: Annotated[dict[str, bool | int | float | str], Settings] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -568,6 +596,7 @@ class _Schema:
     cls: type[Envelope]
     rules: dict[str, Rule]
     required: frozenset[str]
+    defaults: dict[str, Any]
 
 
 def _schema_of(cls: type[Envelope]) -> _Schema:
@@ -575,14 +604,19 @@ def _schema_of(cls: type[Envelope]) -> _Schema:
     hints = typing.get_type_hints(cls, include_extras=True)
     rules: dict[str, Rule] = {}
     required: set[str] = set()
+    defaults: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         meta = [m for m in getattr(hints[f.name], "__metadata__", ()) if isinstance(m, Rule)]
         if len(meta) != 1:
             raise TypeError(f"{cls.__name__}.{f.name} needs exactly one wire Rule annotation")
         rules[f.name] = meta[0]
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+        if f.default is not dataclasses.MISSING:
+            defaults[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            defaults[f.name] = f.default_factory()
+        else:
             required.add(f.name)
-    return _Schema(cls, rules, frozenset(required))
+    return _Schema(cls, rules, frozenset(required), defaults)
 
 
 ENVELOPE_TYPES: dict[str, type[Envelope]] = {
@@ -605,7 +639,10 @@ def encode(envelope: Envelope) -> bytes:
         raise ProtocolError("unknown_type", f"cannot encode {type(envelope).__name__}")
     doc: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": schema.cls.TYPE}
     for name, rule in schema.rules.items():
-        doc[name] = rule.check(getattr(envelope, name), f"{schema.cls.TYPE}.{name}")
+        value = getattr(envelope, name)
+        if name in schema.cls.OMIT_WHEN_DEFAULT and value == schema.defaults[name]:
+            continue
+        doc[name] = rule.check(value, f"{schema.cls.TYPE}.{name}")
     envelope.cross_check()
     return msgpack.packb(doc, use_bin_type=True)
 

@@ -11,6 +11,7 @@ import torch
 
 from edge_agent import inference
 from edge_agent.inference import OnnxPredictor, TorchPredictor, export_onnx, make_predictor
+from fedmq import onnx_export
 from fedmq.models import build_model, model_spec, to_vector
 
 
@@ -70,7 +71,7 @@ def test_fallback_when_onnxruntime_is_missing(monkeypatch, caplog) -> None:
 
 
 def test_fallback_when_export_fails(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(inference, "_GRAPHS", {})
+    monkeypatch.setattr(onnx_export, "_GRAPHS", {})
 
     def broken_export(*args, **kwargs):
         raise RuntimeError("exporter broken for this test")
