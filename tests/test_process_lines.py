@@ -92,9 +92,12 @@ def test_agent_and_aggregator_print_one_line_per_step_at_the_default_level(mosqu
     text = ag_err.read_text()
     assert all(level == "progress" for level, *_ in lines), text
     events = [e for _, _, e, _ in lines]
-    # join, then one manual cycle: asked, trained, installed; nothing else, nothing per poll.
-    assert events == ["model.installed", "update.asked", "train.done", "model.installed"], text
-    joined, asked, trained, installed = (f for *_, f in lines)
+    # join, then one manual cycle: asked, trained, installed; nothing per poll. The detector
+    # may judge the 50 later polls against the new model once (the next cycle would wait for
+    # agent.min_update_interval_s): at most one more line.
+    assert events[:4] == ["model.installed", "update.asked", "train.done", "model.installed"], text
+    assert events[4:] in ([], ["drift.detected"]), text
+    joined, asked, trained, installed = (f for *_, f in lines[:4])
     assert joined["via"] == "join" and joined["epoch"] == "0" and int(joined["downloaded"]) > 1000
     assert asked["by"] == "manual" and asked["agent"] == "car-1"
     assert int(trained["samples"]) >= 200 and 0 < float(trained["seconds"]) < 120
