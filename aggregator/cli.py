@@ -18,7 +18,7 @@ import signal
 import threading
 
 from fedmq.config import add_config_arguments, config_from_args
-from fedmq.logs import setup_logging
+from fedmq.logs import mask_secrets, setup_logging
 
 ASYNC_ALGORITHMS = ("cdfl", "fedsoft-async", "fedasync")
 ROUND_ALGORITHMS = ("catafed", "fedavg", "fedprox")
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, {"algorithm": "aggregator.algorithm", "clusters": "cdfl.clusters",
                                   "state_dir": "aggregator.state_dir",
                                   "metrics_port": "metrics.port", "metrics_host": "metrics.host"})
-    setup_logging(cfg.log.level, cfg.log.json)
+    setup_logging(cfg.log.level, cfg.log.json, auto="progress")
     if args.dry_run:
         import json
         from dataclasses import asdict
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         if metrics is not None:
             port = metrics.serve(cfg.metrics.port, cfg.metrics.host)
             print(f"metrics: http://{cfg.metrics.host}:{port}/metrics", flush=True)
-        print(f"aggregator {cfg.aggregator.algorithm} on {cfg.broker.url} fleet={cfg.fleet} "
+        print(f"aggregator {cfg.aggregator.algorithm} on {mask_secrets(cfg.broker.url)} fleet={cfg.fleet} "
               f"K={cfg.cdfl.clusters} epoch={engine.strategy.epoch}", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             stop.wait()
@@ -94,7 +94,7 @@ def _run_rounds(cfg, stop: threading.Event) -> int:
     with RoundService(cfg, strategy, model_name=model_name,
                       evaluate=lambda w: evaluate(model_name, w, test.x, test.y)[0],
                       state_dir=cfg.aggregator.state_dir) as service:
-        print(f"aggregator {cfg.aggregator.algorithm} (rounds) on {cfg.broker.url} fleet={cfg.fleet}",
+        print(f"aggregator {cfg.aggregator.algorithm} (rounds) on {mask_secrets(cfg.broker.url)} fleet={cfg.fleet}",
               flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             service.run(stop=stop)

@@ -96,6 +96,9 @@ class Engine:
         self.snapshot_every = max(1, cfg.aggregator.snapshot_every)
         self.accepted_norms: deque[float] = deque(maxlen=max(1, cfg.aggregator.norm_window))
         """||v - base|| of the latest applied updates: the fleet's scale for `norm_factor`."""
+        self.applied: list[dict[str, Any]] = []
+        """The uploads the last `handle()` applied durably (agent, epoch, staleness, ...): the
+        service logs them (aggregator/service.py `ProgressLines`)."""
 
     # ------------------------------------------------------------------ durable state
 
@@ -170,6 +173,8 @@ class Engine:
     def handle(self, batch: list[Inbound]) -> list[protocol.Envelope]:
         """Replies for a batch, after its applied records are durable (see module doc)."""
         out: list[protocol.Envelope] = []
+        self.applied = []
+        applied: list[dict[str, Any]] = []
         joins: list[protocol.Join] = []
         updates: list[tuple[protocol.Update, Upload]] = []
         dists: dict[tuple[str, str], float | None] = {}  # -> ||v - base||, for accepted_norms
@@ -225,12 +230,13 @@ class Engine:
                                 "dist": dists.get((env.agent, env.msg_id)),
                                 **({"sent": reply.vectors[0]} if keep_sent and len(reply.vectors) == 1 else {})})
                 info = reply.info
-                event(log, "update.applied", agent=env.agent, epoch=reply.epoch,
-                      staleness=info.get("staleness"), stale=info.get("stale"),
-                      alpha=reply.alpha, betas=info.get("betas"),
-                      batch=len(updates), seconds=seconds)
+                applied.append({"agent": env.agent, "epoch": reply.epoch, "tau": env.tau,
+                                "staleness": info.get("staleness"), "stale": bool(info.get("stale")),
+                                "samples": env.n_samples, "alpha": reply.alpha,
+                                "betas": info.get("betas"), "batch": len(updates), "apply_s": seconds})
         if self.journal is not None and records:
             self.journal.append(records)  # the durability point: raises JournalError
+        self.applied = applied
         for rec in records:
             self.counters[f"applied.{rec['op']}"] += 1
             if rec.get("dist") is not None:

@@ -40,7 +40,7 @@ from aggregator.service import serve_fleet
 from fedmq import codecs, protocol
 from fedmq.channel import Channel, Refused
 from fedmq.config import Config
-from fedmq.logs import event, get_logger
+from fedmq.logs import PROGRESS, event, get_logger
 from fedmq.models import model_spec
 from fedmq.transport import Message, MqttTransport, Will
 
@@ -262,7 +262,7 @@ class RoundService:
                              self._round_bytes_up, sizes)
         self.records.append(record)
         self._snapshot()
-        event(log, "round.closed", round=record.round, ended=ended, finished=len(outcome.finished),
+        event(log, "round.closed", level=PROGRESS, round=record.round, ended=ended, finished=len(outcome.finished),
               stragglers=len(outcome.stragglers), dropouts=len(outcome.dropouts),
               accuracy=accuracy)
         return record

@@ -24,14 +24,14 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aggregator.engine import Engine, Inbound
 from aggregator.journal import JournalError
 from fedmq import protocol
 from fedmq.channel import Channel, Received, Refused
-from fedmq.config import Config
-from fedmq.logs import event, get_logger
+from fedmq.config import Config, LogSettings
+from fedmq.logs import PROGRESS, event, get_logger
 from fedmq.onnx_export import INPUT_NAME, OUTPUT_NAME, fleet_graph
 from fedmq.transport import Message, MqttTransport, NetworkLoop, Will, default_network
 
@@ -54,6 +54,64 @@ def serve_fleet(transport: MqttTransport, fleet: str, online_status: Callable[[]
     transport.connect()
     transport.subscribe(protocol.all_uplinks(fleet), handler, qos=1)
     transport.subscribe(protocol.all_agent_status(fleet), handler, qos=1)
+
+
+class ProgressLines:
+    """What the aggregator says at the default (progress) level, sized for a fleet of hundreds.
+
+    Each applied upload gets a line of its own (`update.applied`: agent, epoch, staleness,
+    stale) until `log.upload_lines` of them were printed in the current window of
+    `log.summary_every_s`; later uploads in that window are only counted (their lines go out
+    at info). A window in which an upload went without a line, or an upload was refused,
+    ends with one `uploads.summary` line: uploads, uploads/s, stale, refused, epoch.
+
+    Why both: a pilot of a few devices (or a test, or a demo) sees every upload as it happens,
+    and a quiet fleet prints nothing; a fleet of hundreds uploading several times a second
+    gets at most upload_lines + 1 lines per window, whatever its rate, and its rates too.
+    Refusals (a misconfigured or hostile client can send many) are counted, never one line
+    each at this level.
+    """
+
+    def __init__(self, settings: LogSettings, state: Callable[[], dict[str, Any]],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not settings.summary_every_s > 0:
+            raise ValueError(f"log.summary_every_s must be > 0, got {settings.summary_every_s}")
+        if settings.upload_lines < 0:
+            raise ValueError(f"log.upload_lines must be >= 0, got {settings.upload_lines}")
+        self.every_s = settings.summary_every_s
+        self.upload_lines = settings.upload_lines
+        self.state = state
+        """-> {"epoch": int, "refused": total refusals so far, **fields for the summary}."""
+        self.clock = clock
+        self.window_start = clock()
+        self.refused_at_start = int(state()["refused"])
+        self.uploads = self.stale = self.lines = 0
+
+    def applied(self, uploads: list[dict[str, Any]]) -> None:
+        """Uploads just applied durably (`Engine.applied`)."""
+        self.tick()
+        for u in uploads:
+            self.uploads += 1
+            self.stale += bool(u.get("stale"))
+            level = PROGRESS if self.lines < self.upload_lines else 20
+            self.lines += level == PROGRESS
+            event(log, "update.applied", level=level, **u)
+
+    def tick(self, force: bool = False) -> None:
+        """Close the window once it is `summary_every_s` old (the worker calls this often)."""
+        now = self.clock()
+        if not force and now - self.window_start < self.every_s:
+            return
+        state = self.state()
+        refused = int(state.pop("refused")) - self.refused_at_start
+        if self.uploads > self.lines or refused > 0:
+            seconds = max(now - self.window_start, 1e-9)
+            event(log, "uploads.summary", level=PROGRESS, uploads=self.uploads,
+                  per_s=round(self.uploads / seconds, 2), stale=self.stale, refused=refused,
+                  unlisted=self.uploads - self.lines, window_s=round(seconds, 1), **state)
+        self.window_start = now
+        self.refused_at_start += refused
+        self.uploads = self.stale = self.lines = 0
 
 
 class AggregatorService:
@@ -87,6 +145,15 @@ class AggregatorService:
             network=shared or self._own_network,
         )
         self.channel = Channel(self.transport, cfg.protocol)
+        self.progress = ProgressLines(cfg.log, self._progress_state)
+
+    def _progress_state(self) -> dict[str, Any]:
+        refused = sum(v for k, v in self.counters.items() if k.startswith("refused."))
+        refused += sum(v for k, v in self.engine.counters.items() if k.startswith("rejected."))
+        acc = self.engine.cluster_accuracy
+        return {"refused": refused, "epoch": self.engine.strategy.epoch,
+                **({"accuracy": [round(a, 4) for a in acc]} if acc else {}),
+                "online": sum(1 for s in self.presence.values() if s == "online")}
 
     def _status(self, state: str) -> bytes:
         """The retained status; it also advertises what a device needs to join (protocol.Status)."""
@@ -142,6 +209,7 @@ class AggregatorService:
         self._stop.set()
         if self._worker is not None:
             self._worker.join(timeout=30)
+        self.progress.tick(force=True)
         try:
             self.engine.snapshot_if_due(force=True)
         except JournalError as e:
@@ -194,6 +262,7 @@ class AggregatorService:
             if time.monotonic() >= next_expiry:  # also under steady traffic, not only when idle
                 self._expire()
                 next_expiry = time.monotonic() + EXPIRE_EVERY_S
+            self.progress.tick()
             try:
                 first = self._inbox.get(timeout=0.2)
             except queue.Empty:
@@ -250,6 +319,7 @@ class AggregatorService:
         for b in batch:
             for m in b.messages:
                 self.transport.ack(m)
+        self.progress.applied(self.engine.applied)
         if self.metrics is not None:
             self.metrics.observe_batch([b.envelope for b in batch], time.perf_counter() - started)
         try:

@@ -19,7 +19,7 @@ import signal
 import sys
 
 from fedmq.config import add_config_arguments, config_from_args
-from fedmq.logs import event, get_logger, setup_logging
+from fedmq.logs import event, get_logger, mask_secrets, setup_logging
 
 log = get_logger("agent")
 
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
                                   "profile": "agent.profile", "state_dir": "agent.state_dir",
                                   "clusters": "cdfl.clusters", "source": "agent.source",
                                   "source_dir": "agent.source_dir"})
-    setup_logging(cfg.log.level, cfg.log.json)
+    setup_logging(cfg.log.level, cfg.log.json, auto="progress")
     if args.dry_run:
         import json
         from dataclasses import asdict
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         device.trigger()
     try:
         device.start()
-        print(f"agent {device.agent_id} ({device.algorithm}, {device.profile.name}) on {cfg.broker.url} "
+        print(f"agent {device.agent_id} ({device.algorithm}, {device.profile.name}) on {mask_secrets(cfg.broker.url)} "
               f"fleet={cfg.fleet} tau={device.tau} backend={device.predictor.backend if device.predictor else '-'}",
               flush=True)
         device.run(max_steps=args.max_steps)

@@ -51,7 +51,7 @@ from edge_agent.state import AgentState, PendingUpload
 from edge_agent.trainer import estimate_alpha_argmin, evaluate, train_fedsoft, train_local
 from fedmq import protocol
 from fedmq.config import AgentSettings, Config
-from fedmq.logs import event, get_logger
+from fedmq.logs import PROGRESS, event, get_logger
 from fedmq.models import build_model, model_spec, resolve_model_name, to_vector
 
 log = get_logger("agent")
@@ -268,7 +268,7 @@ class DeviceAgent:
             self._manual.clear()
             self.monitor.trigger()
             self._count("manual_triggers")
-            event(log, "update.triggered", agent=self.agent_id, by="manual")
+            event(log, "update.asked", level=PROGRESS, agent=self.agent_id, by="manual")
         samples = self.source.poll(self.settings.poll_batch)
         if samples:
             self._observe(samples)
@@ -288,7 +288,8 @@ class DeviceAgent:
             if self.monitor.observe(bool(ok)) and self._drift_seen_at is None:
                 self._drift_seen_at = self.monitor.observed
                 self._count("drifts")
-                event(log, "drift.detected", agent=self.agent_id, observed=self.monitor.observed,
+                event(log, "drift.detected", level=PROGRESS, agent=self.agent_id,
+                      observed=self.monitor.observed,
                       accuracy=self.monitor.correct / max(1, self.monitor.observed))
         self.buffer.extend(samples)
         self._count("samples", len(samples))
@@ -338,11 +339,11 @@ class DeviceAgent:
         cycle = Cycle(trigger, len(y), self.state.tau, acc_held, acc_trained, result.seconds,
                       result.epochs_done, alpha=alpha)
         self.cycles.append(cycle)
-        event(log, "train.done", agent=self.agent_id, epochs=result.epochs_done, seconds=result.seconds,
-              loss=result.final_loss, acc_held=acc_held, acc_trained=acc_trained,
-              stopped_early=result.stopped_early)
+        event(log, "train.done", level=PROGRESS, agent=self.agent_id, trigger=trigger, samples=len(y),
+              seconds=result.seconds, epochs=result.epochs_done, loss=result.final_loss,
+              acc_held=acc_held, acc_trained=acc_trained, stopped_early=result.stopped_early)
         if self.agent is None:  # Local: the trained model is the model
-            self._install_vector(result.vector, self.state.tau, None)
+            self._install_vector(result.vector, self.state.tau, None, via="local")
             cycle.outcome = "local"
             return cycle
         env = self.agent.update_envelope(result.vector, len(y), alpha=alpha,
@@ -375,13 +376,13 @@ class DeviceAgent:
                 if e.reason not in ("no_reply",) and not e.reason.startswith("codec_"):
                     raise
                 continue
-            self._installed(installed)
+            self._installed(installed, via="join")
             return
 
     def _resend_pending(self) -> None:
         assert self.agent is not None and self.state.pending is not None
         env = self.agent.decode_pending(self.state.pending.payload)
-        event(log, "upload.resume", agent=self.agent_id, msg_id=env.msg_id, tau=env.tau)
+        event(log, "upload.resume", level=PROGRESS, agent=self.agent_id, msg_id=env.msg_id, tau=env.tau)
         cycle = Cycle("resume", env.n_samples, env.tau, math.nan, math.nan, 0.0, 0, msg_id=env.msg_id)
         self.cycles.append(cycle)
         self._send(env, cycle, resend=True)
@@ -389,6 +390,7 @@ class DeviceAgent:
     def _send(self, env: protocol.Update, cycle: Cycle, *, resend: bool) -> None:
         """Send until installed, interrupted or refused; the pending upload is on disk meanwhile."""
         assert self.agent is not None
+        sent_at = time.monotonic()
         while True:
             try:
                 self.agent.counters["last_upload_at"] = round(time.time(), 3)
@@ -399,7 +401,8 @@ class DeviceAgent:
                     return
                 if e.reason == "no_reply" or (e.reason.startswith("codec_") and e.reason not in RESYNC_REASONS):
                     resend = True  # the aggregator may be down: same msg_id again, for as long as it takes
-                    event(log, "upload.waiting", agent=self.agent_id, msg_id=env.msg_id, reason=e.reason)
+                    event(log, "upload.waiting", level=PROGRESS, agent=self.agent_id, msg_id=env.msg_id,
+                          reason=e.reason, waited_s=round(time.monotonic() - sent_at, 1))
                     continue
                 self._refused(env, cycle, e)
                 return
@@ -407,7 +410,8 @@ class DeviceAgent:
             cycle.outcome = "installed"
             cycle.installed = installed
             self._count("uploads")
-            self._installed(installed)
+            self._installed(installed, via="update", uploaded=cycle.bytes_up,
+                            waited_s=round(time.monotonic() - sent_at, 2))
             return
 
     def _refused(self, env: protocol.Update, cycle: Cycle, e: AgentError) -> None:
@@ -430,10 +434,14 @@ class DeviceAgent:
 
     # ------------------------------------------------------------------ installing
 
-    def _installed(self, installed: Installed) -> None:
-        self._install_vector(installed.vector, installed.epoch, installed.alpha)
+    def _installed(self, installed: Installed, *, via: str, **extra: Any) -> None:
+        self._install_vector(installed.vector, installed.epoch, installed.alpha, via=via,
+                             **extra, downloaded=installed.bytes_down)
 
-    def _install_vector(self, vector: torch.Tensor, epoch: int, alpha: list[float] | None) -> None:
+    def _install_vector(self, vector: torch.Tensor, epoch: int, alpha: list[float] | None, *,
+                        via: str, **extra: Any) -> None:
+        """Hold `vector` as the model (tau := epoch) and say so: the cycle's last progress line,
+        with `via` (join, update or local) and the bytes up and down in `extra`."""
         acc = None
         if len(self.buffer):
             acc, _ = evaluate(self.model_name, vector, *self.buffer.tensors(self.settings.train_on_newest or None))
@@ -445,8 +453,8 @@ class DeviceAgent:
         self._drift_seen_at = None
         self._make_predictor()
         self._count("installs")
-        event(log, "model.installed", agent=self.agent_id, epoch=epoch, alpha=alpha, accuracy=acc,
-              backend=self.predictor.backend if self.predictor else None)
+        event(log, "model.installed", level=PROGRESS, agent=self.agent_id, via=via, epoch=epoch,
+              accuracy=acc, alpha=alpha, **extra, backend=self.predictor.backend if self.predictor else None)
         self.save()
         if self.agent is not None:
             if acc is not None:

@@ -28,7 +28,7 @@ from edge_agent.deadline import DeadlineLearner, RealEpochRunner, RoundWork, Tra
 from fedmq import codecs, protocol
 from fedmq.channel import Channel, Refused
 from fedmq.config import Config
-from fedmq.logs import event, get_logger
+from fedmq.logs import PROGRESS, event, get_logger
 from fedmq.models import model_spec, resolve_model_name
 from fedmq.transport import Message, MqttTransport, Will
 
@@ -182,6 +182,9 @@ class RoundAgent:
         self.log.append(RoundLog(invite.round, work.finished, work.shard_used, work.shard_size,
                                  work.n_samples, work.result.epochs_done, work.result.seconds,
                                  upload_s, eps))
+        event(log, "round.done", level=PROGRESS, agent=self.agent_id, round=invite.round,
+              finished=work.finished, samples=work.n_samples, epochs=work.result.epochs_done,
+              seconds=work.result.seconds, upload_s=upload_s)
 
     def _send_report(self, invite: protocol.RoundInvite, work: RoundWork, base: np.ndarray) -> float:
         c = self.cfg.codec

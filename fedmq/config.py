@@ -343,12 +343,16 @@ class MetricsSettings:
 
 @dataclass
 class LogSettings:
-    """Structured logs on stderr, quiet by default."""
+    """Structured logs on stderr: a few lines of progress by default, every event on request."""
 
-    level: str = "warning"
-    """Quiet by default: warning. info for one line per event."""
+    level: str = "auto"
+    """debug, info, progress, warning or error. auto: progress for `fedmq agent` and `fedmq aggregator` (one line per cycle step / applied upload, docs/deploy.md#logs), warning for the simulator, demo and tools (many agents in one process)."""
     json: bool = False
     """One JSON object per line (for log shippers)."""
+    summary_every_s: float = 10.0
+    """Aggregator: length of a progress window; one summary line (uploads/s, stale, refused, epoch) closes a window in which uploads went without a line of their own or uploads were refused."""
+    upload_lines: int = 10
+    """Aggregator: applied uploads given a progress line of their own per summary window (0: summaries only); the rest are counted in the summary."""
 
 
 @dataclass
@@ -511,7 +515,7 @@ def add_config_arguments(parser: Any, flags: tuple[str, ...] = ("broker", "fleet
         "ca_file": ("PEM", "CA certificate that signed the broker's (mqtts)"),
         "cert_file": ("PEM", "client certificate (mutual TLS)"),
         "key_file": ("PEM", "client key (mutual TLS)"),
-        "log_level": ("LEVEL", "debug, info, warning (default) or error"),
+        "log_level": ("LEVEL", "debug, info, progress, warning or error (default auto: progress for agent and aggregator)"),
         "device": ("DEV", "auto (default), cpu or cuda"),
         "data_dir": ("DIR", "dataset root in torchvision's layout (default: $FEDMQ_DATA_DIR or ~/.cache/fedmq/data)"),
         "dataset": ("NAME", "digits (offline, default), mnist, fashionmnist, cifar10, cifar100, svhn, usps, folder:NAME"),

@@ -1,35 +1,64 @@
-"""Structured, quiet-by-default logging: one event per line, `key=value` or JSON.
+"""Structured logging: one event per line, `key=value` or JSON, on stderr.
 
     log = get_logger("aggregator")
     event(log, "update.applied", agent="car-7", staleness=3, alpha=[0.7, 0.3])
+    event(log, "train.done", level=PROGRESS, samples=300, seconds=1.9)
+
+Levels, quietest last: debug, info, progress, warning, error. `progress` (between info and
+warning) is what a long-running process says about its work: an agent one line per step of
+its update cycle, the aggregator one line per applied upload or a periodic summary. The
+default level `auto` is chosen by the process: `fedmq agent` and `fedmq aggregator` resolve it
+to progress; the simulator, the demo and the tools, which run many agents in one process,
+to warning (they show their own progress), unless `--log-level` asks for more.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 from typing import Any
 
+PROGRESS = 25
+"""A process's own account of its work (cycles, uploads, rounds): shown by default."""
+logging.addLevelName(PROGRESS, "PROGRESS")
 
-class _EventFormatter(logging.Formatter):
+LEVELS = ("debug", "info", "progress", "warning", "error")
+"""What `log.level` accepts, besides `auto`."""
+
+_CREDENTIALS = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*:)[^@\s]+@")
+
+
+def mask_secrets(text: str) -> str:
+    """`mqtts://agg:s3cret@host` -> `mqtts://agg:***@host`: passwords in URLs never reach a log."""
+    return _CREDENTIALS.sub(r"\1***@", text)
+
+
+class EventFormatter(logging.Formatter):
+    """One event per line: `HH:MM:SS level logger: event key=value ...`, or one JSON object; passwords in URLs masked."""
+
     def __init__(self, as_json: bool) -> None:
         super().__init__()
         self.as_json = as_json
 
     def format(self, record: logging.LogRecord) -> str:
         fields: dict[str, Any] = getattr(record, "fields", {})
+        fields = {k: mask_secrets(v) if isinstance(v, str) else v for k, v in fields.items()}
+        message = mask_secrets(record.getMessage())
         if self.as_json:
             doc = {"ts": round(record.created, 3), "level": record.levelname.lower(),
-                   "logger": record.name, "event": record.getMessage(), **fields}
+                   "logger": record.name, "event": message, **fields}
+            if record.exc_info:
+                doc["exception"] = mask_secrets(self.formatException(record.exc_info))
             return json.dumps(doc, default=str)
         ts = time.strftime("%H:%M:%S", time.localtime(record.created))
         kv = " ".join(f"{k}={_short(v)}" for k, v in fields.items())
-        line = f"{ts} {record.levelname.lower():7s} {record.name}: {record.getMessage()}"
+        line = f"{ts} {record.levelname.lower():8s} {record.name}: {message}"
         line = f"{line} {kv}" if kv else line
         if record.exc_info:
-            line += "\n" + self.formatException(record.exc_info)
+            line += "\n" + mask_secrets(self.formatException(record.exc_info))
         return line
 
 
@@ -42,17 +71,29 @@ def _short(v: Any) -> str:
     return json.dumps(text) if " " in text else text
 
 
-def setup_logging(level: str = "warning", as_json: bool = False) -> None:
-    """Configure the `fedmq` logger tree once per process (stderr)."""
+def resolve_level(level: str, auto: str = "warning") -> str:
+    """`level` checked and lower-cased, `auto` replaced by the process's choice; ValueError if unknown."""
+    name = (level or "auto").strip().lower()
+    if name == "auto":
+        name = auto
+    if name not in LEVELS:
+        raise ValueError(f"unknown log level {level!r}; use auto, {', '.join(LEVELS)}")
+    return name
+
+
+def setup_logging(level: str = "auto", as_json: bool = False, *, auto: str = "warning") -> None:
+    """Configure the `fedmq` logger tree once per process (stderr).
+
+    `auto`: what `level="auto"` (the default) means for this process: `progress` for a single
+    agent or aggregator, `warning` (the default here) for anything that runs many in one process.
+    """
+    name = resolve_level(level, auto)
     root = logging.getLogger("fedmq")
     root.handlers.clear()
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_EventFormatter(as_json))
+    handler.setFormatter(EventFormatter(as_json))
     root.addHandler(handler)
-    try:
-        root.setLevel(level.upper())
-    except ValueError:
-        raise ValueError(f"unknown log level {level!r}; use debug, info, warning or error") from None
+    root.setLevel(name.upper())
     root.propagate = False
 
 

@@ -25,7 +25,7 @@ def test_defaults_match_the_papers() -> None:
     cfg = Config()
     assert cfg.cdfl.beta0 == 0.025 and cfg.cdfl.hinge_a == 10 and cfg.cdfl.hinge_b == 5
     assert cfg.broker.url == "mqtt://127.0.0.1:1883"
-    assert cfg.log.level == "warning"
+    assert cfg.log.level == "auto"
 
 
 def test_toml_then_overrides(tmp_path: Path) -> None:
