@@ -12,6 +12,8 @@ import sys
 import time
 from typing import Any
 
+from fedmq.errors import UsageError
+
 
 class _EventFormatter(logging.Formatter):
     def __init__(self, as_json: bool) -> None:
@@ -52,7 +54,7 @@ def setup_logging(level: str = "warning", as_json: bool = False) -> None:
     try:
         root.setLevel(level.upper())
     except ValueError:
-        raise ValueError(f"unknown log level {level!r}; use debug, info, warning or error") from None
+        raise UsageError(f"unknown log level {level!r}; use debug, info, warning or error") from None
     root.propagate = False
 
 

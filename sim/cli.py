@@ -114,11 +114,16 @@ def run(args: argparse.Namespace) -> int:
         from sim.split import SplitRunError, merge_parts
 
         try:
-            for d in merge_parts(args.out):
-                print(f"merged: {d}")
+            merged = merge_parts(args.out)
         except SplitRunError as e:
             print(f"fedmq sim merge: {e}", file=sys.stderr)
             return 1
+        if not merged:
+            print(f"fedmq sim merge: no parts under {args.out / 'parts'}; give the --out dir that "
+                  f"`fedmq sim agents` and `fedmq sim aggregator` wrote to", file=sys.stderr)
+            return 1
+        for d in merged:
+            print(f"merged: {d}")
         return 0
     if args.sim_command != "run":
         print("usage: fedmq sim {run,report,rounds,aggregator,agents,merge} ... (see fedmq sim run --help)",

@@ -55,6 +55,7 @@ def assert_one_line(done: subprocess.CompletedProcess, status: int, *names: str)
     (("agent", "--id", "a", "--set", "agent.epochs", "--dry-run"), ("--set", "key=value", "agent.epochs")),
     (("agent", "--id", "a", "--broker", "mqtt://u:secret@host:99999", "--dry-run"), ("broker URL", "port")),
     (("agent", "--algorithm", "local"), ("fedmq agent", "--id")),
+    (("agent", "--id", "a", "--log-level", "loud", "--dry-run"), ("log level 'loud'", "debug")),
     (("sim", "run", "--scenario", "nope", "--out", "OUT"), ("fedmq sim run", "unknown scenario 'nope'")),
     (("sim", "run", "--seeds", "1,x", "--out", "OUT"), ("fedmq sim run", "--seeds", "1,x")),
     (("sim", "run", "--clusters", "two", "--out", "OUT"), ("--clusters", "two")),
@@ -177,5 +178,6 @@ def test_missing_dataset_files_are_one_line(tmp_path) -> None:
     assert_one_line(run(*argv), 1, "'mnist' not found", str(tmp_path / "empty"), "--download")
 
 
-def test_report_of_a_dir_without_results_is_one_line(tmp_path) -> None:
+def test_report_or_merge_of_a_dir_without_results_is_one_line(tmp_path) -> None:
     assert_one_line(run("sim", "report", str(tmp_path)), 1, "fedmq sim report", str(tmp_path))
+    assert_one_line(run("sim", "merge", str(tmp_path)), 1, "fedmq sim merge", str(tmp_path / "parts"))

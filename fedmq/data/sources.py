@@ -164,7 +164,7 @@ def _not_found(name: str, root: str, detail: str = "") -> DatasetNotFound:
         how = where
     else:
         files = ", ".join(f"{root}/{f}" for f in expected or [])
-        how = (f"download it with --download (load_dataset(..., download=True)), or put torchvision's "
+        how = (f"download it with --download (or --set data.download=true), or put torchvision's "
                f"files there ({files}), or point --data-dir / FEDMQ_DATA_DIR at a root that has them")
     msg = f"dataset {name!r} not found in data root {root}: {how}"
     if detail:
