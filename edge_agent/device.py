@@ -172,6 +172,7 @@ class DeviceAgent:
                                     s.min_update_interval_s)
         self.agent: EdgeAgent | None = None
         self.state = AgentState(self.agent_id, self.model_name, self.spec.hash)
+        self._state_loaded = False  # until start() has read the state dir; close() saves only after
         self.predictor: OnnxPredictor | TorchPredictor | None = None
         self.counters: dict[str, int] = {}
         self.cycles: list[Cycle] = []
@@ -235,7 +236,7 @@ class DeviceAgent:
 
     def close(self) -> None:
         """Save (a pending upload stays pending), publish offline, disconnect."""
-        if getattr(self, "_state_loaded", False):  # never over state that start() could not read
+        if self._state_loaded:  # never over state that start() could not read
             self.save()
         if self.agent is not None:
             self.agent.stop()
