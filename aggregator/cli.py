@@ -48,7 +48,12 @@ def run(args: argparse.Namespace) -> int:
         import json
         from dataclasses import asdict
 
-        print(json.dumps(asdict(cfg), indent=2))
+        from fedmq.models import resolve_dataset_and_model
+        from fedmq.transport import parse_broker_url
+
+        parse_broker_url(cfg.broker.url)  # a bad URL fails here as it would at start
+
+        print(json.dumps({**asdict(cfg), "resolved": resolve_dataset_and_model(cfg.data.dataset, cfg.model)}, indent=2))
         return 0
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # also when started with SIGINT ignored (a background job)

@@ -27,13 +27,18 @@ import numpy as np
 import torch
 
 from fedmq.atomic_file import atomic_write as write_atomically
+from fedmq.errors import RuntimeFailure
 
 _HEADER = struct.Struct("<II")
 _TENSOR = "__tensor__"
 
 
-class JournalError(OSError):
+class JournalError(OSError, RuntimeFailure):
     """The state dir cannot be written (disk full, read-only, permissions)."""
+
+
+class JournalCorrupt(RuntimeFailure):
+    """The state dir has snapshots but none can be read: refuse to start over them."""
 
 
 def _pack_value(obj: Any) -> Any:
@@ -109,11 +114,16 @@ class Journal:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise JournalError(e.errno, f"cannot create state dir {self.dir}: {e.strerror}") from e
+            raise JournalError(e.errno, f"cannot create state dir {self.dir}: {e.strerror}; "
+                                        f"pass a writable --state-dir") from e
+        problems = []
         for gen in reversed(self._generations()):
             try:
                 snapshot = loads(self._snapshot_path(gen).read_bytes())
-            except (OSError, ValueError, msgpack.UnpackException):
+                if not isinstance(snapshot, dict):
+                    raise ValueError(f"a {type(snapshot).__name__}, not a snapshot")
+            except (OSError, ValueError, msgpack.UnpackException) as e:
+                problems.append(f"{self._snapshot_path(gen).name}: {e}")
                 continue  # an unreadable snapshot: fall back to the one before
             # Journals of later generations follow on from this one (their snapshots were
             # this state plus this journal), so a fallback replays them all in order.
@@ -124,6 +134,9 @@ class Journal:
             self.generation = max([gen, *later])
             self.records_since_snapshot = len(records)
             return snapshot, records
+        if problems:
+            raise JournalCorrupt(f"no readable snapshot in state dir {self.dir} ({'; '.join(problems)}); "
+                                 f"move it away to start afresh, or point --state-dir elsewhere")
         return None, []
 
     def _read_records(self, path: Path) -> list[Any]:

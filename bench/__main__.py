@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from fedmq.errors import ArgumentParser, run_main
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -45,7 +47,7 @@ def available() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+    parser = ArgumentParser(prog="python -m bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", help=f"benchmarks to run (default all: {', '.join(available())})")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
@@ -71,4 +73,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main("python -m bench", main))

@@ -172,6 +172,7 @@ class DeviceAgent:
                                     s.min_update_interval_s)
         self.agent: EdgeAgent | None = None
         self.state = AgentState(self.agent_id, self.model_name, self.spec.hash)
+        self._state_loaded = False  # until start() has read the state dir; close() saves only after
         self.predictor: OnnxPredictor | TorchPredictor | None = None
         self.counters: dict[str, int] = {}
         self.cycles: list[Cycle] = []
@@ -194,7 +195,8 @@ class DeviceAgent:
 
     def start(self) -> DeviceAgent:
         """Load the saved state, connect, finish a pending upload or join, build the predictor."""
-        saved = AgentState.load(self.state_dir)
+        saved = AgentState.load(self.state_dir)  # StateCorrupt: close() then leaves the files alone
+        self._state_loaded = True
         if saved is not None and (saved.agent_id != self.agent_id or not saved.matches_zoo()
                                   or saved.model_name != self.model_name):
             event(log, "state.discarded", level=logging.WARNING, dir=str(self.state_dir),
@@ -234,7 +236,8 @@ class DeviceAgent:
 
     def close(self) -> None:
         """Save (a pending upload stays pending), publish offline, disconnect."""
-        self.save()
+        if self._state_loaded:  # never over state that start() could not read
+            self.save()
         if self.agent is not None:
             self.agent.stop()
 

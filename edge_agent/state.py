@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from fedmq.atomic_file import fsync_dir, write_temp
+from fedmq.errors import RuntimeFailure
 from fedmq.logs import event, get_logger
 from fedmq.models import model_spec
 
@@ -44,7 +45,7 @@ FORMAT = "fedmq-agent-state"
 VERSION = 1
 
 
-class StateCorrupt(RuntimeError):
+class StateCorrupt(RuntimeFailure):
     """No readable agent state although state files exist; the message names them."""
 
 
@@ -173,15 +174,16 @@ class AgentState:
             try:
                 state = cls.from_bytes(path.read_bytes())
             except (OSError, ValueError) as exc:
-                problems.append(f"{path}: {exc}")
-                event(log, "state.unreadable", level=logging.WARNING, file=str(path), reason=str(exc))
+                problems.append((path, exc))
                 continue
+            for bad, exc in problems:  # logged here, not when both are bad: StateCorrupt says it all
+                event(log, "state.unreadable", level=logging.WARNING, file=str(bad), reason=str(exc))
             if problems:
                 event(log, "state.fallback_to_previous", level=logging.WARNING, file=str(path))
             return state
         if problems:
-            raise StateCorrupt("no readable agent state: " + "; ".join(problems)
-                               + ". Move the files away to start afresh (the agent will rejoin).")
+            raise StateCorrupt("no readable agent state: " + "; ".join(f"{p}: {e}" for p, e in problems)
+                               + f". Move {folder} away to start afresh (the agent will rejoin).")
         return None
 
 

@@ -12,7 +12,7 @@ import importlib
 import sys
 
 from fedmq import __version__
-from fedmq.config import ConfigError
+from fedmq.errors import ArgumentParser, expected_failure, report_failure
 
 # name -> (module, one-line help). Order is the order shown in --help.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -27,7 +27,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="fedmq",
         description="Federated learning for edge fleets over MQTT (CDFL, CATA-Fed).",
     )
@@ -44,22 +44,44 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
         p.set_defaults(_module=module)
+        _remember_parsers(p)
     return parser
+
+
+def _remember_parsers(parser: argparse.ArgumentParser) -> None:
+    """Each (sub)parser records itself, so that a stray flag is reported by `fedmq sim run`, not `fedmq`."""
+    parser.set_defaults(_parser=parser)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _remember_parsers(child)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "_module", None):
         parser.print_help()
         return 2
     try:
         return int(args._module.run(args) or 0)
-    except ConfigError as e:
-        print(f"fedmq {args.command}: config error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as e:
+        if expected_failure(e) is None:
+            raise  # a bug: keep the traceback
+        return report_failure(_verb(args), e, debug=getattr(args, "log_level", None) == "debug")
+
+
+def _verb(args: argparse.Namespace) -> str:
+    """`fedmq sim run`, `fedmq fleet status`: the words a person typed, for the error line."""
+    words = ["fedmq", args.command]
+    for attr in ("sim_command", "fleet_command"):
+        if getattr(args, attr, None):
+            words.append(getattr(args, attr))
+    return " ".join(words)
 
 
 if __name__ == "__main__":

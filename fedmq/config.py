@@ -12,6 +12,7 @@ reference page docs/config.md is written from these docstrings.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import tomllib
 import types
@@ -20,9 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedmq.errors import UsageError
 
-class ConfigError(ValueError):
-    """A config file or override that does not fit the schema."""
+
+class ConfigError(UsageError):
+    """A config file or override that does not fit the schema (exit status 2)."""
 
 
 def default_data_dir() -> str:
@@ -427,8 +430,10 @@ def _set(obj: Any, dotted: str, value: Any) -> None:
         hints = typing.get_type_hints(type(target))
         if name not in hints:
             where = ".".join(parts[:i]) or "top level"
-            known = ", ".join(sorted(hints))
-            raise ConfigError(f"unknown config key {dotted!r} (in {where}; known: {known})")
+            prefix = ".".join(parts[:i]) + "." if i else ""
+            close = difflib.get_close_matches(name, list(hints), n=1, cutoff=0.6)
+            hint = f"did you mean {prefix}{close[0]}?" if close else f"known: {', '.join(sorted(hints))}"
+            raise ConfigError(f"unknown config key {dotted!r} in {where}; {hint} (docs/config.md lists every key)")
         if i == len(parts) - 1:
             if dataclasses.is_dataclass(hints[name]):
                 raise ConfigError(f"{dotted} is a section; set one of its keys")

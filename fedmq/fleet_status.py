@@ -223,11 +223,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     setup_logging(cfg.log.level, cfg.log.json)
     watcher = FleetWatcher(cfg)
-    try:
-        watcher.start()
-    except Exception as e:  # noqa: BLE001 - any connection failure ends the tool with its reason
-        print(f"fedmq fleet status: cannot connect to {cfg.broker.url}: {e}", file=sys.stderr)
-        return 1
+    watcher.start()  # BrokerUnreachable: one line and exit status 1 (fedmq/cli.py)
     # Ctrl-C and SIGTERM end a watch cleanly, even when started with SIGINT ignored (a
     # background job of a non-interactive shell inherits that).
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -21,6 +21,8 @@ import sys
 import time
 from typing import Any
 
+from fedmq.errors import UsageError
+
 PROGRESS = 25
 """A process's own account of its work (cycles, uploads, rounds): shown by default."""
 logging.addLevelName(PROGRESS, "PROGRESS")
@@ -77,7 +79,7 @@ def resolve_level(level: str, auto: str = "warning") -> str:
     if name == "auto":
         name = auto
     if name not in LEVELS:
-        raise ValueError(f"unknown log level {level!r}; use auto, {', '.join(LEVELS)}")
+        raise UsageError(f"unknown log level {level!r}; use auto, {', '.join(LEVELS)}")
     return name
 
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fedmq.errors import UsageError
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -146,12 +148,26 @@ def resolve_model_name(model: str, dataset: str) -> str:
     """`auto` picks the zoo entry that fits the dataset; an unknown name is a clear error."""
     if model == "auto":
         try:
-            return DEFAULT_MODEL_FOR_DATASET[dataset]
+            return DEFAULT_MODEL_FOR_DATASET[dataset.lower().replace("-", "").replace("_", "")
+                                             if dataset not in DEFAULT_MODEL_FOR_DATASET else dataset]
         except KeyError:
-            raise ValueError(f"no default model for dataset {dataset!r}; pass --model") from None
+            raise UsageError(f"no default model for dataset {dataset!r}; pass --model, one of "
+                             f"{', '.join(sorted(ZOO))}") from None
     if model not in ZOO:
-        raise ValueError(f"unknown model {model!r}; known: {', '.join(sorted(ZOO))}")
+        raise UsageError(f"unknown model {model!r}; use one of {', '.join(sorted(ZOO))} (or auto)")
     return model
+
+
+def resolve_dataset_and_model(dataset: str, model: str) -> dict[str, str | int]:
+    """What `--dry-run` checks and shows: the dataset's key, the zoo model and its parameter count.
+
+    Raises UsageError for an unknown dataset or model, as a real start would (without
+    loading any data)."""
+    from fedmq.data.sources import canonical_dataset
+
+    key = canonical_dataset(dataset)
+    name = resolve_model_name(model, dataset)
+    return {"dataset": key, "model": name, "parameters": model_spec(name).numel}
 
 
 def build_model(name: str, seed: int | None = None) -> nn.Module:

@@ -66,6 +66,7 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
 from fedmq.config import BrokerSettings
+from fedmq.errors import RuntimeFailure, UsageError
 from fedmq.logs import event, get_logger
 
 log = get_logger("transport")
@@ -104,6 +105,14 @@ class _GatedClient(paho.Client):
 
 class TransportError(RuntimeError):
     """The broker could not be reached, refused us, or did not answer in time."""
+
+
+class BrokerUnreachable(TransportError, RuntimeFailure):
+    """connect() failed: no broker there, it refused us, or it did not answer (exit status 1)."""
+
+
+class BadBrokerURL(TransportError, UsageError):
+    """A broker URL that cannot be parsed (exit status 2)."""
 
 
 class NetworkLoop:
@@ -359,34 +368,45 @@ class BrokerAddress:
     password: str | None = field(default=None, repr=False)
 
 
+def _redacted(url: str) -> str:
+    """The URL with any password replaced by ***, for error messages."""
+    head, at, tail = url.rpartition("@")
+    if not at or "://" not in head:
+        return url
+    scheme, _, userinfo = head.partition("://")
+    user, colon, _ = userinfo.partition(":")
+    return f"{scheme}://{user}{':***' if colon else ''}@{tail}"
+
+
 def parse_broker_url(url: str) -> BrokerAddress:
     """`mqtt://[user[:pass]@]host[:port]` (1883) or `mqtts://...` (8883, TLS).
 
     User and password are percent-decoded, so a password may hold `@` or `:` as %40 / %3A.
     """
+    shown = _redacted(url)
     try:
         parts = urlsplit(url.strip())
     except ValueError as e:
-        raise TransportError(f"broker URL {url!r} is not a valid URL: {e}") from None
+        raise BadBrokerURL(f"broker URL {shown!r} is not a valid URL: {e}") from None
     scheme = parts.scheme.lower()
     if scheme not in DEFAULT_PORTS:
-        raise TransportError(
-            f"broker URL {url!r}: scheme must be mqtt:// or mqtts://, not {parts.scheme or 'none'!r}"
+        raise BadBrokerURL(
+            f"broker URL {shown!r}: scheme must be mqtt:// or mqtts://, not {parts.scheme or 'none'!r}"
         )
     if not parts.hostname:
-        raise TransportError(f"broker URL {url!r} has no host (expected {scheme}://host[:port])")
+        raise BadBrokerURL(f"broker URL {shown!r} has no host (expected {scheme}://host[:port])")
     try:
         port = parts.port
     except ValueError:
-        raise TransportError(f"broker URL {url!r}: port must be a number in 1-65535") from None
+        raise BadBrokerURL(f"broker URL {shown!r}: port must be a number in 1-65535") from None
     if port == 0:
-        raise TransportError(f"broker URL {url!r}: port must be a number in 1-65535")
+        raise BadBrokerURL(f"broker URL {shown!r}: port must be a number in 1-65535")
     if parts.path not in ("", "/") or parts.query or parts.fragment:
-        raise TransportError(f"broker URL {url!r}: unexpected path, query or fragment after the port")
+        raise BadBrokerURL(f"broker URL {shown!r}: unexpected path, query or fragment after the port")
     username = unquote(parts.username) if parts.username is not None else None
     password = unquote(parts.password) if parts.password is not None else None
     if password is not None and not username:
-        raise TransportError(f"broker URL {url!r}: a password needs a user name (user:pass@host)")
+        raise BadBrokerURL(f"broker URL {shown!r}: a password needs a user name (user:pass@host)")
     return BrokerAddress(parts.hostname, port or DEFAULT_PORTS[scheme], scheme == "mqtts",
                          username or None, password)
 
@@ -715,7 +735,7 @@ class MqttTransport:
             if version_refused and i + 1 < len(attempts) and time.monotonic() < deadline:
                 event(log, "transport.fallback", client=self.client_id, reason=error)
                 continue
-            raise TransportError(error)
+            raise BrokerUnreachable(error)
         if self.network is not None:
             self.network.attach(client, self)
         else:
@@ -746,7 +766,8 @@ class MqttTransport:
                 client.tls_set(ca_certs=s.ca_file or None, certfile=s.cert_file or None,
                                keyfile=s.key_file or None)
             except (OSError, ValueError) as e:
-                raise TransportError(f"TLS setup for {self._where()} failed: {e}") from None
+                raise BrokerUnreachable(f"TLS setup for {self._where()} failed: {e}; check --ca-file, "
+                                        f"--cert-file and --key-file") from None
             client.tls_insecure_set(s.tls_insecure)
         if self.will is not None:
             client.will_set(self.will.topic, self.will.payload, self.will.qos, self.will.retain)
@@ -779,15 +800,18 @@ class MqttTransport:
         try:
             client.connect(addr.host, addr.port, self.settings.keepalive_s, **kwargs)
         except ConnectionRefusedError:
-            return f"connection to {self._where()} refused: no broker listens there", False
+            return (f"connection to {self._where()} refused: no broker listens there; start one "
+                    f"(`fedmq broker`) or pass the right --broker URL"), False
         except TimeoutError:
-            return f"no answer from {self._where()} within the timeout", False
+            return (f"no answer from {self._where()} within the timeout; check the host and port "
+                    f"in --broker and that a firewall lets them through"), False
         except socket.gaierror as e:
-            return f"cannot resolve broker host {addr.host!r}: {e.strerror or e}", False
+            return f"cannot resolve broker host {addr.host!r}: {e.strerror or e}; check --broker", False
         except ssl.SSLError as e:
-            return f"TLS handshake with {self._where()} failed: {e}", False
+            return (f"TLS handshake with {self._where()} failed: {e}; check --ca-file (the CA that "
+                    f"signed the broker's certificate)"), False
         except OSError as e:
-            return f"cannot connect to {self._where()}: {e}", False
+            return f"cannot connect to {self._where()}: {e}; check --broker", False
         closed_early = False
         while self.network is not None and self._first_connack is None and time.monotonic() < deadline:
             if client.socket() is None:  # the loop thread read EOF: the broker hung up
@@ -812,7 +836,9 @@ class MqttTransport:
             not v5 and reason.value == 0x84)
         if reason.getName() in ("Bad user name or password", "Not authorized"):
             who = f"user {addr.username!r}" if addr.username else "anonymous client"
-            return f"{self._where()} refused {who} (client id {self.client_id!r}): {_reason_text(reason)}", False
+            return (f"{self._where()} refused {who} (client id {self.client_id!r}): {_reason_text(reason)}; "
+                    f"check the user and password in --broker mqtts://USER:PASS@HOST:PORT against the "
+                    f"broker's password file (`fedmq creds`)"), False
         return f"{self._where()} refused the connection: {_reason_text(reason)}", version_refused
 
     # -- paho callbacks (network thread, or the connecting thread during the handshake) -------

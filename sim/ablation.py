@@ -28,7 +28,6 @@ on identical inputs.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import math
@@ -44,10 +43,12 @@ import numpy as np
 import torch
 
 from fedmq.config import Config, add_config_arguments, config_from_args, load_config
+from fedmq.errors import ArgumentParser, run_main
 from fedmq.logs import event, get_logger, setup_logging
 from fedmq.sketch import data_sketch
 from sim.fleet import RunSpec, configure, kl_divergence, make_schedule
 from sim.scenarios import build_clusters, draw_cycle
+from sim.seeds import int_list, seed_list
 
 log = get_logger("sim")
 
@@ -405,8 +406,8 @@ def merge_results(sources: Sequence[Path], out: Path, command: str | None = None
     return write_results(runs, out, command, commands)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sim.ablation", description=__doc__.split("\n")[0])
+def main(argv: Sequence[str] | None = None, prog: str = "python -m sim.ablation") -> int:
+    p = ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     add_config_arguments(p, ("broker", "log_level", "data_dir", "seed", "device"))
     p.add_argument("--scenario", default="rotated-digits")
     p.add_argument("--clusters", default="3", help="K or a comma list")
@@ -433,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             print(merge_results(args.merge, args.out, command))
         except (OSError, ValueError, KeyError) as e:
-            print(f"python -m sim.ablation: --merge: {e}", file=sys.stderr)
+            print(f"{prog}: --merge: {e}", file=sys.stderr)
             return 2
         return 0
     cfg = config_from_args(args)
@@ -441,11 +442,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         variants = [Variant.parse(v) for v in (args.variant or DEFAULT_VARIANTS)]
     except ValueError as e:
-        print(f"python -m sim.ablation: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return 2
-    seeds = ([int(s) for s in args.seeds.split(",")] if "," in args.seeds
-             else list(range(cfg.seed, cfg.seed + int(args.seeds))))
-    clusters = [int(k) for k in args.clusters.split(",") if k.strip()]
+    seeds = seed_list(args.seeds, cfg.seed)
+    clusters = int_list(args.clusters, "--clusters", minimum=1)
     estimators = [e.strip() for e in args.estimators.split(",") if e.strip()]
     if args.dry_run:
         from sim.scenarios import describe_plan
@@ -482,4 +482,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("python -m sim.ablation", main))

@@ -24,13 +24,7 @@ from tqdm import tqdm
 
 from fedmq.config import add_config_arguments, config_from_args
 from fedmq.logs import setup_logging
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
+from sim.seeds import int_list, seed_list
 
 
 def _add_part_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "digits-domains")
     r.add_argument("--methods", default="cdfl,fedsoft-async,local",
                    help="comma list of cdfl, fedsoft-async, fedasync, local (default cdfl,fedsoft-async,local)")
-    r.add_argument("--clusters", type=_int_list, default=[3], help="K, or a comma list (default 3)")
+    r.add_argument("--clusters", default="3", help="K, or a comma list (default 3)")
     r.add_argument("--agents", type=int, default=0, help="agents per run (default 20*K)")
     r.add_argument("--seeds", default="1",
                    help="number of seeds (N: seeds base..base+N-1, base from --seed) or a comma list")
@@ -100,12 +94,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     merge.add_argument("out", type=Path, help="the --out dir the processes wrote to")
 
 
-def _seeds(text: str, base: int) -> list[int]:
-    if "," in text:
-        return _int_list(text)
-    return list(range(base, base + int(text)))
-
-
 def run(args: argparse.Namespace) -> int:
     from sim.report import write_report
 
@@ -119,22 +107,27 @@ def run(args: argparse.Namespace) -> int:
     if args.sim_command == "rounds":
         from sim.rounds import main as rounds_main
 
-        return rounds_main(args.rest)
+        return rounds_main(args.rest, prog="fedmq sim rounds")
     if args.sim_command == "ablation":
         from sim.ablation import main as ablation_main
 
-        return ablation_main(args.rest)
+        return ablation_main(args.rest, prog="fedmq sim ablation")
     if args.sim_command in ("aggregator", "agents"):
         return run_part(args)
     if args.sim_command == "merge":
         from sim.split import SplitRunError, merge_parts
 
         try:
-            for d in merge_parts(args.out):
-                print(f"merged: {d}")
+            merged = merge_parts(args.out)
         except SplitRunError as e:
             print(f"fedmq sim merge: {e}", file=sys.stderr)
             return 1
+        if not merged:
+            print(f"fedmq sim merge: no parts under {args.out / 'parts'}; give the --out dir that "
+                  f"`fedmq sim agents` and `fedmq sim aggregator` wrote to", file=sys.stderr)
+            return 1
+        for d in merged:
+            print(f"merged: {d}")
         return 0
     if args.sim_command != "run":
         print("usage: fedmq sim {run,report,rounds,aggregator,agents,merge} ... (see fedmq sim run --help)",
@@ -185,7 +178,7 @@ def run_part(args: argparse.Namespace) -> int:
     mine = range(args.first_agent, args.first_agent + count)
     events = sum(1 for a, _ in make_schedule(spec.seed, spec.resolved_agents(), spec.updates_per_agent)
                  if a in mine)
-    bar = tqdm(total=events, desc="updates", unit="upd", dynamic_ncols=True)
+    bar = tqdm(total=events, desc="updates", unit="upd", dynamic_ncols=True, disable=not sys.stderr.isatty())
     try:
         d = run_agents_part(spec, cfg, args.out, first=args.first_agent, count=count, wait_s=args.wait,
                             progress=bar.update)
@@ -209,11 +202,12 @@ def run_experiments(args: argparse.Namespace) -> int:
         if m not in METHODS:
             print(f"fedmq sim run: unknown method {m!r}; one of {', '.join(METHODS)}", file=sys.stderr)
             return 2
-    seeds = _seeds(args.seeds, cfg.seed)
+    seeds = seed_list(args.seeds, cfg.seed)
+    clusters = int_list(args.clusters, "--clusters", minimum=1)
     specs = [RunSpec(scenario=scenario.name, method=m, clusters=k, agents=args.agents, seed=s,
                      updates_per_agent=args.updates_per_agent, workers=args.workers,
                      test_samples=args.test_samples)
-             for k in args.clusters for s in seeds for m in methods]
+             for k in clusters for s in seeds for m in methods]
     total = sum(len(make_schedule(sp.seed, sp.resolved_agents(), sp.updates_per_agent)) for sp in specs)
     if args.dry_run:
         from sim.scenarios import describe_plan
@@ -226,7 +220,8 @@ def run_experiments(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     command = "fedmq sim " + " ".join(shlex.quote(a) for a in sys.argv[sys.argv.index("sim") + 1:]) \
         if "sim" in sys.argv else None
-    bar = tqdm(total=total, desc="updates", unit="upd", dynamic_ncols=True)
+    bar = tqdm(total=total, desc="updates", unit="upd", dynamic_ncols=True,
+               disable=not sys.stderr.isatty())  # a bar in a log file is one huge line
     try:
         for sp in specs:
             bar.set_postfix_str(sp.label)

@@ -12,6 +12,7 @@ Table 1 for this run, the cost table and where the figures are.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"broker: {kind} at {url}")
         if kind == "embedded":
             cfg.broker.protocol = EMBEDDED_PROTOCOL
-        bar = tqdm(total=total, desc="uploads", unit="upd")
+        bar = tqdm(total=total, desc="uploads", unit="upd", disable=not sys.stderr.isatty())  # none in logs
         for spec in specs:
             bar.set_postfix_str(spec.method)
             result = run_fleet(spec, cfg, broker_url=url, progress=bar.update)

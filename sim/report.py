@@ -27,6 +27,13 @@ import numpy as np
 
 METHOD_ORDER = ("cdfl", "fedsoft-async", "fedasync", "local")
 METHOD_NAMES = {"cdfl": "CDFL", "fedsoft-async": "FedSoft-Async", "fedasync": "FedAsync", "local": "Local"}
+METHOD_COLORS = {"cdfl": "tab:blue", "fedsoft-async": "tab:orange", "fedasync": "tab:purple", "local": "tab:gray",
+                 "catafed": "tab:green", "fedavg": "tab:red", "fedprox": "tab:brown"}
+"""One colour per method in every figure (sim report, sim rounds, the demo)."""
+
+
+def method_color(method: str) -> str:
+    return METHOD_COLORS.get(method, "black")
 
 
 def load_runs(out: Path) -> list[dict[str, Any]]:
@@ -115,13 +122,24 @@ def pyplot() -> Any:
 
 
 def save_figure(fig: Any, path: Path) -> Path:
-    """Lay out, write (110 dpi) and close one figure; returns its path."""
+    """Lay out, write (110 dpi, trimmed to what is drawn, legends included) and close one figure."""
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+def figure_legend(fig: Any, axes: Any) -> None:
+    """One legend for the whole figure, below the plots, so it never covers data."""
+    seen: dict[str, Any] = {}
+    for ax in np.ravel(axes):
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            seen.setdefault(label, handle)
+    if seen:
+        fig.legend(list(seen.values()), list(seen), loc="upper center", bbox_to_anchor=(0.5, 0.0),
+                   ncol=min(len(seen), 4), fontsize=8, frameon=False)
 
 
 def _updates(run: dict[str, Any]) -> list[dict[str, str]]:
@@ -154,12 +172,13 @@ def figures(runs: list[dict[str, Any]], fig_dir: Path) -> list[Path]:
                 if curves:
                     n = min(len(c) for c in curves)
                     y = np.mean([c[:n] for c in curves], axis=0)
-                    ax.plot(np.linspace(0, 1, n), y, marker="o", ms=3, label=METHOD_NAMES.get(m, m))
+                    ax.plot(np.linspace(0, 1, n), y, marker="o", ms=3, label=METHOD_NAMES.get(m, m),
+                            color=method_color(m))
             ax.set_title(f"K = {k}")
             ax.set_xlabel("fraction of the run's updates")
             ax.set_ylabel("client accuracy")
             ax.grid(alpha=0.3)
-        axes[0][0].legend(fontsize=8)
+        figure_legend(fig, axes)
         fig.suptitle(f"{scenario}: client accuracy over time")
         paths.append(save_figure(fig, fig_dir / f"{tag}_accuracy_over_time.png"))
 
@@ -172,10 +191,11 @@ def figures(runs: list[dict[str, Any]], fig_dir: Path) -> list[Path]:
             for j, m in enumerate(kl_methods):
                 means = [np.mean([r["kl"] for r in groups.get((scenario, m, k), [])] or [np.nan]) for k in ks]
                 stds = [np.std([r["kl"] for r in groups.get((scenario, m, k), [])] or [np.nan]) for k in ks]
-                ax.bar(np.arange(len(ks)) + j * width, means, width, yerr=stds, label=METHOD_NAMES.get(m, m))
+                ax.bar(np.arange(len(ks)) + j * width, means, width, yerr=stds, label=METHOD_NAMES.get(m, m),
+                       color=method_color(m))
             ax.set_xticks(np.arange(len(ks)) + width * (len(kl_methods) - 1) / 2, [f"K={k}" for k in ks])
             ax.set_ylabel("mean KL(true ‖ estimated)")
-            ax.legend(fontsize=8)
+            figure_legend(fig, ax)
             ax.set_title(f"{scenario}: mixture estimation")
             paths.append(save_figure(fig, fig_dir / f"{tag}_kl.png"))
 
@@ -183,8 +203,8 @@ def figures(runs: list[dict[str, Any]], fig_dir: Path) -> list[Path]:
         if "cdfl" in methods:
             fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
             others = [m for m in methods if m not in ("cdfl", "local")]
-            for ax, key, title in ((axes[0], "bytes_down_per_update", "download bytes / CDFL"),
-                                   (axes[1], "compute_s_per_update", "client compute / CDFL")):
+            for ax, key, title in ((axes[0], "bytes_down_per_update", "download bytes per update"),
+                                   (axes[1], "compute_s_per_update", "client compute per update")):
                 series = others + (["local"] if key == "compute_s_per_update" and "local" in methods else [])
                 width = 0.8 / max(1, len(series))
                 for j, m in enumerate(series):
@@ -193,11 +213,14 @@ def figures(runs: list[dict[str, Any]], fig_dir: Path) -> list[Path]:
                         base = np.mean([r[key] for r in groups.get((scenario, "cdfl", k), [])] or [np.nan])
                         val = np.mean([r[key] for r in groups.get((scenario, m, k), [])] or [np.nan])
                         ratios.append(val / base if base else np.nan)
-                    ax.bar(np.arange(len(ks)) + j * width, ratios, width, label=METHOD_NAMES.get(m, m))
-                ax.axhline(1.0, color="k", lw=0.8, ls="--", label="CDFL")
+                    ax.bar(np.arange(len(ks)) + j * width, ratios, width, label=METHOD_NAMES.get(m, m),
+                           color=method_color(m))
+                ax.axhline(1.0, color=method_color("cdfl"), lw=1.0, ls="--", label="CDFL (= 1)")
                 ax.set_xticks(np.arange(len(ks)) + width * (len(series) - 1) / 2, [f"K={k}" for k in ks])
                 ax.set_title(title)
-                ax.legend(fontsize=8)
+                ax.set_ylabel("relative to CDFL (x)")
+                ax.grid(alpha=0.3, axis="y")
+            figure_legend(fig, axes)
             fig.suptitle(f"{scenario}: cost relative to CDFL")
             paths.append(save_figure(fig, fig_dir / f"{tag}_relative_cost.png"))
     return paths
@@ -249,14 +272,15 @@ def _rounds_cost_figure(rows: list[dict[str, Any]], target: float, path: Path) -
     names = [r["algorithm"] for r in rows]
     x = np.arange(len(rows))
     means = [r["time_to_target_s"] if r["time_to_target_s"] is not None else np.nan for r in rows]
-    ax1.bar(x, means, 0.6, alpha=0.6)
+    colors = [method_color(n) for n in names]
+    ax1.bar(x, means, 0.6, alpha=0.6, color=colors)
     for j, r in enumerate(rows):
         each = [v for v in r["time_to_target_each"] if v is not None]
         ax1.plot([j] * len(each), each, "k.", ms=5)
     ax1.set_xticks(x, names)
     ax1.set_ylabel(f"simulated s to {target:.2f}")
     ax1.set_title("time to target (dots: seeds that reached it)")
-    ax2.bar(x, [100 * r["wasted_share"] for r in rows], 0.6, color="tab:red", alpha=0.7)
+    ax2.bar(x, [100 * r["wasted_share"] for r in rows], 0.6, color=colors, alpha=0.7)
     ax2.set_xticks(x, names)
     ax2.set_ylabel("% of training time")
     ax2.set_title("wasted work")

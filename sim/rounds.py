@@ -20,7 +20,6 @@ proportions ~ Dirichlet(label_alpha) (non-IID), drawn from the digits train spli
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -31,13 +30,15 @@ import numpy as np
 import torch
 
 from aggregator.catafed import RoundResult
-from aggregator.fedavg import make_strategy
+from aggregator.fedavg import STRATEGIES, make_strategy
 from edge_agent.deadline import DeadlineLearner, EpochOutcome, TrainSettings, Watchdog
 from fedmq import codecs
 from fedmq.config import CataFedSettings
 from fedmq.data import load_dataset
+from fedmq.errors import ArgumentParser, UsageError, run_main
 from fedmq.models import build_model, to_vector
 from fedmq.training import evaluate, fit
+from sim.seeds import int_list
 
 MODEL = "digits-cnn"
 
@@ -317,12 +318,11 @@ def load_results(path: Path) -> tuple[list[SimRun], float, dict]:
 
 
 def plot(runs: list[SimRun], path: Path) -> None:
-    from sim.report import pyplot, save_figure
+    from sim.report import figure_legend, method_color, pyplot, save_figure
 
     fig, (ax1, ax2) = pyplot().subplots(1, 2, figsize=(11, 4))
-    colors = {"catafed": "tab:blue", "fedavg": "tab:red", "fedprox": "tab:green"}
     for r in runs:
-        c = colors.get(r.algorithm, "black")
+        c = method_color(r.algorithm)
         label = r.algorithm if r.seed == min(x.seed for x in runs if x.algorithm == r.algorithm) else None
         ax1.plot([x.round + 1 for x in r.rounds], [x.accuracy for x in r.rounds], color=c,
                  alpha=0.7, label=label)
@@ -332,12 +332,12 @@ def plot(runs: list[SimRun], path: Path) -> None:
     ax2.set(xlabel="simulated time (s)", ylabel="test accuracy", title="accuracy over time")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
-        ax.legend()
+    figure_legend(fig, (ax1, ax2))
     save_figure(fig, path)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sim.rounds", description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str = "python -m sim.rounds") -> int:
+    p = ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--algorithms", default="catafed,fedavg,fedprox")
     p.add_argument("--seeds", default="0", help="comma-separated fleet seeds (default 0)")
     p.add_argument("--agents", type=int, default=FleetSpec.agents)
@@ -366,8 +366,13 @@ def main(argv: list[str] | None = None) -> int:
               "(dry run: nothing run)")
         return 0
     runs = []
-    for seed in [int(s) for s in a.seeds.split(",")]:
-        for alg in a.algorithms.split(","):
+    seeds = int_list(a.seeds, "--seeds")
+    algorithms = [x.strip() for x in a.algorithms.split(",") if x.strip()]
+    for alg in algorithms:
+        if alg not in STRATEGIES:
+            raise UsageError(f"--algorithms: unknown algorithm {alg!r}; use one of {', '.join(STRATEGIES)}")
+    for seed in seeds:
+        for alg in algorithms:
             run = run_fleet(alg, spec, settings, seed=seed)
             runs.append(run)
             print(f"{alg:8s} seed {seed}: {len(run.rounds)} rounds, sim {run.rounds[-1].time_s:.0f} s, "
@@ -391,4 +396,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("python -m sim.rounds", main))

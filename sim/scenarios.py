@@ -28,6 +28,7 @@ from fedmq.config import Config
 from fedmq.data import AgentData, RotatedClusters, clusters_from_settings, draw_agent, load_dataset
 from fedmq.data.mixtures import sample_agent_data
 from fedmq.data.sources import Dataset
+from fedmq.errors import UsageError
 
 DOMAINS: tuple[str, ...] = ("printed", "inverted", "bold")
 
@@ -69,7 +70,7 @@ def get_scenario(name: str) -> Scenario:
     try:
         return SCENARIOS[name]
     except KeyError:
-        raise ValueError(f"unknown scenario {name!r}; one of {', '.join(SCENARIOS)}") from None
+        raise UsageError(f"unknown scenario {name!r}; use one of {', '.join(SCENARIOS)}") from None
 
 
 class DomainClusters(RotatedClusters):

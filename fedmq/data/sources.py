@@ -22,10 +22,15 @@ import numpy as np
 import torch
 
 from fedmq.config import default_data_dir
+from fedmq.errors import RuntimeFailure, UsageError
 
 
-class DatasetNotFound(FileNotFoundError):
+class DatasetNotFound(FileNotFoundError, RuntimeFailure):
     """A dataset's files are not in the data root (and downloading was not asked for)."""
+
+
+class UnknownDataset(UsageError):
+    """A dataset name that is neither one of DATASETS nor folder:NAME."""
 
 
 @dataclass(repr=False)
@@ -120,7 +125,7 @@ def load_dataset(name: str, *, data_dir: str | os.PathLike[str] | None = None, t
     `download=False` (the default) nothing touches the network and a missing dataset raises
     DatasetNotFound.
     """
-    key_name = _canonical(name)
+    key_name = canonical_dataset(name)
     root = str(Path(data_dir if data_dir is not None else default_data_dir()).expanduser().resolve())
     key = (key_name, root if key_name != "digits" else "", train)
     with _cache_lock:
@@ -138,15 +143,16 @@ def clear_cache() -> None:
         _cache.clear()
 
 
-def _canonical(name: str) -> str:
+def canonical_dataset(name: str) -> str:
+    """The dataset's key (`Fashion-MNIST` -> fashionmnist, `folder:NAME`); UnknownDataset if none."""
     if name.lower().startswith("folder:"):
         sub = name.split(":", 1)[1].strip()
         if not sub or Path(sub).is_absolute() or ".." in Path(sub).parts:
-            raise ValueError(f"folder:NAME needs a directory name under the data root, got {name!r}")
+            raise UnknownDataset(f"folder:NAME needs a directory name under the data root, got {name!r}")
         return f"folder:{sub}"
     key = name.lower().replace("-", "").replace("_", "")
     if key not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; known: {', '.join(DATASETS)}, or folder:NAME")
+        raise UnknownDataset(f"unknown dataset {name!r}; use one of {', '.join(DATASETS)}, or folder:NAME")
     return key
 
 
@@ -158,7 +164,7 @@ def _not_found(name: str, root: str, detail: str = "") -> DatasetNotFound:
         how = where
     else:
         files = ", ".join(f"{root}/{f}" for f in expected or [])
-        how = (f"download it with --download (load_dataset(..., download=True)), or put torchvision's "
+        how = (f"download it with --download (or --set data.download=true), or put torchvision's "
                f"files there ({files}), or point --data-dir / FEDMQ_DATA_DIR at a root that has them")
     msg = f"dataset {name!r} not found in data root {root}: {how}"
     if detail:

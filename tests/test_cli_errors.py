@@ -1,0 +1,183 @@
+"""Errors a person can read: each expected failure of the real CLI is one line on stderr that
+names the bad thing, exit status 2 (usage) or 1 (runtime), and no traceback.
+
+Every case runs `python -m fedmq.cli ...` (or a `python -m` entry point) as a subprocess from
+the repo root, as a user would; brokers are real Mosquitto processes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedmq.broker import REPO_BROKER_CONFIG, MosquittoBroker, find_mosquitto, free_port
+from fedmq.creds import make_credentials
+from sim.seeds import int_list, seed_list
+
+ROOT = Path(__file__).resolve().parent.parent
+needs_mosquitto = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
+# Small pre-training and proxy sizes: these cases fail before or after pre-training, and the
+# aggregator's defaults are item 1 of issue 14 (tested there), not what is tested here.
+SMALL_AGGREGATOR = ("--set", "data.pretrain_per_cluster=100", "--set", "data.proxy_per_cluster=50")
+
+
+def run(*argv: str, module: str = "fedmq.cli", timeout: float = 180) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", module, *argv], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def assert_one_line(done: subprocess.CompletedProcess, status: int, *names: str) -> str:
+    """Exit status `status`, exactly one non-empty stderr line naming every one of `names`."""
+    lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
+    assert done.returncode == status, (done.returncode, done.stderr[-3000:])
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert len(lines) == 1, done.stderr[-3000:]
+    for name in names:
+        assert name in lines[0], (name, lines[0])
+    return lines[0]
+
+
+# --------------------------------------------------------------------------- usage: exit 2
+
+@pytest.mark.parametrize("argv, names", [
+    (("aggregator", "--clusters", "x"), ("fedmq aggregator", "--clusters", "'x'")),
+    (("agent", "--no-such-flag"), ("fedmq agent", "--no-such-flag")),
+    (("agent", "--profile", "boat"), ("fedmq agent", "--profile", "boat")),
+    (("aggregator", "--dataset", "nosuch", "--dry-run"), ("unknown dataset 'nosuch'", "digits")),
+    (("agent", "--id", "a", "--model", "nosuch", "--dry-run"), ("unknown model 'nosuch'", "cnn28")),
+    (("aggregator", "--set", "cdfl.clusterz=3", "--dry-run"), ("cdfl.clusterz", "did you mean cdfl.clusters")),
+    (("aggregator", "--set", "cdfl.clusters=three", "--dry-run"), ("cdfl.clusters", "three")),
+    (("agent", "--id", "a", "--set", "agent.epochs", "--dry-run"), ("--set", "key=value", "agent.epochs")),
+    (("agent", "--id", "a", "--broker", "mqtt://u:secret@host:99999", "--dry-run"), ("broker URL", "port")),
+    (("agent", "--algorithm", "local"), ("fedmq agent", "--id")),
+    (("agent", "--id", "a", "--log-level", "loud", "--dry-run"), ("log level 'loud'", "debug")),
+    (("sim", "run", "--scenario", "nope", "--out", "OUT"), ("fedmq sim run", "unknown scenario 'nope'")),
+    (("sim", "run", "--seeds", "1,x", "--out", "OUT"), ("fedmq sim run", "--seeds", "1,x")),
+    (("sim", "run", "--clusters", "two", "--out", "OUT"), ("--clusters", "two")),
+    (("sim", "run", "--methods", "cdfl,nope", "--out", "OUT"), ("unknown method 'nope'",)),
+    (("sim", "ablation", "--seeds", "1,"), ("fedmq sim ablation", "--out")),
+    (("sim", "rounds", "--seeds", "x"), ("fedmq sim rounds", "--seeds", "'x'")),
+    (("fleet", "status", "--watch", "soon"), ("fedmq fleet status", "--watch", "soon")),
+    (("creds", "--out", "OUT", "--agents", "bad/name"), ("bad/name",)),
+    (("broker", "--port", "nope"), ("fedmq broker", "--port")),
+])
+def test_usage_errors_are_one_line_and_exit_2(argv, names, tmp_path) -> None:
+    argv = tuple(str(tmp_path / "out") if a == "OUT" else a for a in argv)
+    line = assert_one_line(run(*argv), 2, *names)
+    assert "secret" not in line  # a password in a broker URL is never echoed
+
+
+def test_config_file_with_a_typo_is_one_line_and_exit_2(tmp_path) -> None:
+    conf = tmp_path / "agg.toml"
+    conf.write_text("[cdfl]\nbeta_0 = 0.1\n")
+    assert_one_line(run("aggregator", "--config", str(conf), "--dry-run"), 2, "cdfl.beta_0", "beta0")
+    assert_one_line(run("aggregator", "--config", str(tmp_path / "missing.toml"), "--dry-run"), 2,
+                    "missing.toml")
+
+
+@pytest.mark.parametrize("module, argv, names", [
+    ("sim.ablation", ("--seeds", "1,x", "--out", "OUT"), ("python -m sim.ablation", "--seeds", "1,x")),
+    ("sim.ablation", ("--seeds", "0", "--out", "OUT"), ("--seeds", ">= 1")),
+    ("sim.ablation", ("--variant", "x=nope", "--out", "OUT"), ("variant", "nope")),
+    ("sim.rounds", ("--seeds", ","), ("python -m sim.rounds", "--seeds")),
+    ("sim.rounds", ("--algorithms", "fedavg,fedsgd"), ("fedsgd", "catafed")),
+    ("bench", ("nosuch",), ("python -m bench", "nosuch", "codecs")),
+])
+def test_python_m_entry_points_are_one_line_and_exit_2(module, argv, names, tmp_path) -> None:
+    argv = tuple(str(tmp_path / "out") if a == "OUT" else a for a in argv)
+    assert_one_line(run(*argv, module=module), 2, *names)
+
+
+def test_seed_lists_parse_the_same_everywhere() -> None:
+    assert seed_list("1,", 0) == [1]  # `python -m sim.ablation --seeds 1,` used to be int('')
+    assert seed_list(" 2 , 3 ", 0) == [2, 3]
+    assert seed_list("3", 5) == [5, 6, 7]
+    assert int_list("0,1,2", "--seeds") == [0, 1, 2]
+
+
+def test_dry_run_names_the_model_and_its_size() -> None:
+    import json
+
+    done = run("aggregator", "--dry-run")
+    assert done.returncode == 0, done.stderr
+    resolved = json.loads(done.stdout)["resolved"]
+    assert resolved["model"] == "digits-cnn" and resolved["dataset"] == "digits"
+    assert resolved["parameters"] > 1000
+
+
+# --------------------------------------------------------------------------- runtime: exit 1
+
+def test_unreachable_broker_fails_fast_with_one_line(tmp_path) -> None:
+    url = f"mqtt://127.0.0.1:{free_port()}"  # nothing listens there
+    for argv in (("agent", "--id", "a1", "--state-dir", str(tmp_path / "a1")),
+                 ("aggregator", "--state-dir", str(tmp_path / "agg"), *SMALL_AGGREGATOR),
+                 ("fleet", "status")):
+        assert_one_line(run(*argv, "--broker", url), 1, "refused", url, "fedmq broker")
+
+
+@pytest.fixture(scope="module")
+def prod_broker(tmp_path_factory):
+    if find_mosquitto() is None:
+        pytest.skip("mosquitto not installed")
+    creds = make_credentials(tmp_path_factory.mktemp("creds"), ["a1"], monitor_user="monitor")
+    with MosquittoBroker.from_file(REPO_BROKER_CONFIG / "prod.conf", path_map=creds.path_map(),
+                                   workdir=tmp_path_factory.mktemp("prod-broker")) as broker:
+        yield broker, creds
+
+
+@needs_mosquitto
+def test_refused_credentials_are_one_line(prod_broker, tmp_path) -> None:
+    broker, creds = prod_broker
+    wrong = creds.agents["a1"] + "x"
+    url = f"mqtts://a1:{wrong}@127.0.0.1:{broker.port}"
+    for argv in (("fleet", "status"),
+                 ("agent", "--id", "a1", "--fleet", "f1", "--state-dir", str(tmp_path / "a1"))):
+        line = assert_one_line(run(*argv, "--broker", url, "--ca-file", str(creds.ca_cert)), 1,
+                               "refused user 'a1'", "password")
+        assert wrong not in line
+
+
+def test_corrupt_agent_state_is_one_line_and_debug_shows_the_traceback(tmp_path) -> None:
+    state = tmp_path / "a1"
+    state.mkdir()
+    (state / "agent_state.msgpack").write_bytes(b"\x93garbage that is not a state")
+    (state / "agent_state.prev.msgpack").write_bytes(b"")
+    argv = ("agent", "--id", "a1", "--state-dir", str(state), "--broker", f"mqtt://127.0.0.1:{free_port()}")
+    assert_one_line(run(*argv), 1, "agent_state.msgpack", "Move")
+    assert (state / "agent_state.msgpack").read_bytes() == b"\x93garbage that is not a state"  # left alone
+    debug = run(*argv, "--log-level", "debug")
+    assert debug.returncode == 1 and "Traceback" in debug.stderr and "StateCorrupt" in debug.stderr
+
+
+def test_corrupt_aggregator_state_is_one_line_and_kept(tmp_path) -> None:
+    state = tmp_path / "agg"
+    state.mkdir()
+    (state / "snapshot-3.msgpack").write_bytes(b"\xc1 not a snapshot")
+    argv = ("aggregator", "--state-dir", str(state), "--broker", f"mqtt://127.0.0.1:{free_port()}",
+            *SMALL_AGGREGATOR)
+    assert_one_line(run(*argv), 1, "snapshot-3.msgpack", str(state))
+    assert (state / "snapshot-3.msgpack").read_bytes() == b"\xc1 not a snapshot"  # nothing overwritten
+
+
+def test_unwritable_state_dir_is_one_line(tmp_path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    argv = ("aggregator", "--state-dir", str(blocker / "agg"), "--broker", f"mqtt://127.0.0.1:{free_port()}",
+            *SMALL_AGGREGATOR)
+    assert_one_line(run(*argv), 1, str(blocker / "agg"), "--state-dir")
+
+
+def test_missing_dataset_files_are_one_line(tmp_path) -> None:
+    argv = ("agent", "--id", "a1", "--dataset", "mnist", "--data-dir", str(tmp_path / "empty"),
+            "--state-dir", str(tmp_path / "a1"), "--broker", f"mqtt://127.0.0.1:{free_port()}")
+    assert_one_line(run(*argv), 1, "'mnist' not found", str(tmp_path / "empty"), "--download")
+
+
+def test_report_or_merge_of_a_dir_without_results_is_one_line(tmp_path) -> None:
+    assert_one_line(run("sim", "report", str(tmp_path)), 1, "fedmq sim report", str(tmp_path))
+    assert_one_line(run("sim", "merge", str(tmp_path)), 1, "fedmq sim merge", str(tmp_path / "parts"))
