@@ -22,6 +22,7 @@ report is only useful within its own round. Reports are therefore auto-acknowled
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -141,9 +142,11 @@ class RoundService:
                 continue
             self._handle(msg)
 
-    def wait_for_pool(self, n: int, timeout_s: float) -> bool:
-        """Handle messages until at least `n` agents can be invited (or the timeout)."""
-        self.pump(time.monotonic() + timeout_s, stop=lambda: len(self.strategy.pool()) >= n)
+    def wait_for_pool(self, n: int, timeout_s: float,
+                      stop: threading.Event | None = None) -> bool:
+        """Handle messages until at least `n` agents can be invited (or the timeout or `stop`)."""
+        self.pump(time.monotonic() + timeout_s,
+                  stop=lambda: len(self.strategy.pool()) >= n or (stop is not None and stop.is_set()))
         return len(self.strategy.pool()) >= n
 
     def _handle(self, msg: Message) -> None:
@@ -268,24 +271,38 @@ class RoundService:
         return record
 
     def run(self, rounds: int | None = None, target_accuracy: float | None = None, *,
-            min_agents: int = 1, wait_s: float = 30.0,
-            stop: threading.Event | None = None) -> list[RoundRecord]:
-        """Rounds until E rounds (catafed.rounds), the target accuracy, or `stop`; each round
-        first waits up to `wait_s` for `min_agents` agents in the pool."""
+            min_agents: int = 1, wait_s: float = 30.0, first_wait_s: float = math.inf,
+            stop: threading.Event | None = None,
+            on_round: Callable[[RoundRecord], None] | None = None) -> list[RoundRecord]:
+        """Rounds until E rounds (catafed.rounds), the target accuracy, or `stop`.
+
+        Round 1 waits up to `first_wait_s` (default: until `stop`) for `min_agents` agents in
+        the pool, so that a fleet started in any order begins with the agents it was sized
+        for; each later round waits up to `wait_s` for them, then runs with the pool it has.
+        `on_round` sees each round's record as it closes.
+        """
         rounds = self.settings.rounds if rounds is None else rounds
         target = self.settings.target_accuracy if target_accuracy is None else target_accuracy
         stop = stop or threading.Event()
         out: list[RoundRecord] = []
+        give_up = time.monotonic() + first_wait_s
+        while not stop.is_set() and time.monotonic() < give_up:
+            if self.wait_for_pool(min_agents, min(wait_s, give_up - time.monotonic()), stop):
+                break
+            event(log, "rounds.waiting", level=30, pool=len(self.strategy.pool()),
+                  wanted=min_agents)
         for _ in range(rounds):
             if stop.is_set():
                 break
-            if not self.wait_for_pool(min_agents, wait_s):
+            if not self.wait_for_pool(min_agents, wait_s, stop):
                 event(log, "rounds.no_agents", level=30, pool=len(self.strategy.pool()),
                       wanted=min_agents)
                 if not self.strategy.pool():
                     continue
             record = self.run_round()
             out.append(record)
+            if on_round is not None:
+                on_round(record)
             if target and record.accuracy is not None and record.accuracy >= target:
                 break
         return out

@@ -11,6 +11,9 @@ broker's PUBACK is its measured upload time, from which eps_i follows.
 
 An invite that is already past its deadline when the agent gets to it (it arrived while the
 agent was busy with an older one) is skipped: the server has closed that round anyway.
+
+CATA-Fed agents train with `catafed.epochs/batch_size/lr`, FedAvg and FedProx agents with
+`[fedavg]`'s; batches are shuffled anew each round (seeded by the agent's seed and the round).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,17 +59,26 @@ class RoundAgent:
 
     def __init__(self, cfg: Config, agent_id: str, x: torch.Tensor, y: torch.Tensor, *,
                  algorithm: str = "catafed", extra_s_per_sample: float = 0.0,
-                 seed: int = 0) -> None:
+                 seed: int = 0, on_round: Callable[[RoundLog], None] | None = None) -> None:
         self.cfg = cfg
         self.agent_id = protocol.validate_id(agent_id, "agent id")
         self.fleet = cfg.fleet
         self.algorithm = algorithm
         self.model_name = resolve_model_name(cfg.model, cfg.data.dataset)
         self.spec = model_spec(self.model_name)
-        self.learner = DeadlineLearner(x, y, cfg.catafed, algorithm=algorithm, seed=seed)
-        self.train = TrainSettings(self.model_name, cfg.catafed.lr, cfg.catafed.batch_size,
-                                   cfg.catafed.prox_mu if algorithm == "fedprox" else 0.0, seed)
+        if algorithm == "catafed":
+            c = cfg.catafed
+            self.learner = DeadlineLearner(x, y, c, algorithm=algorithm, seed=seed)
+            self.train = TrainSettings(self.model_name, c.lr, c.batch_size, 0.0, seed)
+        else:
+            f = cfg.fedavg
+            self.learner = DeadlineLearner(x, y, cfg.catafed, algorithm=algorithm, seed=seed,
+                                           epochs=f.epochs)
+            self.train = TrainSettings(self.model_name, f.lr, f.batch_size,
+                                       f.prox_mu if algorithm == "fedprox" else 0.0, seed,
+                                       f.momentum)
         self.extra_s_per_sample = extra_s_per_sample
+        self.on_round = on_round  # called on the agent's thread with each RoundLog (the CLI prints it)
         self.log: list[RoundLog] = []
         self.errors: list[str] = []
         self.counters: dict[str, int] = {"invites": 0, "reports": 0, "skipped": 0}
@@ -140,7 +153,8 @@ class RoundAgent:
             self._invites.put((env, received_at))
         elif isinstance(env, protocol.Error):
             self.errors.append(env.reason)
-            event(log, "agent.refused", agent=self.agent_id, reason=env.reason, detail=env.detail)
+            event(log, "agent.refused", level=30, agent=self.agent_id, reason=env.reason,
+                  detail=env.detail)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -171,7 +185,7 @@ class RoundAgent:
         base = torch.from_numpy(np.ascontiguousarray(start))
 
         def make_runner(x: torch.Tensor, y: torch.Tensor, anchor: torch.Tensor | None):
-            return RealEpochRunner(self.train, x, y, anchor=anchor,
+            return RealEpochRunner(self.train, x, y, anchor=anchor, round_id=invite.round,
                                    extra_s_per_sample=self.extra_s_per_sample, cancel=self._stop)
 
         eps = self.learner.uploads.eps
@@ -179,9 +193,11 @@ class RoundAgent:
         if self._stop.is_set():
             return
         upload_s = self._send_report(invite, work, start)
-        self.log.append(RoundLog(invite.round, work.finished, work.shard_used, work.shard_size,
-                                 work.n_samples, work.result.epochs_done, work.result.seconds,
-                                 upload_s, eps))
+        entry = RoundLog(invite.round, work.finished, work.shard_used, work.shard_size,
+                         work.n_samples, work.result.epochs_done, work.result.seconds, upload_s, eps)
+        self.log.append(entry)
+        if self.on_round is not None:
+            self.on_round(entry)
 
     def _send_report(self, invite: protocol.RoundInvite, work: RoundWork, base: np.ndarray) -> float:
         c = self.cfg.codec
