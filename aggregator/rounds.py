@@ -12,7 +12,8 @@ strategy and drives rounds; paho's network thread only enqueues raw messages. Pe
    evaluated when an evaluator is given; the state is snapshotted (atomic rename) when a
    state dir is given.
 Presence comes from the agents' retained status topics (offline is their last will); an
-agent's per-round data size from its `Join` (answered with an `Ack`) and its reports.
+agent's per-round data size from its `Join` (answered with an `Ack`) and its reports. Agents
+re-send their Join when the aggregator's status goes online, so start order does not matter.
 
 Durability: a snapshot after each round (W_t, round, per-agent table) is the whole state; a
 crash mid-round loses that round (it is re-run from W_t after a restart), which costs at most
@@ -110,6 +111,10 @@ class RoundService:
             self.strategy.load_state(msgpack.unpackb(self.state_path.read_bytes(), raw=False))
             event(log, "rounds.resumed", round=self.strategy.round)
         serve_fleet(self.transport, self.fleet, lambda: self._status("online"), self._inbox.put)
+        # Once more now that the uplinks are subscribed: agents that started first re-send
+        # their Join on it (the one answering the connect's status may have come too early).
+        self.transport.publish(protocol.aggregator_status(self.fleet), self._status("online"),
+                               qos=1, retain=True)
         event(log, "rounds.started", fleet=self.fleet, algorithm=self.strategy.name,
               round=self.strategy.round)
         return self
@@ -233,7 +238,9 @@ class RoundService:
 
     # ---------------------------------------------------------------- rounds
 
-    def run_round(self) -> RoundRecord:
+    def run_round(self, stop: threading.Event | None = None) -> RoundRecord | None:
+        """One round; None if `stop` was set while it was open (the round is abandoned, as a
+        crash would: no aggregation, no snapshot, re-run from W_t after a restart)."""
         s = self.settings
         t0 = time.monotonic()
         self.pump(t0)  # what already arrived (joins, statuses) counts for this selection
@@ -254,7 +261,11 @@ class RoundService:
             self.channel.send(protocol.downlink(self.fleet, agent), invite)
         cutoff = time.monotonic() + s.deadline_s + s.grace_s
         if plan.selected:
-            self.pump(cutoff, stop=lambda: s.close_early and self.strategy.all_reported())
+            self.pump(cutoff, stop=lambda: (s.close_early and self.strategy.all_reported())
+                      or (stop is not None and stop.is_set()))
+        if stop is not None and stop.is_set():
+            event(log, "round.abandoned", round=plan.round)
+            return None
         ended = ("empty" if not plan.selected else
                  "all_reported" if self.strategy.all_reported() else "cutoff")
         outcome: RoundOutcome = self.strategy.close_round()
@@ -279,7 +290,8 @@ class RoundService:
         Round 1 waits up to `first_wait_s` (default: until `stop`) for `min_agents` agents in
         the pool, so that a fleet started in any order begins with the agents it was sized
         for; each later round waits up to `wait_s` for them, then runs with the pool it has.
-        `on_round` sees each round's record as it closes.
+        `on_round` sees each round's record as it closes; `stop` also ends an open round
+        without closing it.
         """
         rounds = self.settings.rounds if rounds is None else rounds
         target = self.settings.target_accuracy if target_accuracy is None else target_accuracy
@@ -299,7 +311,9 @@ class RoundService:
                       wanted=min_agents)
                 if not self.strategy.pool():
                     continue
-            record = self.run_round()
+            record = self.run_round(stop)
+            if record is None:
+                break
             out.append(record)
             if on_round is not None:
                 on_round(record)

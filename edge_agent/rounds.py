@@ -1,8 +1,9 @@
 """The agent side of deadline rounds over MQTT (CATA-Fed, FedAvg, FedProx).
 
 A `RoundAgent` connects with its last will (offline), announces itself with a `Join` carrying
-its per-round data size after every (re)connect, and waits for `RoundInvite`s on its
-downlink. Time is measured from the *receipt* of an invite (the aggregator's clock is not
+its per-round data size after every (re)connect and whenever the aggregator's status says
+online (so an agent started before the aggregator still joins), and waits for `RoundInvite`s
+on its downlink. Time is measured from the *receipt* of an invite (the aggregator's clock is not
 ours): paho's thread stamps it, the agent's own thread decodes W_t, trains under the
 deadline (edge_agent/deadline.py) and sends a `Report`: with the trained model as a delta
 against the W_t it decoded when it finished, or `finished=False` and its new, halved shard
@@ -103,14 +104,21 @@ class RoundAgent:
     # ---------------------------------------------------------------- lifecycle
 
     def start(self, timeout: float = 10.0) -> RoundAgent:
+        subscribed = threading.Event()
+
         def announce(t: MqttTransport, _: bool) -> None:
             t.publish(protocol.agent_status(self.fleet, self.agent_id), self._status("online"),
                       qos=1, retain=True)
-            self.channel.send(protocol.uplink(self.fleet, self.agent_id), self._join())
+            if subscribed.is_set():  # a reconnect: the transport re-subscribed before this hook
+                self.channel.send(protocol.uplink(self.fleet, self.agent_id), self._join())
 
+        # The first Join waits for our downlink's SUBACK (an invite may answer it at once): it
+        # is sent when the aggregator's retained status, subscribed to last, says online.
         self.transport.on_connect_hooks.append(announce)
         self.transport.connect(timeout)
         self.transport.subscribe(protocol.downlink(self.fleet, self.agent_id), self._on_down, qos=1)
+        subscribed.set()
+        self.transport.subscribe(protocol.aggregator_status(self.fleet), self._on_aggregator, qos=1)
         self._worker = threading.Thread(target=self._run, name=f"round-agent-{self.agent_id}",
                                         daemon=True)
         self._worker.start()
@@ -155,6 +163,16 @@ class RoundAgent:
             self.errors.append(env.reason)
             event(log, "agent.refused", level=30, agent=self.agent_id, reason=env.reason,
                   detail=env.detail)
+
+    def _on_aggregator(self, message: Message) -> None:
+        try:
+            got = self.channel.receive(message)
+        except Refused as r:
+            self.errors.append(r.reason)
+            return
+        if got is not None and isinstance(got.envelope, protocol.Status) \
+                and got.envelope.state == "online":
+            self.channel.send(protocol.uplink(self.fleet, self.agent_id), self._join())
 
     def _run(self) -> None:
         while not self._stop.is_set():
