@@ -93,3 +93,14 @@ def test_fedavg_round_fleet_from_the_cli(mosquitto, tmp_path) -> None:
     finally:
         codes = [p.stop() for p in (*agents, aggregator)]
     assert codes == [0, 0, 0], "\n".join(aggregator.lines + [x for a in agents for x in a.lines])
+
+
+def test_round_settings_errors_are_one_line() -> None:
+    # Both are refused before any connection: no broker needed.
+    for args, expected in ((("--set", "catafed.prox_mu=0.1"), "set fedavg.prox_mu instead"),
+                           (("--min-agents", "-1"), "catafed.min_agents must be >= 0, got -1")):
+        done = subprocess.run([sys.executable, "-m", "fedmq.cli", "aggregator", "--algorithm",
+                               "fedavg", "--broker", "mqtt://127.0.0.1:1", *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=WAIT_S)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and expected in lines[0], done.stderr
