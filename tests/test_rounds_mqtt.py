@@ -27,7 +27,7 @@ from fedmq.channel import Channel
 from fedmq.config import Config, load_config
 from fedmq.data import load_dataset
 from fedmq.models import build_model, to_vector
-from fedmq.training import evaluate
+from fedmq.training import evaluate, fit
 from fedmq.transport import Message, MqttTransport
 
 MODEL = "digits-cnn"
@@ -62,17 +62,18 @@ class VanishingAgent(RoundAgent):
 
 
 def test_catafed_round_with_straggler_and_dropout(mosquitto) -> None:
-    # T = 4 s and eps_i = 0.2 s before any upload was measured: a 3.8 s budget. The slow
-    # device needs 25 ms per sample: 5 s for its 200 samples (the watchdog aborts), 2.5 s
-    # for a 100-sample shard (it finishes).
-    cfg = make_cfg(mosquitto.url, **{"catafed.deadline_s": 4.0, "catafed.grace_s": 1.0})
+    # T = 8 s and eps_i = 0.2 s before any upload was measured: a 7.8 s budget. The slow
+    # device needs 50 ms per sample: 10 s for its 200 samples (the watchdog aborts), 5 s
+    # for a 100-sample shard (it finishes). Margins of seconds, for a busy 2-core machine.
+    cfg = make_cfg(mosquitto.url, **{"catafed.deadline_s": 8.0, "catafed.grace_s": 2.0})
     test = load_dataset("digits", train=False)
     start = to_vector(build_model(MODEL, seed=0))
+    fit(MODEL, start, *data(0, 32))  # torch's first call (seconds when loaded) is no round's
     strategy = CataFed(cfg.catafed, start)
     service = RoundService(cfg, strategy, model_name=MODEL,
                            evaluate=lambda v: evaluate(MODEL, v, test.x, test.y)[0])
     fast = RoundAgent(cfg, "fast", *data(0, 100))
-    slow = RoundAgent(cfg, "slow", *data(100, 300), extra_s_per_sample=0.025)
+    slow = RoundAgent(cfg, "slow", *data(100, 300), extra_s_per_sample=0.05)
     gone = VanishingAgent(cfg, "gone", *data(300, 400))
     back = None
     with service:
@@ -113,13 +114,16 @@ def test_catafed_round_with_straggler_and_dropout(mosquitto) -> None:
 
 
 def test_fedavg_drops_a_late_update_and_keeps_the_agent(mosquitto) -> None:
-    cfg = make_cfg(mosquitto.url, **{"catafed.deadline_s": 1.5, "catafed.grace_s": 0.5,
+    # Cut-off at T + grace = 5 s; the late agent needs 8 s (80 ms per sample), the other
+    # well under a second: margins of seconds both ways, for a busy 2-core machine.
+    cfg = make_cfg(mosquitto.url, **{"catafed.deadline_s": 4.0, "catafed.grace_s": 1.0,
                                      "fedavg.clients_per_round": 2})
-    strategy = FedAvgDeadline(cfg.catafed, to_vector(build_model(MODEL, seed=0)),
-                              fedavg=cfg.fedavg)
+    start = to_vector(build_model(MODEL, seed=0))
+    fit(MODEL, start, *data(0, 32))  # torch's first call (seconds when loaded) is no round's
+    strategy = FedAvgDeadline(cfg.catafed, start, fedavg=cfg.fedavg)
     service = RoundService(cfg, strategy, model_name=MODEL)
     on_time = RoundAgent(cfg, "on-time", *data(0, 100), algorithm="fedavg")
-    late = RoundAgent(cfg, "late", *data(100, 200), algorithm="fedavg", extra_s_per_sample=0.03)
+    late = RoundAgent(cfg, "late", *data(100, 200), algorithm="fedavg", extra_s_per_sample=0.08)
     wrong = RoundAgent(cfg, "wrong", *data(200, 300), algorithm="catafed")
     with service:
         try:
@@ -131,7 +135,7 @@ def test_fedavg_drops_a_late_update_and_keeps_the_agent(mosquitto) -> None:
             assert record.finished == ["on-time"] and record.dropouts == ["late"]
             assert record.ended == "cutoff"
             wait_until(lambda: len(late.log) >= 1, "the late agent's report")
-            assert late.log[-1].finished  # it did finish: 3 s of work, after the cut-off
+            assert late.log[-1].finished  # it did finish: 8 s of work, after the cut-off
             service.pump(time.monotonic() + WAIT_S, stop=lambda: service.counters["reports.late"] > 0)
             assert service.counters["reports.late"] == 1
             assert sorted(strategy.pool()) == ["late", "on-time"]
