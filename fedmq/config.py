@@ -300,7 +300,7 @@ class AgentSettings:
     id: str = ""
     """Agent id (also its MQTT client id suffix and topic level); required to run an agent."""
     algorithm: str = "cdfl"
-    """cdfl, fedsoft-async (the agent downloads all K models and estimates alpha) or local (never talks to a server)."""
+    """cdfl, fedsoft-async (the agent downloads all K models and estimates alpha), local (never talks to a server), or catafed, fedavg, fedprox (deadline rounds, docs/catafed.md)."""
     profile: str = "device"
     """Device profile: car, phone or device (always online); it gates uploads and drives the dataset source's mixture."""
     state_dir: str = "state/agent"
