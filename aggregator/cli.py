@@ -5,9 +5,12 @@ examples:
   fedmq aggregator --algorithm fedsoft-async --dataset mnist --data-dir ~/data --state-dir st/
   fedmq aggregator --config deploy/aggregator.toml --state-dir st/agg --set cdfl.beta0=0.1
   fedmq aggregator --algorithm catafed --set catafed.deadline_s=20   # deadline rounds
+  fedmq aggregator --algorithm fedavg --min-agents 2 --set fedavg.clients_per_round=2
 
 State (cluster models, journal) lives in --state-dir; a restart resumes from it. SIGTERM or
-Ctrl-C stops cleanly (final snapshot, offline status).
+Ctrl-C stops cleanly (final snapshot, offline status). Deadline rounds (catafed, fedavg,
+fedprox) wait for --min-agents agents (`fedmq agent --algorithm` the same) before round 1
+and print one line per round.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import signal
+import sys
 import threading
 
 from fedmq.config import add_config_arguments, config_from_args
@@ -30,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                              "data_dir", "download", "model", "device", "seed", "log_level"))
     p.add_argument("--algorithm", choices=ALGORITHMS, help="server algorithm (default cdfl)")
     p.add_argument("--clusters", type=int, metavar="K", help="number of cluster models (default 3)")
+    p.add_argument("--min-agents", type=int, metavar="N",
+                   help="deadline rounds: agents to wait for before round 1 (catafed.min_agents; "
+                        "default: the agents one round invites)")
     p.add_argument("--state-dir", metavar="DIR", help="snapshots and journal (default state/aggregator)")
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus metrics on http://HOST:PORT/metrics (default 0: off)")
@@ -41,6 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, {"algorithm": "aggregator.algorithm", "clusters": "cdfl.clusters",
+                                  "min_agents": "catafed.min_agents",
                                   "state_dir": "aggregator.state_dir",
                                   "metrics_port": "metrics.port", "metrics_host": "metrics.host"})
     setup_logging(cfg.log.level, cfg.log.json, auto="progress")
@@ -85,22 +93,48 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_rounds(cfg, stop: threading.Event) -> int:
     """CATA-Fed / FedAvg / FedProx: synchronous deadline rounds (aggregator/rounds.py)."""
-    from aggregator.fedavg import make_strategy
-    from aggregator.rounds import RoundService
+    from aggregator.fedavg import make_strategy, min_agents
+    from aggregator.rounds import RoundRecord, RoundService
+    from fedmq.config import CataFedSettings
     from fedmq.data import load_dataset
     from fedmq.models import build_model, resolve_model_name, to_vector
     from fedmq.training import evaluate
 
+    algorithm = cfg.aggregator.algorithm
+    try:
+        wanted = min_agents(algorithm, cfg.catafed, cfg.fedavg)
+    except ValueError as e:
+        print(f"fedmq aggregator: {e}", file=sys.stderr)
+        return 2
+    if algorithm != "catafed":
+        _warn_catafed_only(cfg.catafed, CataFedSettings())
     model_name = resolve_model_name(cfg.model, cfg.data.dataset)
     test = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir, train=False,
                         download=cfg.data.download)
-    strategy = make_strategy(cfg.aggregator.algorithm, cfg.catafed,
-                             to_vector(build_model(model_name, seed=cfg.seed)), seed=cfg.seed)
+    strategy = make_strategy(algorithm, cfg.catafed,
+                             to_vector(build_model(model_name, seed=cfg.seed)), seed=cfg.seed,
+                             fedavg=cfg.fedavg)
+
+    def report(r: RoundRecord) -> None:
+        acc = "-" if r.accuracy is None else f"{r.accuracy:.3f}"
+        print(f"round {r.round + 1}: invited {len(r.selected)}, finished {len(r.finished)}, "
+              f"stragglers {len(r.stragglers)}, dropouts {len(r.dropouts)}, {r.ended} after "
+              f"{r.seconds:.1f} s, accuracy {acc}", flush=True)
+
     with RoundService(cfg, strategy, model_name=model_name,
                       evaluate=lambda w: evaluate(model_name, w, test.x, test.y)[0],
                       state_dir=cfg.aggregator.state_dir) as service:
-        print(f"aggregator {cfg.aggregator.algorithm} (rounds) on {mask_secrets(cfg.broker.url)} fleet={cfg.fleet}",
-              flush=True)
+        print(f"aggregator {algorithm} (rounds) on {mask_secrets(cfg.broker.url)} fleet={cfg.fleet} "
+              f"round={strategy.round}; waiting for {wanted} agents", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
-            service.run(stop=stop)
+            service.run(stop=stop, min_agents=wanted, on_round=report)
     return 0
+
+
+def _warn_catafed_only(given, defaults) -> None:
+    """FedAvg/FedProx read [fedavg]: say so when a CATA-Fed-only knob was changed for them."""
+    for key, new in (("per_group", "clients_per_round"), ("epochs", "epochs"),
+                     ("batch_size", "batch_size"), ("lr", "lr")):
+        if getattr(given, key) != getattr(defaults, key):
+            print(f"fedmq aggregator: catafed.{key} applies to CATA-Fed only; FedAvg/FedProx "
+                  f"read fedavg.{new}", file=sys.stderr)

@@ -8,6 +8,8 @@ deadline, so a slow one reports late and its update is dropped (wasted work); a 
 trains with the proximal term (mu/2)||w - W_t||^2 and sends whatever it has at T - eps_i
 (partial work is accepted). Neither resizes shards nor clusters anything, and an agent that
 misses a cut-off stays in the pool: these baselines know only presence (online/offline).
+N is `fedavg.clients_per_round`; without a `FedAvgSettings` the baseline takes CATA-Fed's N
+(the simulator's like-for-like comparison).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 import torch
 
 from aggregator.catafed import CataFed, RoundPlan, RoundStrategy
-from fedmq.config import CataFedSettings
+from fedmq.config import CataFedSettings, FedAvgSettings
 
 
 class FedAvgDeadline(RoundStrategy):
@@ -25,13 +27,18 @@ class FedAvgDeadline(RoundStrategy):
     name = "fedavg"
     leave_on_silence = False
 
-    def __init__(self, settings: CataFedSettings, initial: torch.Tensor, *, seed: int = 0) -> None:
+    def __init__(self, settings: CataFedSettings, initial: torch.Tensor, *, seed: int = 0,
+                 fedavg: FedAvgSettings | None = None) -> None:
         super().__init__(settings, initial, seed=seed)
+        self.fedavg = fedavg or FedAvgSettings.like(settings)
+        if self.fedavg.clients_per_round < 1:
+            raise ValueError("fedavg.clients_per_round must be >= 1, "
+                             f"got {self.fedavg.clients_per_round}")
         self.rng = np.random.default_rng([seed, 0xFEDA])
 
     def select(self) -> RoundPlan:
         pool = self.pool()
-        n = min(self.settings.per_group, len(pool))
+        n = min(self.fedavg.clients_per_round, len(pool))
         picked = sorted(self.rng.choice(pool, size=n, replace=False).tolist()) if n else []
         return RoundPlan(self.round, picked, None, {})
 
@@ -48,12 +55,24 @@ STRATEGIES: dict[str, type[RoundStrategy]] = {"catafed": CataFed, "fedavg": FedA
 
 
 def make_strategy(algorithm: str, settings: CataFedSettings, initial: torch.Tensor, *,
-                  seed: int = 0) -> RoundStrategy:
-    """The round strategy called `algorithm` (catafed, fedavg or fedprox)."""
+                  seed: int = 0, fedavg: FedAvgSettings | None = None) -> RoundStrategy:
+    """The round strategy called `algorithm` (catafed, fedavg or fedprox); `fedavg` holds the
+    baselines' own settings (None: CATA-Fed's N, see the module docstring)."""
     try:
         cls = STRATEGIES[algorithm]
     except KeyError:
         raise ValueError(f"round algorithm must be one of {', '.join(STRATEGIES)}, "
                          f"got {algorithm!r}") from None
+    if issubclass(cls, FedAvgDeadline):
+        return cls(settings, initial, seed=seed, fedavg=fedavg)
     return cls(settings, initial, seed=seed)
+
+
+def min_agents(algorithm: str, settings: CataFedSettings, fedavg: FedAvgSettings) -> int:
+    """Agents to wait for before round 1: catafed.min_agents, or (0) those one round invites."""
+    if settings.min_agents < 0:
+        raise ValueError(f"catafed.min_agents must be >= 0, got {settings.min_agents}")
+    if settings.min_agents:
+        return settings.min_agents
+    return settings.per_group if algorithm == "catafed" else fedavg.clients_per_round
 

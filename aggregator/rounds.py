@@ -12,7 +12,8 @@ strategy and drives rounds; paho's network thread only enqueues raw messages. Pe
    evaluated when an evaluator is given; the state is snapshotted (atomic rename) when a
    state dir is given.
 Presence comes from the agents' retained status topics (offline is their last will); an
-agent's per-round data size from its `Join` (answered with an `Ack`) and its reports.
+agent's per-round data size from its `Join` (answered with an `Ack`) and its reports. Agents
+re-send their Join when the aggregator's status goes online, so start order does not matter.
 
 Durability: a snapshot after each round (W_t, round, per-agent table) is the whole state; a
 crash mid-round loses that round (it is re-run from W_t after a restart), which costs at most
@@ -22,6 +23,7 @@ report is only useful within its own round. Reports are therefore auto-acknowled
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -40,7 +42,7 @@ from aggregator.service import serve_fleet
 from fedmq import codecs, protocol
 from fedmq.channel import Channel, Refused
 from fedmq.config import Config
-from fedmq.logs import PROGRESS, event, get_logger
+from fedmq.logs import event, get_logger
 from fedmq.models import model_spec
 from fedmq.transport import Message, MqttTransport, Will
 
@@ -109,6 +111,10 @@ class RoundService:
             self.strategy.load_state(msgpack.unpackb(self.state_path.read_bytes(), raw=False))
             event(log, "rounds.resumed", round=self.strategy.round)
         serve_fleet(self.transport, self.fleet, lambda: self._status("online"), self._inbox.put)
+        # Once more now that the uplinks are subscribed: agents that started first re-send
+        # their Join on it (the one answering the connect's status may have come too early).
+        self.transport.publish(protocol.aggregator_status(self.fleet), self._status("online"),
+                               qos=1, retain=True)
         event(log, "rounds.started", fleet=self.fleet, algorithm=self.strategy.name,
               round=self.strategy.round)
         return self
@@ -141,9 +147,11 @@ class RoundService:
                 continue
             self._handle(msg)
 
-    def wait_for_pool(self, n: int, timeout_s: float) -> bool:
-        """Handle messages until at least `n` agents can be invited (or the timeout)."""
-        self.pump(time.monotonic() + timeout_s, stop=lambda: len(self.strategy.pool()) >= n)
+    def wait_for_pool(self, n: int, timeout_s: float,
+                      stop: threading.Event | None = None) -> bool:
+        """Handle messages until at least `n` agents can be invited (or the timeout or `stop`)."""
+        self.pump(time.monotonic() + timeout_s,
+                  stop=lambda: len(self.strategy.pool()) >= n or (stop is not None and stop.is_set()))
         return len(self.strategy.pool()) >= n
 
     def _handle(self, msg: Message) -> None:
@@ -230,7 +238,9 @@ class RoundService:
 
     # ---------------------------------------------------------------- rounds
 
-    def run_round(self) -> RoundRecord:
+    def run_round(self, stop: threading.Event | None = None) -> RoundRecord | None:
+        """One round; None if `stop` was set while it was open (the round is abandoned, as a
+        crash would: no aggregation, no snapshot, re-run from W_t after a restart)."""
         s = self.settings
         t0 = time.monotonic()
         self.pump(t0)  # what already arrived (joins, statuses) counts for this selection
@@ -251,7 +261,11 @@ class RoundService:
             self.channel.send(protocol.downlink(self.fleet, agent), invite)
         cutoff = time.monotonic() + s.deadline_s + s.grace_s
         if plan.selected:
-            self.pump(cutoff, stop=lambda: s.close_early and self.strategy.all_reported())
+            self.pump(cutoff, stop=lambda: (s.close_early and self.strategy.all_reported())
+                      or (stop is not None and stop.is_set()))
+        if stop is not None and stop.is_set():
+            event(log, "round.abandoned", round=plan.round)
+            return None
         ended = ("empty" if not plan.selected else
                  "all_reported" if self.strategy.all_reported() else "cutoff")
         outcome: RoundOutcome = self.strategy.close_round()
@@ -262,30 +276,47 @@ class RoundService:
                              self._round_bytes_up, sizes)
         self.records.append(record)
         self._snapshot()
-        event(log, "round.closed", level=PROGRESS, round=record.round, ended=ended, finished=len(outcome.finished),
+        event(log, "round.closed", round=record.round, ended=ended, finished=len(outcome.finished),
               stragglers=len(outcome.stragglers), dropouts=len(outcome.dropouts),
               accuracy=accuracy)
         return record
 
     def run(self, rounds: int | None = None, target_accuracy: float | None = None, *,
-            min_agents: int = 1, wait_s: float = 30.0,
-            stop: threading.Event | None = None) -> list[RoundRecord]:
-        """Rounds until E rounds (catafed.rounds), the target accuracy, or `stop`; each round
-        first waits up to `wait_s` for `min_agents` agents in the pool."""
+            min_agents: int = 1, wait_s: float = 30.0, first_wait_s: float = math.inf,
+            stop: threading.Event | None = None,
+            on_round: Callable[[RoundRecord], None] | None = None) -> list[RoundRecord]:
+        """Rounds until E rounds (catafed.rounds), the target accuracy, or `stop`.
+
+        Round 1 waits up to `first_wait_s` (default: until `stop`) for `min_agents` agents in
+        the pool, so that a fleet started in any order begins with the agents it was sized
+        for; each later round waits up to `wait_s` for them, then runs with the pool it has.
+        `on_round` sees each round's record as it closes; `stop` also ends an open round
+        without closing it.
+        """
         rounds = self.settings.rounds if rounds is None else rounds
         target = self.settings.target_accuracy if target_accuracy is None else target_accuracy
         stop = stop or threading.Event()
         out: list[RoundRecord] = []
+        give_up = time.monotonic() + first_wait_s
+        while not stop.is_set() and time.monotonic() < give_up:
+            if self.wait_for_pool(min_agents, min(wait_s, give_up - time.monotonic()), stop):
+                break
+            event(log, "rounds.waiting", level=30, pool=len(self.strategy.pool()),
+                  wanted=min_agents)
         for _ in range(rounds):
             if stop.is_set():
                 break
-            if not self.wait_for_pool(min_agents, wait_s):
+            if not self.wait_for_pool(min_agents, wait_s, stop):
                 event(log, "rounds.no_agents", level=30, pool=len(self.strategy.pool()),
                       wanted=min_agents)
                 if not self.strategy.pool():
                     continue
-            record = self.run_round()
+            record = self.run_round(stop)
+            if record is None:
+                break
             out.append(record)
+            if on_round is not None:
+                on_round(record)
             if target and record.accuracy is not None and record.accuracy >= target:
                 break
         return out

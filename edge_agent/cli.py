@@ -5,11 +5,17 @@ examples:
   fedmq agent --id phone-2 --profile phone --algorithm fedsoft-async --dataset digits
   fedmq agent --id cam-1 --source directory --source-dir /var/lib/cam/samples --algorithm local
   fedmq agent --id car-7 --update-now          # one upload as soon as enough samples are in
+  fedmq agent --id car-8 --algorithm fedavg    # deadline rounds: answer the aggregator's invites
 
 State (model, tau, pending upload, detector, counters) lives in --state-dir; a restart
 resumes from it and first re-sends an upload that was never answered. SIGUSR1 asks for an
 update now; SIGTERM or Ctrl-C stops cleanly: training ends at the next epoch, an upload in
 flight stays pending on disk (sent after the next start), the status goes offline.
+
+With --algorithm catafed, fedavg or fedprox the agent joins deadline rounds (an aggregator
+started with the same --algorithm): it holds n samples of the dataset's train split, n drawn
+in [data.min_samples, data.max_samples] from (seed, id), trains on each invite and prints one
+line per round. It keeps no state on disk (a round is only useful within its deadline).
 """
 
 from __future__ import annotations
@@ -17,19 +23,25 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import threading
+import zlib
 
 from fedmq.config import add_config_arguments, config_from_args
 from fedmq.logs import event, get_logger, mask_secrets, setup_logging
 
 log = get_logger("agent")
 
+ASYNC_ALGORITHMS = ("cdfl", "fedsoft-async", "local")
+ROUND_ALGORITHMS = ("catafed", "fedavg", "fedprox")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p, ("broker", "fleet", "ca_file", "cert_file", "key_file", "dataset",
                              "data_dir", "download", "model", "seed", "log_level"))
     p.add_argument("--id", dest="agent_id", metavar="ID", help="agent id (required; config agent.id)")
-    p.add_argument("--algorithm", choices=("cdfl", "fedsoft-async", "local"),
-                   help="cdfl (default), fedsoft-async, or local (never talks to a server)")
+    p.add_argument("--algorithm", choices=ASYNC_ALGORITHMS + ROUND_ALGORITHMS,
+                   help="cdfl (default), fedsoft-async, local (never talks to a server), or the "
+                        "deadline rounds catafed, fedavg, fedprox")
     p.add_argument("--profile", choices=("car", "phone", "device"), help="device profile (default device)")
     p.add_argument("--state-dir", metavar="DIR", help="durable state (default state/agent)")
     p.add_argument("--clusters", type=int, metavar="K", help="rotation clusters of the dataset source (default 3)")
@@ -61,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
     if not cfg.agent.id:
         print("fedmq agent: --id (or agent.id) is required", file=sys.stderr)
         return 2
+    if cfg.agent.algorithm in ROUND_ALGORITHMS:
+        return _run_rounds(cfg)
     from edge_agent.device import DeviceAgent, make_source
     from edge_agent.profiles import get_profile
 
@@ -82,4 +96,44 @@ def run(args: argparse.Namespace) -> int:
         device.close()
         event(log, "agent.stopped", agent=device.agent_id, tau=device.tau,
               pending=device.state.pending.msg_id if device.state.pending else None, counters=device.counters)
+    return 0
+
+
+def _run_rounds(cfg) -> int:
+    """A round agent (edge_agent/rounds.py) on its share of the dataset until SIGTERM/Ctrl-C."""
+    import numpy as np
+    import torch
+
+    from edge_agent.rounds import RoundAgent, RoundLog
+    from fedmq.data import load_dataset
+
+    train = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir, download=cfg.data.download)
+    lo, hi = min(cfg.data.min_samples, cfg.data.max_samples), cfg.data.max_samples
+    if lo < 1:
+        print("fedmq agent: data.min_samples must be >= 1", file=sys.stderr)
+        return 2
+    seed = zlib.crc32(cfg.agent.id.encode())  # agents differ in data and batch order
+    rng = np.random.default_rng([cfg.seed, seed])
+    n = min(int(rng.integers(lo, hi + 1)), len(train.y))
+    idx = torch.from_numpy(np.sort(rng.choice(len(train.y), size=n, replace=False)))
+
+    def say(r: RoundLog) -> None:
+        what = (f"trained {r.n_samples} samples x {r.epochs} epochs in {r.train_s:.1f} s"
+                if r.finished else f"cut by the deadline after {r.train_s:.1f} s, shard now {r.shard_size}")
+        print(f"round {r.round + 1}: {what}, report sent in {r.upload_s:.2f} s", flush=True)
+
+    agent = RoundAgent(cfg, cfg.agent.id, train.x[idx], train.y[idx], algorithm=cfg.agent.algorithm,
+                       seed=cfg.seed * 2**32 + seed, on_round=say)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    agent.start()
+    try:
+        print(f"agent {agent.agent_id} ({agent.algorithm}, rounds) on {cfg.broker.url} "
+              f"fleet={cfg.fleet} samples={n}", flush=True)
+        while not stop.wait(1.0):
+            pass
+    finally:
+        agent.stop()
+        event(log, "agent.stopped", agent=agent.agent_id, counters=agent.counters)
     return 0

@@ -211,6 +211,12 @@ class TrainSettings:
     batch_size: int = 32
     prox_mu: float = 0.0
     seed: int = 0
+    momentum: float = 0.9
+
+
+def epoch_seed(seed: int, round_id: int, epoch: int) -> int:
+    """The batch-order seed of one epoch of one round: a new order every round and epoch."""
+    return int(np.random.SeedSequence([seed, round_id, epoch]).generate_state(1)[0])
 
 
 class RealEpochRunner:
@@ -218,13 +224,15 @@ class RealEpochRunner:
 
     `extra_s_per_sample` emulates a slower device: that delay per sample is waited before
     the epoch's compute (capped at the time left, which then aborts the epoch). `cancel`
-    interrupts the wait (the agent is stopping).
+    interrupts the wait (the agent is stopping). Batches are shuffled by (seed, round_id,
+    epoch), so an agent sees its data in a new order every round.
     """
 
     def __init__(self, train: TrainSettings, x: torch.Tensor, y: torch.Tensor, *,
                  anchor: torch.Tensor | None = None, extra_s_per_sample: float = 0.0,
-                 cancel: threading.Event | None = None) -> None:
+                 cancel: threading.Event | None = None, round_id: int = 0) -> None:
         self.train, self.x, self.y = train, x, y
+        self.round_id = round_id
         self.anchor = anchor
         self.extra = extra_s_per_sample
         self.cancel = cancel or threading.Event()
@@ -242,8 +250,8 @@ class RealEpochRunner:
         anchors = [(self.anchor, self.train.prox_mu)] if self.anchor is not None \
             and self.train.prox_mu > 0 else []
         r = fit(self.train.model_name, start, self.x, self.y, anchors=anchors, epochs=1,
-                batch_size=self.train.batch_size, lr=self.train.lr,
-                seed=self.train.seed * 1000 + epoch,
+                batch_size=self.train.batch_size, lr=self.train.lr, momentum=self.train.momentum,
+                seed=epoch_seed(self.train.seed, self.round_id, epoch),
                 max_seconds=rest if math.isfinite(rest) else None)
         completed = not r.stopped_early
         return EpochOutcome(r.vector, time.perf_counter() - t0, completed,
@@ -276,12 +284,13 @@ class DeadlineLearner:
     """One agent's side of deadline rounds, without I/O: data, shards, eps_i, training."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, settings: CataFedSettings, *,
-                 algorithm: str = "catafed", seed: int = 0) -> None:
+                 algorithm: str = "catafed", seed: int = 0, epochs: int | None = None) -> None:
         if algorithm not in MODES:
             raise ValueError(f"algorithm must be one of {MODES}, got {algorithm!r}")
         self.x, self.y = x, y
         self.settings = settings
         self.algorithm = algorithm
+        self.epochs = settings.epochs if epochs is None else epochs  # baselines: fedavg.epochs
         self.shards = Shards(int(x.shape[0]), settings.min_shard, seed)
         self.uploads = UploadTimer.from_settings(settings)
         self.rounds_done = 0
@@ -305,7 +314,7 @@ class DeadlineLearner:
         else:
             j, x, y = 0, self.x, self.y
         anchor = start if self.algorithm == "fedprox" else None
-        result = train_to_deadline(start, make_runner(x, y, anchor), epochs=self.settings.epochs,
+        result = train_to_deadline(start, make_runner(x, y, anchor), epochs=self.epochs,
                                    time_left=time_left, mode=self.algorithm)
         self.rounds_done += 1
         if self.algorithm == "catafed" and not result.finished and self.shards.halve():

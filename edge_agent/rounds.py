@@ -1,8 +1,9 @@
 """The agent side of deadline rounds over MQTT (CATA-Fed, FedAvg, FedProx).
 
 A `RoundAgent` connects with its last will (offline), announces itself with a `Join` carrying
-its per-round data size after every (re)connect, and waits for `RoundInvite`s on its
-downlink. Time is measured from the *receipt* of an invite (the aggregator's clock is not
+its per-round data size after every (re)connect and whenever the aggregator's status says
+online (so an agent started before the aggregator still joins), and waits for `RoundInvite`s
+on its downlink. Time is measured from the *receipt* of an invite (the aggregator's clock is not
 ours): paho's thread stamps it, the agent's own thread decodes W_t, trains under the
 deadline (edge_agent/deadline.py) and sends a `Report`: with the trained model as a delta
 against the W_t it decoded when it finished, or `finished=False` and its new, halved shard
@@ -11,6 +12,9 @@ broker's PUBACK is its measured upload time, from which eps_i follows.
 
 An invite that is already past its deadline when the agent gets to it (it arrived while the
 agent was busy with an older one) is skipped: the server has closed that round anyway.
+
+CATA-Fed agents train with `catafed.epochs/batch_size/lr`, FedAvg and FedProx agents with
+`[fedavg]`'s; batches are shuffled anew each round (seeded by the agent's seed and the round).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +33,7 @@ from edge_agent.deadline import DeadlineLearner, RealEpochRunner, RoundWork, Tra
 from fedmq import codecs, protocol
 from fedmq.channel import Channel, Refused
 from fedmq.config import Config
-from fedmq.logs import PROGRESS, event, get_logger
+from fedmq.logs import event, get_logger
 from fedmq.models import model_spec, resolve_model_name
 from fedmq.transport import Message, MqttTransport, Will
 
@@ -55,17 +60,26 @@ class RoundAgent:
 
     def __init__(self, cfg: Config, agent_id: str, x: torch.Tensor, y: torch.Tensor, *,
                  algorithm: str = "catafed", extra_s_per_sample: float = 0.0,
-                 seed: int = 0) -> None:
+                 seed: int = 0, on_round: Callable[[RoundLog], None] | None = None) -> None:
         self.cfg = cfg
         self.agent_id = protocol.validate_id(agent_id, "agent id")
         self.fleet = cfg.fleet
         self.algorithm = algorithm
         self.model_name = resolve_model_name(cfg.model, cfg.data.dataset)
         self.spec = model_spec(self.model_name)
-        self.learner = DeadlineLearner(x, y, cfg.catafed, algorithm=algorithm, seed=seed)
-        self.train = TrainSettings(self.model_name, cfg.catafed.lr, cfg.catafed.batch_size,
-                                   cfg.catafed.prox_mu if algorithm == "fedprox" else 0.0, seed)
+        if algorithm == "catafed":
+            c = cfg.catafed
+            self.learner = DeadlineLearner(x, y, c, algorithm=algorithm, seed=seed)
+            self.train = TrainSettings(self.model_name, c.lr, c.batch_size, 0.0, seed)
+        else:
+            f = cfg.fedavg
+            self.learner = DeadlineLearner(x, y, cfg.catafed, algorithm=algorithm, seed=seed,
+                                           epochs=f.epochs)
+            self.train = TrainSettings(self.model_name, f.lr, f.batch_size,
+                                       f.prox_mu if algorithm == "fedprox" else 0.0, seed,
+                                       f.momentum)
         self.extra_s_per_sample = extra_s_per_sample
+        self.on_round = on_round  # called on the agent's thread with each RoundLog (the CLI prints it)
         self.log: list[RoundLog] = []
         self.errors: list[str] = []
         self.counters: dict[str, int] = {"invites": 0, "reports": 0, "skipped": 0}
@@ -90,14 +104,21 @@ class RoundAgent:
     # ---------------------------------------------------------------- lifecycle
 
     def start(self, timeout: float = 10.0) -> RoundAgent:
+        subscribed = threading.Event()
+
         def announce(t: MqttTransport, _: bool) -> None:
             t.publish(protocol.agent_status(self.fleet, self.agent_id), self._status("online"),
                       qos=1, retain=True)
-            self.channel.send(protocol.uplink(self.fleet, self.agent_id), self._join())
+            if subscribed.is_set():  # a reconnect: the transport re-subscribed before this hook
+                self.channel.send(protocol.uplink(self.fleet, self.agent_id), self._join())
 
+        # The first Join waits for our downlink's SUBACK (an invite may answer it at once): it
+        # is sent when the aggregator's retained status, subscribed to last, says online.
         self.transport.on_connect_hooks.append(announce)
         self.transport.connect(timeout)
         self.transport.subscribe(protocol.downlink(self.fleet, self.agent_id), self._on_down, qos=1)
+        subscribed.set()
+        self.transport.subscribe(protocol.aggregator_status(self.fleet), self._on_aggregator, qos=1)
         self._worker = threading.Thread(target=self._run, name=f"round-agent-{self.agent_id}",
                                         daemon=True)
         self._worker.start()
@@ -140,7 +161,18 @@ class RoundAgent:
             self._invites.put((env, received_at))
         elif isinstance(env, protocol.Error):
             self.errors.append(env.reason)
-            event(log, "agent.refused", agent=self.agent_id, reason=env.reason, detail=env.detail)
+            event(log, "agent.refused", level=30, agent=self.agent_id, reason=env.reason,
+                  detail=env.detail)
+
+    def _on_aggregator(self, message: Message) -> None:
+        try:
+            got = self.channel.receive(message)
+        except Refused as r:
+            self.errors.append(r.reason)
+            return
+        if got is not None and isinstance(got.envelope, protocol.Status) \
+                and got.envelope.state == "online":
+            self.channel.send(protocol.uplink(self.fleet, self.agent_id), self._join())
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -171,7 +203,7 @@ class RoundAgent:
         base = torch.from_numpy(np.ascontiguousarray(start))
 
         def make_runner(x: torch.Tensor, y: torch.Tensor, anchor: torch.Tensor | None):
-            return RealEpochRunner(self.train, x, y, anchor=anchor,
+            return RealEpochRunner(self.train, x, y, anchor=anchor, round_id=invite.round,
                                    extra_s_per_sample=self.extra_s_per_sample, cancel=self._stop)
 
         eps = self.learner.uploads.eps
@@ -179,12 +211,15 @@ class RoundAgent:
         if self._stop.is_set():
             return
         upload_s = self._send_report(invite, work, start)
-        self.log.append(RoundLog(invite.round, work.finished, work.shard_used, work.shard_size,
-                                 work.n_samples, work.result.epochs_done, work.result.seconds,
-                                 upload_s, eps))
-        event(log, "round.done", level=PROGRESS, agent=self.agent_id, round=invite.round,
+        entry = RoundLog(invite.round, work.finished, work.shard_used, work.shard_size,
+                         work.n_samples, work.result.epochs_done, work.result.seconds, upload_s, eps)
+        self.log.append(entry)
+        # The CLI prints one line per round (on_round); the event is for log shippers (info).
+        event(log, "round.done", agent=self.agent_id, round=invite.round,
               finished=work.finished, samples=work.n_samples, epochs=work.result.epochs_done,
               seconds=work.result.seconds, upload_s=upload_s)
+        if self.on_round is not None:
+            self.on_round(entry)
 
     def _send_report(self, invite: protocol.RoundInvite, work: RoundWork, base: np.ndarray) -> float:
         c = self.cfg.codec

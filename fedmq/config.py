@@ -195,13 +195,15 @@ class CDFLSettings:
 
 @dataclass
 class CataFedSettings:
-    """Deadline rounds: CATA-Fed and its FedAvg / FedProx baselines, server and agent side.
+    """Deadline rounds: CATA-Fed, server and agent side, and the round itself (deadline, cut-off, rounds, agents to wait for, eps_i), which FedAvg / FedProx share so that all three run under the same deadline; their own knobs are in [fedavg].
     See docs/catafed.md for our reading of the paper and why each default is what it is."""
 
     groups: int = 3
     """P, the number of data-size clusters (1-D k-means over the agents' per-round data sizes)."""
     per_group: int = 5
-    """N, agents invited per round: the best N of the chosen group (FedAvg / FedProx: N at random)."""
+    """N, agents invited per round: the best N of the chosen group (FedAvg / FedProx: fedavg.clients_per_round)."""
+    min_agents: int = 0
+    """Agents the aggregator waits for in the pool before round 1 (`--min-agents`); later rounds wait up to 30 s for them, then run with the pool they have. 0 = the agents one round invites: per_group (CATA-Fed) or fedavg.clients_per_round (FedAvg / FedProx)."""
     deadline_s: float = 10.0
     """T, the round deadline the agents train against, counted from their receipt of the invite."""
     grace_s: float = 1.0
@@ -223,13 +225,11 @@ class CataFedSettings:
     min_shard: int = 32
     """pi, the smallest shard a straggler may halve its data to."""
     epochs: int = 2
-    """Local epochs per round (CATA-Fed and FedProx stop earlier when the deadline is near)."""
+    """CATA-Fed: local epochs per round (fewer when the deadline is near)."""
     batch_size: int = 32
-    """Local minibatch size."""
+    """CATA-Fed: local minibatch size."""
     lr: float = 0.05
-    """Local SGD learning rate (momentum 0.9)."""
-    prox_mu: float = 0.01
-    """FedProx: strength of the proximal term (mu/2)||w - W_t||^2."""
+    """CATA-Fed: local SGD learning rate (momentum 0.9)."""
     eps_initial_s: float = 0.2
     """eps_i before the agent has measured an upload: time kept back from T for sending the report."""
     eps_factor: float = 2.0
@@ -239,11 +239,39 @@ class CataFedSettings:
 
 
 @dataclass
+class FedAvgSettings:
+    """The deadline baselines FedAvg and FedProx (`--algorithm fedavg|fedprox`), server and agent side. The deadline, cut-off, rounds and eps_i are [catafed]'s. See docs/catafed.md."""
+
+    clients_per_round: int = 5
+    """N, agents invited per round, drawn uniformly at random from the pool."""
+    epochs: int = 2
+    """Local epochs per round (FedAvg trains them all whatever the deadline; FedProx stops at T - eps_i)."""
+    batch_size: int = 32
+    """Local minibatch size."""
+    lr: float = 0.05
+    """Local SGD learning rate."""
+    momentum: float = 0.9
+    """Local SGD momentum."""
+    prox_mu: float = 0.01
+    """FedProx: strength of the proximal term (mu/2)||w - W_t||^2 (FedAvg ignores it)."""
+
+    @classmethod
+    def like(cls, catafed: CataFedSettings) -> FedAvgSettings:
+        """N, E, batch size and lr of CATA-Fed: the like-for-like comparison of sim/rounds.py."""
+        return cls(clients_per_round=catafed.per_group, epochs=catafed.epochs,
+                   batch_size=catafed.batch_size, lr=catafed.lr)
+
+
+MOVED_KEYS: dict[str, str] = {"catafed.prox_mu": "fedavg.prox_mu"}
+"""Keys that moved to another section: setting the old one is an error naming the new one."""
+
+
+@dataclass
 class AggregatorSettings:
     """The aggregator service: algorithm, state, batching, input guards."""
 
     algorithm: str = "cdfl"
-    """cdfl, fedsoft-async or fedasync (asynchronous); catafed, fedavg or fedprox (deadline rounds, see [catafed])."""
+    """cdfl, fedsoft-async or fedasync (asynchronous); catafed, fedavg or fedprox (deadline rounds, see [catafed] and [fedavg])."""
     state_dir: str = "state/aggregator"
     """Snapshots and the write-ahead journal; restart from here resumes."""
     max_batch: int = 32
@@ -275,7 +303,7 @@ class AgentSettings:
     id: str = ""
     """Agent id (also its MQTT client id suffix and topic level); required to run an agent."""
     algorithm: str = "cdfl"
-    """cdfl, fedsoft-async (the agent downloads all K models and estimates alpha) or local (never talks to a server)."""
+    """cdfl, fedsoft-async (the agent downloads all K models and estimates alpha), local (never talks to a server), or catafed, fedavg, fedprox (deadline rounds, docs/catafed.md)."""
     profile: str = "device"
     """Device profile: car, phone or device (always online); it gates uploads and drives the dataset source's mixture."""
     state_dir: str = "state/agent"
@@ -377,6 +405,7 @@ class Config:
     log: LogSettings = field(default_factory=LogSettings)
     cdfl: CDFLSettings = field(default_factory=CDFLSettings)
     catafed: CataFedSettings = field(default_factory=CataFedSettings)
+    fedavg: FedAvgSettings = field(default_factory=FedAvgSettings)
     aggregator: AggregatorSettings = field(default_factory=AggregatorSettings)
     agent: AgentSettings = field(default_factory=AgentSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
@@ -424,6 +453,8 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
 
 
 def _set(obj: Any, dotted: str, value: Any) -> None:
+    if dotted in MOVED_KEYS:
+        raise ConfigError(f"{dotted} moved: set {MOVED_KEYS[dotted]} instead")
     parts = dotted.split(".")
     target = obj
     for i, name in enumerate(parts):

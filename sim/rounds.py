@@ -33,7 +33,7 @@ from aggregator.catafed import RoundResult
 from aggregator.fedavg import STRATEGIES, make_strategy
 from edge_agent.deadline import DeadlineLearner, EpochOutcome, TrainSettings, Watchdog
 from fedmq import codecs
-from fedmq.config import CataFedSettings
+from fedmq.config import CataFedSettings, FedAvgSettings
 from fedmq.data import load_dataset
 from fedmq.errors import ArgumentParser, UsageError, run_main
 from fedmq.models import build_model, to_vector
@@ -195,7 +195,7 @@ def run_fleet(algorithm: str, spec: FleetSpec, settings: CataFedSettings, *, see
     for d in devices.values():
         strategy.register(d.agent, d.learner.shard_size)
     train = TrainSettings(MODEL, settings.lr, settings.batch_size,
-                          settings.prox_mu if algorithm == "fedprox" else 0.0, seed)
+                          FedAvgSettings().prox_mu if algorithm == "fedprox" else 0.0, seed)
     clock = SimClock()
     run = SimRun(algorithm, seed)
     cutoff = settings.deadline_s + settings.grace_s
