@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@touch $(STAMP)
 
 mosquitto:
-	@$(PYTHON) scripts/ensure_mosquitto.py
+	@$(PYTHON) scripts/ensure_test_tools.py
 
 demo: venv
 	$(VENV)/bin/fedmq demo $(DEMO_ARGS)

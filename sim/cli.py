@@ -212,8 +212,8 @@ def run_experiments(args: argparse.Namespace) -> int:
     if args.dry_run:
         from sim.scenarios import describe_plan
 
-        print(describe_plan(scenario.name, cfg, args.clusters))
-        print(f"{len(specs)} runs (methods {', '.join(methods)}; K {', '.join(map(str, args.clusters))}; "
+        print(describe_plan(scenario.name, cfg, clusters))
+        print(f"{len(specs)} runs (methods {', '.join(methods)}; K {', '.join(map(str, clusters))}; "
               f"seeds {', '.join(map(str, seeds))}), {total} updates in all; output {args.out} "
               "(dry run: nothing started)")
         return 0

@@ -23,6 +23,8 @@ from sim.ablation import (
     run_variant_wire,
 )
 
+# Speed only: tiny agents and server sets so a replayed fleet takes seconds; the defaults
+# run in test_documented_commands (the results commands, --dry-run) and test_data.
 SMALL = {"data.min_samples": "60", "data.max_samples": "90", "data.proxy_per_cluster": "60",
          "data.pretrain_per_cluster": "120", "aggregator.pretrain_epochs": "3"}
 

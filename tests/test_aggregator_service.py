@@ -30,6 +30,8 @@ from tests.raw_agent import RawAgent
 
 FLEET = "t"
 SPEC = model_spec("digits-cnn")
+# Speed only: small server sets so each aggregator starts in a second or two; the defaults
+# start the aggregator in test_documented_commands.
 SMALL = {
     "fleet": FLEET, "cdfl.clusters": 2, "data.dataset": "digits", "data.proxy_per_cluster": 150,
     "data.pretrain_per_cluster": 300, "aggregator.pretrain_epochs": 2, "device": "cpu",

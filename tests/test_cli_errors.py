@@ -20,9 +20,6 @@ from sim.seeds import int_list, seed_list
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_mosquitto = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
-# Small pre-training and proxy sizes: these cases fail before or after pre-training, and the
-# aggregator's defaults are item 1 of issue 14 (tested there), not what is tested here.
-SMALL_AGGREGATOR = ("--set", "data.pretrain_per_cluster=100", "--set", "data.proxy_per_cluster=50")
 
 
 def run(*argv: str, module: str = "fedmq.cli", timeout: float = 180) -> subprocess.CompletedProcess:
@@ -115,7 +112,7 @@ def test_dry_run_names_the_model_and_its_size() -> None:
 def test_unreachable_broker_fails_fast_with_one_line(tmp_path) -> None:
     url = f"mqtt://127.0.0.1:{free_port()}"  # nothing listens there
     for argv in (("agent", "--id", "a1", "--state-dir", str(tmp_path / "a1")),
-                 ("aggregator", "--state-dir", str(tmp_path / "agg"), *SMALL_AGGREGATOR),
+                 ("aggregator", "--state-dir", str(tmp_path / "agg")),
                  ("fleet", "status")):
         assert_one_line(run(*argv, "--broker", url), 1, "refused", url, "fedmq broker")
 
@@ -158,8 +155,7 @@ def test_corrupt_aggregator_state_is_one_line_and_kept(tmp_path) -> None:
     state = tmp_path / "agg"
     state.mkdir()
     (state / "snapshot-3.msgpack").write_bytes(b"\xc1 not a snapshot")
-    argv = ("aggregator", "--state-dir", str(state), "--broker", f"mqtt://127.0.0.1:{free_port()}",
-            *SMALL_AGGREGATOR)
+    argv = ("aggregator", "--state-dir", str(state), "--broker", f"mqtt://127.0.0.1:{free_port()}",)
     assert_one_line(run(*argv), 1, "snapshot-3.msgpack", str(state))
     assert (state / "snapshot-3.msgpack").read_bytes() == b"\xc1 not a snapshot"  # nothing overwritten
 
@@ -167,8 +163,7 @@ def test_corrupt_aggregator_state_is_one_line_and_kept(tmp_path) -> None:
 def test_unwritable_state_dir_is_one_line(tmp_path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    argv = ("aggregator", "--state-dir", str(blocker / "agg"), "--broker", f"mqtt://127.0.0.1:{free_port()}",
-            *SMALL_AGGREGATOR)
+    argv = ("aggregator", "--state-dir", str(blocker / "agg"), "--broker", f"mqtt://127.0.0.1:{free_port()}",)
     assert_one_line(run(*argv), 1, str(blocker / "agg"), "--state-dir")
 
 

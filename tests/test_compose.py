@@ -35,9 +35,6 @@ from fedmq.fleet_status import FleetWatcher
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-# Small pre-training so that the aggregator starts in seconds; the rest is the compose command.
-SMALL_AGGREGATOR = ["--set", "data.pretrain_per_cluster=100", "--set", "aggregator.pretrain_epochs=1",
-                    "--set", "data.proxy_per_cluster=100", "--set", "device=cpu"]
 
 
 # ----------------------------------------------------------------------------- loading
@@ -349,7 +346,7 @@ def test_dev_stack_runs_against_mosquitto_from_dev_conf(tmp_path) -> None:
         # 2. The aggregator, with its metrics endpoint and health check.
         agg = Mapping(doc, "aggregator", tmp_path, broker.port)
         mport = free_port()
-        argv = [a.replace("9100", str(mport)) for a in agg.argv()] + SMALL_AGGREGATOR
+        argv = [a.replace("9100", str(mport)) for a in agg.argv()]
         proc = subprocess.Popen(argv, cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
         agent = None
@@ -414,7 +411,7 @@ def test_secure_stack_runs_against_mosquitto_from_prod_conf(tmp_path) -> None:
         agg = Mapping(doc, "aggregator", tmp_path, broker.port, host_paths,
                       env={"FEDMQ_AGGREGATOR_PASSWORD": password})
         mport = free_port()
-        argv = [a.replace("9100", str(mport)) for a in agg.argv()] + SMALL_AGGREGATOR
+        argv = [a.replace("9100", str(mport)) for a in agg.argv()]
         proc = subprocess.Popen(argv, cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
         agents: list[subprocess.Popen] = []

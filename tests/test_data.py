@@ -444,3 +444,41 @@ def test_clusters_from_settings():
     assert clusters.disjoint_clusters and clusters.angles == (0.0, 180.0)
     assert len(clusters.proxy(1)) == 20 and len(clusters.pretrain(0)) == 30
     assert clusters.image_shape == (1, 8, 8) and clusters.num_classes == 10
+
+
+@pytest.mark.parametrize("clusters", [2, 3, 6])
+@pytest.mark.parametrize("dataset", ["digits", "mnist", "fashionmnist", "usps", "folder:mine"])
+def test_default_server_sets_fit_every_dataset(tmp_path, dataset, clusters):
+    """No size flags: every dataset the CLI accepts lays out proxy, pretrain and agent pools."""
+    if dataset in ("mnist", "fashionmnist"):
+        write_mnist_like(tmp_path, {"mnist": "MNIST", "fashionmnist": "FashionMNIST"}[dataset], 900, 60)
+    elif dataset == "usps":
+        write_usps(tmp_path, 300, 40)
+    elif dataset.startswith("folder:"):
+        write_png_folder(tmp_path, "mine", per_class=(40, 5))
+    settings = DataSettings(dataset=dataset, data_dir=str(tmp_path))
+    assert settings.proxy_per_cluster == 0 and settings.pretrain_per_cluster == 0  # auto
+    c = clusters_from_settings(settings, clusters, seed=0)
+    n_train = len(c.train_data)
+    assert 0 < c.proxy_size <= 1000 and 0 < c.pretrain_size <= 2000
+    server = (clusters if c.disjoint_clusters else 1) * (c.proxy_size + c.pretrain_size)
+    assert server <= n_train // 2 <= n_train - server  # the agents keep at least half
+    for k in range(clusters):
+        assert len(c.proxy(k)) == c.proxy_size and len(c.pretrain(k)) == c.pretrain_size
+        assert len(c.pool("agents", k)) > 0
+
+
+def test_auto_sizes_are_the_papers_where_they_fit():
+    train, test = synthetic(20_000), synthetic(100, seed=1)
+    c = RotatedClusters(train, test, 3)
+    assert c.disjoint_clusters and (c.proxy_size, c.pretrain_size) == (1000, 2000)
+    digits = clusters_from_settings(DataSettings(dataset="digits"), 3)
+    assert (digits.proxy_size, digits.pretrain_size) == (209, 418)  # 1257 // 2 = 628, in 1 : 2
+
+
+def test_explicit_sizes_that_do_not_fit_are_refused_with_the_largest_that_does():
+    with pytest.raises(ValueError, match=r"data\.pretrain_per_cluster=2000 .* digits.* 628"):
+        clusters_from_settings(DataSettings(dataset="digits", pretrain_per_cluster=2000), 3)
+    # An explicit size is honoured exactly; the auto one takes what is left.
+    c = clusters_from_settings(DataSettings(dataset="digits", proxy_per_cluster=100), 3)
+    assert (c.proxy_size, c.pretrain_size) == (100, 528)

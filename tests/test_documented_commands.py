@@ -10,7 +10,8 @@ first match wins):
   serves 127.0.0.1:1883, the address the docs use, without touching the host's port.
 - serve: a long-running process (broker, aggregator, agent, fleet watch), started in such a
   namespace, run until a line it prints proves it works, then stopped with SIGTERM: it must
-  exit 0.
+  exit 0. A block that starts an aggregator and agents is a fleet: its lines run together
+  until the fleet proves it works (an update cycle, a round).
 - plan: experiments that take minutes to hours here, executed as written with `fedmq` and
   `python` on PATH adding `--dry-run`: the scenario, the dataset (through --data-dir), every
   variant and config key resolve, and the plan is printed.
@@ -83,10 +84,11 @@ RULES: list[Rule] = [
     Rule(r"^fedmq creds ", "run", proof=""),
     Rule(r"^fedmq sim report ", "run", proof="report:"),
     Rule(r"^fedmq demo$", "run", proof="Table 1", timeout=900),
-    Rule(r"^fedmq sim run .*--agents 20 --updates-per-agent 3 --out out/", "run", proof="report:", timeout=900),
+    Rule(r"^fedmq sim run .*--out out/$", "run", proof="report:", timeout=900),
     Rule(r"^fedmq sim rounds --seeds 0,1,2 --out out-rounds/", "run", proof="wrote", timeout=900),
     Rule(r"^fedmq fleet status --broker mqtt://127\.0\.0\.1:1883 --fleet garage$", "run",
          proof="fleet garage:", broker=True),
+    Rule(r"^fedmq fleet status --fleet garage --json$", "run", proof='"fleet": "garage"', broker=True),
     # Experiments: minutes to hours on this machine's CPU.
     Rule(r"(^|\n)(OMP_NUM_THREADS=1 )?(\.venv/bin/)?python -m sim\.(ablation|rounds) ", "plan",
          "an experiment of minutes to hours"),
@@ -95,7 +97,7 @@ RULES: list[Rule] = [
     Rule(r"^fedmq broker --config broker_config/prod\.conf", "serve", proof=r"^url: mqtts://",
          needs=("creds",)),
     Rule(r"^fedmq broker\b", "serve", proof=r"^url: mqtt://"),
-    Rule(r"^fedmq aggregator --algorithm (catafed|fedavg|fedprox)", "serve",
+    Rule(r"^fedmq aggregator .*--algorithm (catafed|fedavg|fedprox)", "serve",
          proof=r"^aggregator \S+ \(rounds\) on", broker=True),
     Rule(r"^fedmq aggregator .*--dataset mnist", "serve", proof=r"^aggregator \S+ on", broker=True,
          needs=("mnist",)),
@@ -117,6 +119,8 @@ PLACEHOLDERS = {
 class Command:
     source: str
     text: str
+    block: tuple[str, ...] = ()
+    """The other lines of its ```sh block (a fleet block is run together)."""
 
     @property
     def rule(self) -> Rule | None:
@@ -163,8 +167,14 @@ def doc_commands() -> list[Command]:
             if any(re.match(r"^[A-Z_]+=", line) or line.startswith("for ") for line in lines):
                 out.append(Command(name, "\n".join(lines)))
             else:
-                out.extend(Command(name, line) for line in lines)
+                out.extend(Command(name, line, tuple(lines)) for line in lines)
     return out
+
+
+def is_fleet_block(block: tuple[str, ...]) -> bool:
+    """A block that starts an aggregator and its agents: the docs mean them to run together."""
+    return (any(line.startswith("fedmq aggregator ") for line in block)
+            and any(line.startswith("fedmq agent ") for line in block))
 
 
 def help_commands() -> list[Command]:
@@ -187,8 +197,26 @@ def help_commands() -> list[Command]:
 ALL = doc_commands() + help_commands()
 
 
+def _preceding(command: Command) -> list[str]:
+    """Documented commands of the same source that produce what this one reads (run first)."""
+    if command.text == "fedmq sim report out/":
+        return [c.text for c in ALL if c.source == command.source and c.text.startswith("fedmq sim run ")
+                and "--out out/" in c.text]
+    if "--rotate" in command.text:
+        return [c.text for c in ALL if c.source == command.source and c.text.startswith("fedmq creds ")
+                and "--rotate" not in c.text]
+    return []
+
+
+FLEET_BLOCKS = sorted({c.block for c in ALL if is_fleet_block(c.block)})
+IN_FLEETS = {line for block in FLEET_BLOCKS for line in block}
+"""Run by test_fleet_blocks_as_written, all lines of a block together; not served one by one."""
+
+
 def _by_mode(mode: str) -> list[Command]:
-    seen: set[str] = set()
+    seen: set[str] = set(IN_FLEETS) if mode == "serve" else set()
+    if mode == "run":  # a command another one reads the output of runs in that one's test
+        seen |= {step for c in ALL for step in _preceding(c)}
     picked = []
     for c in ALL:
         if c.rule is not None and c.rule.mode == mode and c.text not in seen:
@@ -198,10 +226,11 @@ def _by_mode(mode: str) -> list[Command]:
 
 
 def summary() -> str:
-    counts = Counter(c.rule.mode if c.rule else "no rule" for c in ALL)
+    counts = Counter("fleet" if c.text in IN_FLEETS else c.rule.mode if c.rule else "no rule" for c in ALL)
     unique = {mode: len(_by_mode(mode)) for mode in ("run", "serve", "plan")}
     return (f"documented commands: {len(ALL)} found in {len(DOC_FILES)} docs and {len(HELP_VERBS)} --help "
-            f"texts; run {counts['run']} ({unique['run']} distinct), served {counts['serve']} "
+            f"texts; run {counts['run']} ({unique['run']} distinct), run together as {len(FLEET_BLOCKS)} "
+            f"fleets {counts['fleet']}, served {counts['serve']} "
             f"({unique['serve']} distinct), planned with --dry-run {counts['plan']} ({unique['plan']} "
             f"distinct), checked elsewhere {counts['elsewhere']}, without a rule {counts['no rule']}")
 
@@ -368,17 +397,6 @@ def test_run_commands_as_written(command: Command, scratch: Path, request) -> No
             broker.stop()
 
 
-def _preceding(command: Command) -> list[str]:
-    """Documented commands of the same source that produce what this one reads (run first)."""
-    if command.text == "fedmq sim report out/":
-        return [c.text for c in ALL if c.source == command.source and c.text.startswith("fedmq sim run ")
-                and "--out out/" in c.text]
-    if "--rotate" in command.text:
-        return [c.text for c in ALL if c.source == command.source and c.text.startswith("fedmq creds ")
-                and "--rotate" not in c.text]
-    return []
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("command", _by_mode("plan"), ids=str)
 def test_plan_commands_as_written(command: Command, scratch: Path) -> None:
@@ -406,7 +424,7 @@ def test_serve_commands_as_written(command: Command, scratch: Path, netns: NetNa
         server = aggregator_for(text) if text.startswith("fedmq agent ") else None
         if server:  # an agent joins before it says it runs: give it the aggregator it names
             helpers.append(CliProcess(server, cwd=scratch, env=env, prefix=netns.prefix))
-            helpers[-1].wait_for(r"^aggregator \S+ on", timeout=300)
+            helpers[-1].wait_for(r"^aggregator \S+ (\(rounds\) )?on", timeout=300)
         with CliProcess(text, cwd=scratch, env=env, prefix=netns.prefix) as proc:
             proc.wait_for(rule.proof, timeout=300)
             code = proc.stop(signal.SIGTERM)
@@ -419,33 +437,44 @@ def test_serve_commands_as_written(command: Command, scratch: Path, netns: NetNa
 
 @pytest.mark.slow
 @needs_netns
-def test_readme_fleet_as_written(scratch: Path, netns: NetNamespace) -> None:
-    """README's 'Running a fleet': broker, aggregator, agent and fleet status, each command
-    exactly as the README prints it. The aggregator comes online, the agent completes one
-    update cycle (asked for with SIGUSR1, as `fedmq agent --help` documents) and the watch
-    shows both."""
-    readme = [c.text for c in ALL if c.source == "README.md"]
-    fleet = {name: next(t for t in readme if t.startswith(f"fedmq {name}"))
-             for name in ("broker", "aggregator", "agent", "fleet status")}
-    assert "--watch" in fleet["fleet status"], fleet
+@pytest.mark.parametrize("block", FLEET_BLOCKS, ids=lambda b: b[1] if len(b) > 1 else b[0])
+def test_fleet_blocks_as_written(block: tuple[str, ...], scratch: Path, netns: NetNamespace) -> None:
+    """A block that starts a broker, an aggregator and agents (README's 'Running a fleet', the
+    round fleets), every line exactly as printed, in one network namespace. Each process proves
+    it runs; then the fleet proves it works together: an asynchronous agent completes one update
+    cycle (asked for with SIGUSR1, as `fedmq agent --help` documents) and `fleet status --watch`
+    shows it with its upload and accuracy; a round aggregator closes a round with every agent."""
     procs: list[CliProcess] = []
     try:
-        broker = CliProcess(fleet["broker"], cwd=scratch, prefix=netns.prefix)
-        procs.append(broker)
-        broker.wait_for(r"^url: mqtt://127\.0\.0\.1:1883")
-        aggregator = CliProcess(fleet["aggregator"], cwd=scratch, prefix=netns.prefix)
-        procs.append(aggregator)
-        aggregator.wait_for(r"^aggregator cdfl on mqtt://127\.0\.0\.1:1883 fleet=garage K=3", timeout=300)
-        agent = CliProcess(fleet["agent"], cwd=scratch, prefix=netns.prefix)
-        procs.append(agent)
-        agent.wait_for(r"^agent car-1 \(cdfl, car\)", timeout=300)
-        agent.proc.send_signal(signal.SIGUSR1)
-        watch = CliProcess(fleet["fleet status"], cwd=scratch, prefix=netns.prefix)
-        procs.append(watch)
-        watch.wait_for(r"^aggregator: online cdfl", timeout=120)
-        row = watch.wait_for(r"^car-1\s+online\s+(\d+)\s+([0-9.]+)\s+.*?\s(\d+)\s+\S+ ago$", timeout=600)
-        assert int(row.group(1)) >= 1 and int(row.group(3)) >= 1, row.group(0)  # tau and uploads
-        assert 0.0 < float(row.group(2)) <= 1.0, row.group(0)
+        if not block[0].startswith("fedmq broker"):
+            procs.append(start_documented_broker(scratch, netns))
+        agents: list[CliProcess] = []
+        watch = None
+        for line in block:
+            rule = next(r for r in RULES if re.search(r.pattern, line))
+            proc = CliProcess(line, cwd=scratch, prefix=netns.prefix)
+            procs.append(proc)
+            if line.startswith("fedmq agent "):
+                agents.append(proc)
+            if line.startswith("fedmq fleet status"):
+                watch = proc
+            proc.wait_for(rule.proof, timeout=300)
+        rounds = any("(rounds)" in line for p in procs for line in p.lines[:3])
+        if rounds:
+            aggregator = next(p for p in procs if "fedmq aggregator" in " ".join(p.argv))
+            done = aggregator.wait_for(r"^round 1: invited (\d+), finished (\d+)", timeout=300)
+            invited, finished = int(done.group(1)), int(done.group(2))
+            assert 1 <= invited == finished <= len(agents), done.group(0)
+            if "catafed" not in " ".join(aggregator.argv):  # FedAvg invites everyone it waited for
+                assert invited == len(agents), done.group(0)
+        else:
+            assert watch is not None and len(agents) == 1, block
+            agents[0].proc.send_signal(signal.SIGUSR1)
+            watch.wait_for(r"^aggregator: online cdfl", timeout=120)
+            row = watch.wait_for(r"^car-1\s+online\s+(\d+)\s+([0-9.]+)\s+.*?\s(\d+)\s+\S+ ago$",
+                                 timeout=600)
+            assert int(row.group(1)) >= 1 and int(row.group(3)) >= 1, row.group(0)  # tau, uploads
+            assert 0.0 < float(row.group(2)) <= 1.0, row.group(0)
         for proc in reversed(procs):
             assert proc.stop() == 0, proc.output[-3000:]
             assert "Traceback" not in proc.output, proc.output[-3000:]

@@ -108,6 +108,7 @@ def test_replay_reuses_the_journaled_reply_instead_of_training_it_again(tmp_path
     from fedmq.models import model_spec
 
     spec = model_spec("digits-cnn")
+    # Speed only: small server sets; the defaults start the aggregator in test_documented_commands.
     cfg = load_config(None, {"fleet": "j", "cdfl.clusters": 2, "data.dataset": "digits",
                              "data.proxy_per_cluster": 100, "data.pretrain_per_cluster": 200,
                              "aggregator.pretrain_epochs": 1, "device": "cpu",

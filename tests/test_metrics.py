@@ -24,6 +24,7 @@ from tests.raw_agent import RawAgent
 
 FLEET = "m"
 SPEC = model_spec("digits-cnn")
+# Speed only: small server sets; the defaults start the aggregator in test_documented_commands.
 SMALL = {
     "fleet": FLEET, "cdfl.clusters": 2, "data.dataset": "digits", "data.proxy_per_cluster": 100,
     "data.pretrain_per_cluster": 200, "aggregator.pretrain_epochs": 1, "device": "cpu",

@@ -22,6 +22,7 @@ from fedmq.config import load_config
 from fedmq.models import model_spec
 
 SPEC = model_spec("digits-cnn")
+# Speed only: small server sets; the defaults start the aggregator in test_documented_commands.
 SMALL = {"fleet": "p", "cdfl.clusters": 2, "data.dataset": "digits", "data.proxy_per_cluster": 100,
          "data.pretrain_per_cluster": 200, "aggregator.pretrain_epochs": 1, "device": "cpu",
          "aggregator.accuracy_every": 0}

@@ -199,9 +199,7 @@ def transcript(exchange: list[tuple[str, str, int, bool, bytes]]) -> str:
 def aggregator(mosquitto, tmp_path):
     argv = [sys.executable, "-m", "fedmq.cli", "aggregator", "--broker", mosquitto.url,
             "--fleet", FLEET, "--clusters", "3", "--state-dir", str(tmp_path / "agg"),
-            "--set", "device=cpu",
-            # pools that fit digits (418 images a cluster) whatever the branch's defaults are
-            "--set", "data.proxy_per_cluster=100", "--set", "data.pretrain_per_cluster=400"]
+            "--set", "device=cpu"]  # the data sizes are the defaults a user gets
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     log = (tmp_path / "aggregator.log").open("w")
     proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)

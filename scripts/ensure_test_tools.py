@@ -1,0 +1,52 @@
+"""Make sure what the test suite runs exists: Mosquitto (every broker test) and iproute2 (the
+documented commands run in private network namespaces, where 127.0.0.1:1883 is theirs).
+Installs them with apt-get when root, else says how."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+MOSQUITTO = ("mosquitto", "/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto")
+IP = ("ip", "/usr/sbin/ip", "/sbin/ip")
+
+
+def find(candidates: tuple[str, ...] = MOSQUITTO) -> str | None:
+    for c in candidates:
+        path = shutil.which(c) or (c if os.path.isfile(c) and os.access(c, os.X_OK) else None)
+        if path:
+            return path
+    return None
+
+
+def apt_install(packages: list[str]) -> bool:
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        return False
+    print(f"installing {', '.join(packages)} with apt-get", file=sys.stderr)
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
+    # Debian starts a system broker on 1883; the tests start their own on free ports.
+    subprocess.run(["apt-get", "install", "-y", "-qq", *packages], check=True, env=env)
+    return True
+
+
+def main() -> int:
+    missing = [pkg for pkg, names in (("mosquitto", MOSQUITTO), ("iproute2", IP)) if not find(names)]
+    if missing:
+        apt_install(missing)
+    if not find(MOSQUITTO):
+        print("mosquitto is required for the test suite and was not found.\n"
+              "  Debian/Ubuntu: sudo apt-get install -y mosquitto\n"
+              "  macOS:         brew install mosquitto\n"
+              "  Fedora:        sudo dnf install -y mosquitto", file=sys.stderr)
+        return 1
+    if not find(IP):
+        print("iproute2 (`ip`) not found: the documented-commands tests that need a private network "
+              "namespace will be skipped (apt-get install iproute2, as root)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
