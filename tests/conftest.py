@@ -23,3 +23,13 @@ def shared_mosquitto(tmp_path_factory) -> Iterator[MosquittoBroker]:
     """One Mosquitto for tests that only need a broker and use their own topics."""
     with MosquittoBroker.dev(workdir=tmp_path_factory.mktemp("shared-broker")) as broker:
         yield broker
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """How many documented commands the suite ran, and how (issue 14: the docs are executed)."""
+    ran = [r for reports in terminalreporter.stats.values() for r in reports
+           if "test_documented_commands" in getattr(r, "nodeid", "") and getattr(r, "when", "") == "call"]
+    if ran:
+        from tests.test_documented_commands import summary
+
+        terminalreporter.write_line(f"{summary()}; {len(ran)} documented-command tests ran")
