@@ -27,7 +27,7 @@ class RawAgent:
         self.client.connect("127.0.0.1", port)
         self.client.loop_start()
         self.client.subscribe(protocol.downlink(fleet, agent), qos=1)
-        assert self._subscribed.wait(5), "no SUBACK"
+        assert self._subscribed.wait(60), "no SUBACK"
         self.base: np.ndarray | None = None
         self.epoch = 0
 

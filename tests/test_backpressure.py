@@ -50,7 +50,7 @@ def test_paused_transport_takes_nothing_then_everything_after_resume(mosquitto) 
     try:
         consumer.pause_reading()
         handles = [producer.publish("bp/in", PAYLOAD + i.to_bytes(4, "big")) for i in range(60)]
-        assert all(h.wait(10) for h in handles)  # the broker took them all
+        assert all(h.wait(60) for h in handles)  # the broker took them all
         # Paused, the consumer still publishes: the window does not wait for unread PUBACKs.
         own = [consumer.publish("bp/out", b"reply", timeout=1) for _ in range(consumer.window + 5)]
         time.sleep(0.5)
@@ -59,7 +59,7 @@ def test_paused_transport_takes_nothing_then_everything_after_resume(mosquitto) 
         consumer.resume_reading()
         assert _wait(lambda: len(got) == 60)
         assert sorted(int.from_bytes(m.payload[-4:], "big") for m in got) == list(range(60))
-        assert all(h.wait(10) for h in own)
+        assert all(h.wait(60) for h in own)
     finally:
         producer.close()
         consumer.close()
@@ -77,7 +77,7 @@ def test_pause_before_connect_is_a_clear_error_and_changes_nothing(mosquitto) ->
         t.connect()
         t.subscribe("bp/early", got.append, qos=1)
         MqttTransport("early-producer", BrokerSettings(url=mosquitto.url)).connect().publish(
-            "bp/early", b"hello").wait(10)
+            "bp/early", b"hello").wait(60)
         assert _wait(lambda: len(got) == 1)
     finally:
         t.close()
@@ -96,7 +96,7 @@ def test_long_pause_keeps_the_connection_alive(mosquitto) -> None:
     try:
         consumer.pause_reading()
         for i in range(40):
-            producer.publish("bp/in", PAYLOAD + i.to_bytes(4, "big")).wait(10)
+            producer.publish("bp/in", PAYLOAD + i.to_bytes(4, "big")).wait(60)
         time.sleep(6.0)
         assert drops == [] and consumer.connected
         assert network.keepalive_reads >= 3

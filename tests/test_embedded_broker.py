@@ -36,7 +36,7 @@ def _connect(client: mqtt.Client, broker: EmbeddedBroker) -> None:
     client.on_connect = on_connect
     client.connect(broker.host, broker.port, keepalive=30)
     client.loop_start()
-    assert connected.wait(10), "no CONNACK from the embedded broker"
+    assert connected.wait(60), "no CONNACK from the embedded broker"
     assert not codes[0].is_failure, f"embedded broker refused the connection: {codes[0]}"
 
 
@@ -66,14 +66,14 @@ def test_qos1_publish_subscribe_between_paho_clients():
         try:
             _connect(sub, broker)
             sub.subscribe("fedmq/+/agents/+/up", qos=1)
-            assert subscribed.wait(10)
+            assert subscribed.wait(60)
             assert [int(rc.value) for rc in granted] == [1], f"SUBACK granted {granted}"
             _connect(pub, broker)
             infos = [pub.publish(topic, p, qos=1) for p in payloads]
             for info in infos:
                 info.wait_for_publish(10)
                 assert info.is_published()
-            assert all_in.wait(10), f"got {len(received)} of {len(payloads)} messages"
+            assert all_in.wait(60), f"got {len(received)} of {len(payloads)} messages"
         finally:
             for c in (pub, sub):
                 c.disconnect()
@@ -149,9 +149,9 @@ def _roundtrip(host: str, port: int) -> bytes:
     c.loop_start()
     try:
         c.subscribe("fedmq/cli/agents/x/down", qos=1)
-        assert subscribed.wait(10), "no SUBACK"
+        assert subscribed.wait(60), "no SUBACK"
         c.publish("fedmq/cli/agents/x/down", b"ping", qos=1).wait_for_publish(10)
-        assert arrived.wait(10), "message did not come back through the broker"
+        assert arrived.wait(60), "message did not come back through the broker"
     finally:
         c.disconnect()
         c.loop_stop()

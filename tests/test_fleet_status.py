@@ -134,7 +134,7 @@ def test_dead_agent_goes_offline_within_keepalive_window(mosquitto, how: str) ->
         finally:
             watch.send_signal(signal.SIGINT)
             try:
-                watch.wait(10)
+                watch.wait(60)
             except subprocess.TimeoutExpired:
                 watch.kill()
                 watch.wait(5)

@@ -156,7 +156,7 @@ def test_report_for_a_closed_round_changes_nothing(mosquitto) -> None:
         # Replay the agent's last report after its round closed: counted late, ignored.
         stale = protocol.Report(agent="a", msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
                                 round=0, finished=False, n_samples=0, shard_size=5)
-        agent.channel.send(protocol.uplink(cfg.fleet, "a"), stale).pop().wait(5)
+        agent.channel.send(protocol.uplink(cfg.fleet, "a"), stale).pop().wait(60)
         service.pump(time.monotonic() + WAIT_S, stop=lambda: service.counters["reports.late"] > 0)
         assert service.counters["reports.late"] == 1
         assert torch.equal(strategy.vector, before) and strategy.agents["a"].size == 60
