@@ -24,6 +24,7 @@ PLACEHOLDERS are substituted (a path the docs leave to the reader), nothing else
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shutil
@@ -185,8 +186,7 @@ def help_commands() -> list[Command]:
     for verb in HELP_VERBS:
         sub = parser
         for word in verb:
-            sub = next(a for a in sub._actions if isinstance(a, __import__("argparse")._SubParsersAction)
-                       ).choices[word]
+            sub = next(a for a in sub._actions if isinstance(a, argparse._SubParsersAction)).choices[word]
         lines = _logical_lines("\n".join(line.strip() for line in sub.format_help().splitlines()
                                          if line.strip().startswith("fedmq ") or line.startswith("  ")))
         out.extend(Command(f"fedmq {' '.join(verb)} --help", line) for line in lines
