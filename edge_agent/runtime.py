@@ -114,6 +114,11 @@ class EdgeAgent:
         self.transport.subscribe(protocol.downlink(self.fleet, self.agent_id), self._on_down, qos=1)
         return self
 
+    def awaiting(self, msg_id: str) -> bool:
+        """Whether a reply naming `msg_id` would be taken now (a reply before that is unexpected)."""
+        with self._cond:
+            return msg_id in self._waiting
+
     def publish_status(self) -> None:
         """Re-publish the retained online status with the current counters: `fedmq fleet
         status` reads an agent's last accuracy and last upload time from there."""

@@ -280,8 +280,10 @@ def test_malformed_downlink_is_refused_and_model_kept(mosquitto, aggregator, tmp
         device.trigger()
         worker = Worker(device)
         worker.start()
-        wait_for(lambda: device.state.pending is not None, 30, "the pending upload")
+        wait_for(lambda: device.state.pending is not None, 120, "the pending upload")
         pending_id = device.state.pending.msg_id
+        # The pending upload is on disk before it is sent; a reply before the send is unexpected.
+        wait_for(lambda: device.agent.awaiting(pending_id), 120, "the upload awaiting its reply")
         other_base = np.random.default_rng(0).normal(size=SPEC.numel).astype(np.float32)
         forged = protocol.Model(agent=device.agent_id, msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
                                 epoch=7, model=SPEC.hash, in_reply_to=pending_id,
@@ -320,7 +322,7 @@ def test_broker_restart_mid_upload_cycle_completes(mosquitto, aggregator, tmp_pa
         device.trigger()
         worker = Worker(device)
         worker.start()
-        wait_for(lambda: device.state.pending is not None, 30, "the pending upload")
+        wait_for(lambda: device.state.pending is not None, 120, "the pending upload")
         time.sleep(0.5)
         restart_broker(mosquitto)
         assert worker.result().outcome == "installed"
