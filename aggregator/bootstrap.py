@@ -52,15 +52,30 @@ def pretrain_epochs(configured: int, samples: int) -> int:
 
 
 def pretrain_clusters(cfg: Config, clusters: RotatedClusters, model_name: str) -> list[torch.Tensor]:
-    """One model per cluster, each trained from the same seeded init on its pretrain pool."""
+    """One model per cluster, each trained from the same seeded init on its pretrain pool.
+
+    With `aggregator.pretrain_shared` the start is instead one model trained on all pools
+    together, and each cluster specializes from it at a lower rate: models fine-tuned from one
+    pre-trained model stay linearly connected, so sum_k alpha_k w_k is itself a model.
+    """
     start = to_vector(build_model(model_name, seed=cfg.seed))
+    pools = [clusters.pretrain(k, cfg.data.pretrain_per_cluster or None) for k in range(clusters.num_clusters)]
+    lr = 0.05
+    if cfg.aggregator.pretrain_shared:
+        t0 = time.perf_counter()
+        x = torch.cat([p.x for p in pools])
+        y = torch.cat([p.y for p in pools])
+        epochs = pretrain_epochs(cfg.aggregator.pretrain_epochs, len(pools[0]))
+        shared = fit(model_name, start, x, y, epochs=epochs, batch_size=32, lr=lr, momentum=0.9, seed=cfg.seed)
+        event(log, "cluster.pretrained", cluster="shared", samples=len(y),
+              seconds=time.perf_counter() - t0, loss=shared.final_loss)
+        start, lr = shared.vector, 0.01
     vectors = []
-    for k in range(clusters.num_clusters):
-        data = clusters.pretrain(k, cfg.data.pretrain_per_cluster or None)
+    for k, data in enumerate(pools):
         t0 = time.perf_counter()
         epochs = pretrain_epochs(cfg.aggregator.pretrain_epochs, len(data))
         result = fit(model_name, start, data.x, data.y, epochs=epochs,
-                     batch_size=32, lr=0.05, momentum=0.9, seed=cfg.seed + k)
+                     batch_size=32, lr=lr, momentum=0.9, seed=cfg.seed + k)
         event(log, "cluster.pretrained", cluster=k, samples=len(data),
               seconds=time.perf_counter() - t0, loss=result.final_loss)
         vectors.append(result.vector)

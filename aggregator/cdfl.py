@@ -29,7 +29,7 @@ from aggregator.strategy import Reply, Strategy, Upload, check_alpha, check_vect
 from fedmq.config import CDFLSettings
 from fedmq.models import ModelSpec
 
-UPDATE_RULES = ("alpha", "sharpen", "confidence")
+UPDATE_RULES = ("alpha", "sharpen", "confidence", "delta")
 
 
 def update_weights(alpha: Sequence[float], rule: str = "alpha", power: float = 2.0) -> list[float]:
@@ -38,9 +38,10 @@ def update_weights(alpha: Sequence[float], rule: str = "alpha", power: float = 2
     alpha: alpha_k (the paper). sharpen: alpha_k^power renormalized (a mixed upload pulls its
     dominant cluster, barely the others). confidence: alpha_k times the estimate's confidence
     1 - H(alpha) / log K (an upload whose mixture is unclear moves no cluster much).
+    delta: alpha_k, applied to the upload's step v - base instead of v - w_k (see _step).
     """
     a = [max(0.0, float(x)) for x in alpha]
-    if rule == "alpha" or len(a) < 2:
+    if rule in ("alpha", "delta") or len(a) < 2:
         return a
     if rule == "sharpen":
         p = [x ** power for x in a]
@@ -56,7 +57,8 @@ class SoftClusters(Strategy):
 
     def __init__(self, spec: ModelSpec, clusters: Tensor | Sequence[Tensor], *, tau0: int = 0,
                  beta0: float = 0.025, hinge_a: float = 10.0, hinge_b: float = 5.0,
-                 update_rule: str = "alpha", update_power: float = 2.0) -> None:
+                 update_rule: str = "alpha", update_power: float = 2.0, server_lr: float = 1.0,
+                 delta_hinge_a: float = 0.1, delta_tau0: int = 0) -> None:
         super().__init__()
         if update_rule not in UPDATE_RULES:
             raise ValueError(f"update_rule must be one of {', '.join(UPDATE_RULES)}, got {update_rule!r}")
@@ -68,6 +70,12 @@ class SoftClusters(Strategy):
         if tau0 < 0 or not 0.0 <= beta0 <= 1.0 or hinge_a < 0 or hinge_b < 0:
             raise ValueError(f"need tau0 >= 0, 0 <= beta0 <= 1, a, b >= 0; got tau0={tau0} "
                              f"beta0={beta0} a={hinge_a} b={hinge_b}")
+        if server_lr < 0 or delta_hinge_a < 0 or delta_tau0 < 0:
+            raise ValueError(f"need server_lr, delta_hinge_a, delta_tau0 >= 0; got {server_lr}, "
+                             f"{delta_hinge_a}, {delta_tau0}")
+        self.server_lr = float(server_lr)
+        self.delta_hinge_a = float(delta_hinge_a)
+        self.delta_tau0 = int(delta_tau0)
         self.spec = spec
         self.clusters = w.detach().to("cpu", torch.float32).clone()
         self.k = int(w.shape[0])
@@ -86,7 +94,9 @@ class SoftClusters(Strategy):
 
     # ------------------------------------------------------------------ shared rules
 
-    def staleness_threshold(self) -> int:
+    def staleness_threshold(self, delta: bool = False) -> int:
+        if delta:
+            return self.delta_tau0 if self.delta_tau0 > 0 else 5 * max(1, len(self.agents_seen))
         return self.tau0 if self.tau0 > 0 else max(1, len(self.agents_seen))
 
     def _see(self, agent: str) -> None:
@@ -101,19 +111,35 @@ class SoftClusters(Strategy):
         self._see(upload.agent)
         self.epoch += 1
         d = self.epoch - int(upload.tau)
-        threshold = self.staleness_threshold()
-        s = hinge_staleness(d, self.hinge_a, self.hinge_b)
+        # The delta rule: what the agent learned from its data, v - base, added to each cluster
+        # in its share, w_k += server_lr alpha_k s(d) (v - base). The paper's pull toward v,
+        # w_k += beta_k (v - w_k), also drags a specialist toward the agent's starting point (a
+        # mixture of clusters), hence its small beta0 and steep staleness discount; a step from
+        # an older base is still a step down the agent's loss, so it is discounted gently.
+        delta = self.update_rule == "delta" and upload.base is not None
+        threshold = self.staleness_threshold(delta)
+        s = hinge_staleness(d, self.delta_hinge_a if delta else self.hinge_a, self.hinge_b)
         info: dict[str, Any] = {"staleness": d, "tau0": threshold, "s": s}
         if d > threshold:
             self.counters["stale"] += 1
             info.update(stale=True, betas=[0.0] * self.k)
             return info
-        betas = [self.beta0 * a * s for a in update_weights(alpha, self.update_rule, self.update_power)]
+        rate = self.server_lr if delta else self.beta0
+        betas = [rate * a * s for a in update_weights(alpha, self.update_rule, self.update_power)]
+        step = None
+        if delta:
+            assert upload.base is not None
+            step = vector - upload.base.to(vector.dtype)
+            info["rule"] = "delta"
         for k, beta in enumerate(betas):
-            if beta > 0.0:
+            if beta <= 0.0:
+                continue
+            if step is not None:
+                self.clusters[k].add_(step, alpha=beta)
+            else:
                 self.clusters[k].mul_(1.0 - beta).add_(vector, alpha=beta)
-                self.versions[k] += 1
-                self.cluster_updated[k] = self.epoch
+            self.versions[k] += 1
+            self.cluster_updated[k] = self.epoch
         self.counters["applied"] += 1
         info.update(stale=False, betas=betas)
         return info
@@ -154,14 +180,17 @@ class CDFL(SoftClusters):
                  evaluator: ProxyEvaluator | None = None, update_rule: str = "alpha",
                  update_power: float = 2.0, personalization: str | Personalizer = "mixture",
                  personalize_options: dict[str, Any] | None = None, seed: int = 0,
-                 refresh_steps: int = 0, refresh_lr: float = 0.01) -> None:
+                 refresh_steps: int = 0, refresh_lr: float = 0.01, reply_uses_upload: bool = True,
+                 server_lr: float = 1.0, delta_hinge_a: float = 0.1, delta_tau0: int = 0) -> None:
         super().__init__(spec, clusters, tau0=tau0, beta0=beta0, hinge_a=hinge_a, hinge_b=hinge_b,
-                         update_rule=update_rule, update_power=update_power)
+                         update_rule=update_rule, update_power=update_power, server_lr=server_lr,
+                         delta_hinge_a=delta_hinge_a, delta_tau0=delta_tau0)
         if refresh_steps < 0 or refresh_lr <= 0:
             raise ValueError(f"need cluster_refresh_steps >= 0 and cluster_refresh_lr > 0, "
                              f"got {refresh_steps} and {refresh_lr}")
         self.refresh_steps = int(refresh_steps)
         self.refresh_lr = float(refresh_lr)
+        self.reply_uses_upload = bool(reply_uses_upload)
         if evaluator is None:
             if len(proxies) != self.k:
                 raise ValueError(f"{len(proxies)} proxy sets for {self.k} clusters")
@@ -194,7 +223,10 @@ class CDFL(SoftClusters):
         personalize = {"epochs": settings.personalize_epochs, "lr": settings.personalize_lr,
                        "samples": settings.personalize_samples,
                        "kd_weight": settings.personalize_kd_weight,
-                       "temperature": settings.personalize_temperature}
+                       "temperature": settings.personalize_temperature,
+                       "start": settings.personalize_start, "blend_grid": settings.personalize_blend_grid}
+        if settings.personalization == "distill-mixture":
+            personalize["start"] = "mixture"
         if "evaluator" not in kwargs:
             kwargs["evaluator"] = ProxyEvaluator(spec, proxies, device=device, batch=settings.proxy_batch,
                                                  chunk=settings.eval_chunk or None,
@@ -208,7 +240,8 @@ class CDFL(SoftClusters):
                    update_rule=settings.update_rule, update_power=settings.update_power,
                    personalization=settings.personalization, personalize_options=personalize,
                    refresh_steps=settings.cluster_refresh_steps, refresh_lr=settings.cluster_refresh_lr,
-                   **kwargs)
+                   reply_uses_upload=settings.reply_uses_upload, server_lr=settings.server_lr,
+                   delta_hinge_a=settings.delta_hinge_a, delta_tau0=settings.delta_tau0, **kwargs)
 
     @property
     def reply_is_trained(self) -> bool:
@@ -217,15 +250,20 @@ class CDFL(SoftClusters):
         return self.personalizer.name != "mixture"
 
     def _step(self, upload: Upload, vector: Tensor, alpha: list[float]) -> dict[str, Any]:
-        """Steps 1 and 3, then the proxy refresh of every cluster the upload moved."""
+        """Steps 1 and 3, then the proxy refresh of every cluster with a share of the upload."""
         info = super()._step(upload, vector, alpha)
         if self.refresh_steps and not info["stale"]:
+            # Which clusters are refreshed depends on alpha and staleness, not on beta0: with
+            # beta0 = 0 (the frozen control) the server's data is used exactly as with uploads.
             t0 = time.perf_counter()
-            for k, beta in enumerate(info["betas"]):
-                if beta > 0.0:
+            for k, share in enumerate(update_weights(alpha, self.update_rule, self.update_power)):
+                if share > 0.0:
                     self.clusters[k] = refresh_cluster(
                         self.evaluator, self.clusters[k], k, steps=self.refresh_steps, lr=self.refresh_lr,
                         seed=(self.seed * 1_000_003 + self.epoch) * 64 + k)
+                    if info["betas"][k] == 0.0:  # not bumped by step 3: the cache keys on it
+                        self.versions[k] += 1
+                        self.cluster_updated[k] = self.epoch
             info["refresh_seconds"] = time.perf_counter() - t0
         return info
 
@@ -242,7 +280,8 @@ class CDFL(SoftClusters):
             u = self.mixture(alpha)
         else:
             u, diag = self.personalizer.personalize(PersonalizeRequest(
-                self.clusters, alpha, upload, seed=self.seed * 1_000_003 + self.epoch))
+                self.clusters, alpha, upload if self.reply_uses_upload else None,
+                seed=self.seed * 1_000_003 + self.epoch))
             info.update(personalization=self.personalizer.name, personalize=diag)
         if self.estimator.needs_base:
             self.last_sent[agent] = u

@@ -139,9 +139,10 @@ class Engine:
         if rec["op"] == "join":
             reply = self.strategy.join(agent, rec.get("n_samples", 0))
         else:
+            known = self.agents.get(agent)  # its base: the reply it had, as when it was live
             upload = Upload(agent=agent, vector=rec["vector"], tau=rec["tau"],
                             n_samples=rec["n_samples"], alpha=rec.get("upload_alpha"),
-                            msg_id=rec["msg_id"])
+                            msg_id=rec["msg_id"], base=known.base if known is not None else None)
             reply = self.strategy.apply(upload, rec.get("alpha"), sent=rec.get("sent"))
             if rec.get("dist") is not None:
                 self.accepted_norms.append(rec["dist"])

@@ -17,6 +17,12 @@ differ in how that one model is made. Select one by name (cfg.cdfl.personalizati
   kd_weight * T^2 KL(teacher_T || student_T) + (1 - kd_weight) * CE(labels).
 - "distill-mixture": distill, starting from the alpha-mixture instead of the upload.
 
+finetune and distill start from `start` (cfg.cdfl.personalize_start): the upload, the
+alpha-mixture, the dominant cluster, or a blend (1 - lam) upload + lam mixture with lam
+picked per reply from a grid by the alpha-weighted proxy loss. Starting from the upload
+alone, the reply never contains the cluster models, so it is the same whether the fleet's
+uploads move the clusters or not (the frozen control, docs/results_cdfl.md section 9).
+
 The server-side training runs on the evaluator's device (the GPU when there is one) and is
 deterministic for a given seed on CPU, so journal replay rebuilds the same reply.
 """
@@ -57,6 +63,11 @@ class Personalizer(ABC):
         """The vector to send and diagnostics (seconds, steps)."""
 
 
+STARTS = ("upload", "mixture", "dominant", "blend")
+"""Where a trained reply starts (cfg.cdfl.personalize_start)."""
+BLEND_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
 def alpha_mixture(clusters: Tensor, alpha: Sequence[float]) -> Tensor:
     return torch.tensor([float(a) for a in alpha], dtype=torch.float32) @ clusters
 
@@ -94,13 +105,18 @@ class DistillPersonalizer(Personalizer):
 
     def __init__(self, evaluator: ProxyEvaluator, *, epochs: int = 2, lr: float = 0.01,
                  momentum: float = 0.9, batch_size: int = 64, kd_weight: float = 0.5,
-                 temperature: float = 2.0, start: str = "upload", rho: float = 0.0, samples: int = 0) -> None:
-        if (epochs < 1 or lr <= 0 or batch_size < 1 or not 0.0 <= kd_weight <= 1.0 or temperature <= 0
+                 temperature: float = 2.0, start: str = "upload", rho: float = 0.0, samples: int = 0,
+                 blend_grid: Sequence[float] = BLEND_GRID) -> None:
+        if (epochs < 0 or lr <= 0 or batch_size < 1 or not 0.0 <= kd_weight <= 1.0 or temperature <= 0
                 or samples < 0):
-            raise ValueError(f"need epochs >= 1, lr > 0, batch_size >= 1, 0 <= kd_weight <= 1, temperature > 0, "
+            raise ValueError(f"need epochs >= 0, lr > 0, batch_size >= 1, 0 <= kd_weight <= 1, temperature > 0, "
                              f"samples >= 0; got {epochs}, {lr}, {batch_size}, {kd_weight}, {temperature}, {samples}")
-        if start not in ("upload", "mixture"):
-            raise ValueError(f"start must be upload or mixture, got {start!r}")
+        if start not in STARTS:
+            raise ValueError(f"personalize_start must be one of {', '.join(STARTS)}, got {start!r}")
+        grid = [float(g) for g in blend_grid]
+        if not grid or any(not 0.0 <= g <= 1.0 for g in grid):
+            raise ValueError(f"personalize_blend_grid needs values in [0, 1], got {list(blend_grid)}")
+        self.blend_grid = grid
         self.evaluator = evaluator
         self.epochs = int(epochs)
         self.lr = float(lr)
@@ -129,13 +145,33 @@ class DistillPersonalizer(Personalizer):
             parts.append(cached[1])
         return torch.cat(parts)
 
+    def start_vector(self, request: PersonalizeRequest) -> tuple[Tensor, dict[str, Any]]:
+        """Where the reply's training starts (CPU float32), and what was chosen."""
+        mixture = alpha_mixture(request.clusters, request.alpha)
+        if self.start == "dominant":
+            k = max(range(len(request.alpha)), key=lambda i: float(request.alpha[i]))
+            return request.clusters[k].clone(), {"start": "dominant", "cluster": k}
+        if request.upload is None or self.start == "mixture":
+            return mixture, {"start": "mixture"}
+        upload = request.upload.detach().to("cpu", torch.float32)
+        if self.start == "upload":
+            return upload.clone(), {"start": "upload"}
+        grid = self.blend_grid
+        candidates = torch.stack([(1.0 - g) * upload + g * mixture for g in grid])
+        weights = torch.tensor([float(a) for a in request.alpha], dtype=torch.float32)
+        with torch.inference_mode():
+            losses = self.evaluator.losses(candidates) @ weights  # alpha-weighted proxy loss
+        best = int(torch.argmin(losses))
+        return candidates[best].clone(), {"start": "blend", "lam": grid[best]}
+
     def personalize(self, request: PersonalizeRequest) -> tuple[Tensor, dict[str, Any]]:
         t0 = time.perf_counter()
         ev = self.evaluator
         device = ev.device
-        start = (request.upload if self.start == "upload" and request.upload is not None
-                 else alpha_mixture(request.clusters, request.alpha))
-        start = start.detach().to(device, torch.float32)
+        start, chosen = self.start_vector(request)
+        if self.epochs == 0:  # the start is the reply (e.g. a blend of upload and clusters, untrained)
+            return start, {"steps": 0, "seconds": time.perf_counter() - t0, **chosen}
+        start = start.to(device)
         alpha = torch.tensor([float(a) for a in request.alpha], dtype=torch.float32, device=device)
         sizes = torch.tensor(ev.sizes, dtype=torch.float32, device=device)
         weights = (alpha / sizes)[ev.set_of_sample]  # [N_total]
@@ -176,7 +212,7 @@ class DistillPersonalizer(Personalizer):
                     opt.step()
                     steps += 1
         out = w.detach().to("cpu", torch.float32)
-        return out, {"steps": steps, "seconds": time.perf_counter() - t0}
+        return out, {"steps": steps, "seconds": time.perf_counter() - t0, **chosen}
 
 
 PERSONALIZATIONS = ("mixture", "upload", "finetune", "distill", "distill-mixture")
@@ -196,5 +232,6 @@ def make_personalizer(name: str, evaluator: ProxyEvaluator | None, **options: An
             opts["kd_weight"] = 0.0
         if name == "distill-mixture":
             opts["start"] = "mixture"
+        opts.setdefault("start", "upload")
         return DistillPersonalizer(evaluator, **opts)
     raise ValueError(f"unknown personalization {name!r}; known: {', '.join(PERSONALIZATIONS)}")

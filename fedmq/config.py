@@ -173,8 +173,14 @@ class CDFLSettings:
     """torch.compile the stacked/vmap evaluation (~1.6x those after ~4 s of compiling; the fused default does not use it and is faster)."""
     personalization: str = "finetune"
     """How the one reply model is made (aggregator/personalize.py): finetune (the agent's upload trained on alpha-weighted proxy data: the measured winner, +18-26 pp over the paper's mixture on rotated digits), mixture (the paper's sum_k alpha_k w_k, cheapest), upload (the agent's own upload), distill (finetune taught by each cluster's specialist) or distill-mixture (distill from the mixture). finetune costs a training of personalize_epochs per reply: with 2 epochs ~0.06-0.1 s for the digits model and, for cnn28 with K = 4 and 1000 proxy samples per cluster, 1.4 s against 0.78 s for mixture per upload on an idle 2-core CPU; 8 epochs (the default) cost 4x that. See docs/results_cdfl.md."""
+    personalize_start: str = "mixture"
+    """finetune/distill: the model the reply's training starts from: upload (the agent's own), mixture (sum_k alpha_k w_k), dominant (the cluster with the largest alpha) or blend ((1 - lam) upload + lam mixture, lam from personalize_blend_grid with the lowest alpha-weighted proxy loss, chosen per reply). Only mixture, dominant and blend carry the fleet's uploads into the reply; see docs/results_cdfl.md section 9."""
+    personalize_blend_grid: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    """blend: the candidate weights lam of the cluster mixture against the upload."""
+    reply_uses_upload: bool = True
+    """false: build every reply as if the agent had uploaded nothing (the proxy-only control of an experiment; the clusters still learn from the upload)."""
     personalize_epochs: int = 8
-    """finetune/distill: epochs over the alpha-weighted proxy sets per reply. 8 against 2: received accuracy +1.0-3.7 pp on rotated digits at 4x the reply's cost (cnn28, K = 4, 1000 proxy samples per cluster, CPU: ~11 s against ~2.8 s per upload on a loaded 2-core machine); see docs/results_cdfl.md section 4."""
+    """finetune/distill: epochs over the alpha-weighted proxy sets per reply (0: the start itself is the reply). 8 against 2: received accuracy +1.0-3.7 pp on rotated digits at 4x the reply's cost (cnn28, K = 4, 1000 proxy samples per cluster, CPU: ~11 s against ~2.8 s per upload on a loaded 2-core machine); see docs/results_cdfl.md section 4."""
     personalize_lr: float = 0.01
     """finetune/distill: SGD learning rate (momentum 0.9)."""
     personalize_samples: int = 0
@@ -183,10 +189,16 @@ class CDFLSettings:
     """distill: weight of the specialist teachers' tempered softmax against the true labels."""
     personalize_temperature: float = 2.0
     """distill: softmax temperature of teacher and student."""
-    update_rule: str = "alpha"
-    """Cluster update shares: alpha (beta_k = beta0 alpha_k s), sharpen (alpha_k^update_power renormalized) or confidence (alpha_k times 1 - H(alpha)/log K)."""
+    update_rule: str = "delta"
+    """How an upload moves the clusters: alpha (the paper: w_k += beta_k (v - w_k), beta_k = beta0 alpha_k s), sharpen (alpha_k^update_power renormalized), confidence (alpha_k times 1 - H(alpha)/log K) or delta (w_k += server_lr alpha_k s (v - base): the agent's step, see server_lr)."""
     update_power: float = 2.0
     """sharpen: the power applied to alpha before renormalizing."""
+    server_lr: float = 1.0
+    """delta rule: w_k += server_lr * alpha_k * s(d) * (v - base), the agent's own step added to each cluster in its share (beta0 is the pull rule's rate)."""
+    delta_hinge_a: float = 0.1
+    """delta rule: staleness slope, s(d) = 1 / (a (d - hinge_b) + 1) past hinge_b (the pull rule's 10 would all but ignore a 20-agent fleet's uploads)."""
+    delta_tau0: int = 0
+    """delta rule: uploads with t - tau above this leave the clusters unchanged (0 = 5 x the number of agents seen)."""
     cluster_refresh_steps: int = 1
     """After an upload moves cluster k, w_k takes this many SGD mini-batches (64 samples) on its own proxy set D_k, so the clusters stay specialists under a stream of mixed uploads (aggregator/cluster_refresh.py). Rotated digits, 25 updates per agent: cluster accuracy 0.972 / 0.966 at K = 4 / 6 against 0.954 / 0.945 without it and FedSoft-Async's 0.963 / 0.955, for ~0.04 s per upload (docs/results_cdfl.md section 5). 0: off (the paper's rule)."""
     cluster_refresh_lr: float = 0.05
@@ -280,6 +292,8 @@ class AggregatorSettings:
     """Back-pressure: above this many received, unprocessed messages the aggregator stops reading from the broker (resumes at half)."""
     inbox_max_bytes: int = 64 * 1024 * 1024
     """Back-pressure: the same bound in payload bytes."""
+    pretrain_shared: bool = True
+    """Pre-train one model on every cluster's pretrain pool first, then specialize each cluster from it (the same epochs at lr 0.01): the clusters then share a basin, so their parameter mixtures and blends with uploads are models too. false: each cluster from the same seeded init on its own pool."""
     pretrain_epochs: int = 0
     """Epochs of server-side pre-training of each cluster model on its pretrain pool. 0 = auto: enough epochs to see about 10,000 samples, at least 5 (5 for the paper's 2000 per cluster; 24 for digits' 418 at K = 3)."""
     accuracy_every: int = 10

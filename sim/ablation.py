@@ -84,12 +84,43 @@ class Variant:
         return load_config(None, dict(self.settings), base=copy.deepcopy(base))
 
 
-DEFAULT_VARIANTS = ("local=local", "fedsoft-async=fedsoft-async",
-                    "cdfl-mixture=cdfl:cdfl.personalization=mixture",
-                    "cdfl-finetune=cdfl:cdfl.personalization=finetune",
-                    "cdfl-distill=cdfl:cdfl.personalization=distill")
-"""Each CDFL variant names its personalization explicitly: a bare `cdfl` follows the config
-default (finetune since the ablation), so `cdfl-mixture=cdfl` would silently run finetune."""
+CONTROLS = {"frozen": (("cdfl.beta0", "0"), ("cdfl.server_lr", "0")),
+            "proxy-only": (("cdfl.reply_uses_upload", "false"),)}
+"""A CDFL variant's controls, run on the same fleet. frozen: the uploads never move the clusters
+(server data used exactly as in the variant, refresh included), so variant - frozen is what
+the fleet's uploads add (the federation gain). proxy-only: the reply is built without the
+agent's upload, so variant - proxy-only is what the agent's own upload adds (the client gain)."""
+
+
+def with_controls(variants: Sequence[Variant], controls: Sequence[str]) -> list[Variant]:
+    """Each CDFL variant followed by its controls `NAME/frozen`, `NAME/proxy-only`."""
+    out: list[Variant] = []
+    names = {v.name for v in variants}
+    for v in variants:
+        out.append(v)
+        if v.method != "cdfl":
+            continue
+        for c in controls:
+            name = f"{v.name}/{c}"
+            if name not in names:
+                out.append(Variant(name, v.method, v.settings + CONTROLS[c]))
+    return out
+
+
+def control_of(variant: str) -> tuple[str, str] | None:
+    """(base variant, control) for a control's name, else None."""
+    base, _, control = variant.rpartition("/")
+    return (base, control) if base and control in CONTROLS else None
+
+
+DEFAULT_VARIANTS = ("local=local", "fedsoft-async=fedsoft-async", "cdfl=cdfl",
+                    "cdfl-upload=cdfl:cdfl.personalize_start=upload,cdfl.update_rule=alpha,"
+                    "aggregator.pretrain_shared=false",
+                    "cdfl-paper=cdfl:cdfl.personalization=mixture,cdfl.update_rule=alpha,"
+                    "cdfl.cluster_refresh_steps=0,aggregator.pretrain_shared=false")
+"""Today's CDFL defaults; the reply before issue 15 (the agent's upload fine-tuned on proxy data,
+the paper's pull update, clusters pre-trained apart), which the fleet's uploads never reach;
+and the paper as written (mixture reply, no refresh). CDFL variants get their controls."""
 
 
 @dataclass
@@ -132,6 +163,9 @@ class VariantResult:
     estimator_kl: dict[str, float] = field(default_factory=dict)
     settings: dict[str, str] = field(default_factory=dict)
     engine: str = "in-process"
+    server_share: float = math.nan
+    """The server's labelled samples (proxy + pre-training, all clusters) over the samples the
+    fleet trained on in the run (every cycle's training set, counted per draw)."""
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -143,7 +177,7 @@ class Fleet:
     """What all variants of one (K, seed) share: config, clusters, pre-trained models, schedule."""
 
     def __init__(self, spec: AblationSpec, base: Config) -> None:
-        from aggregator.bootstrap import pretrain_clusters, resolve_device
+        from aggregator.bootstrap import resolve_device
         from fedmq.models import model_spec, resolve_model_name
 
         self.spec = spec
@@ -153,7 +187,8 @@ class Fleet:
         self.model_spec = model_spec(self.model_name)
         self.device = resolve_device(self.cfg.device)
         t0 = time.perf_counter()
-        self.start_vectors = pretrain_clusters(self.cfg, self.clusters, self.model_name)
+        self._starts: dict[tuple[bool, int], list[torch.Tensor]] = {}
+        self.start_vectors = self.starts(self.cfg)
         self.pretrain_s = time.perf_counter() - t0
         proxies = [self.clusters.proxy(k, self.cfg.data.proxy_per_cluster or None) for k in range(spec.clusters)]
         self.proxies = [(p.x, p.y) for p in proxies]
@@ -161,6 +196,19 @@ class Fleet:
         self.schedule = make_schedule(spec.seed, self.n_agents, spec.updates_per_agent)
         self.tests = [self.clusters.test(k) for k in range(spec.clusters)]
         self._data: dict[tuple[int, int], Any] = {}
+        server = spec.clusters * (self.clusters.proxy_size + self.clusters.pretrain_size)
+        fleet_samples = sum(len(self.data(a, c)[0]) for a, c in self.schedule)
+        self.server_share = server / max(1, fleet_samples)
+
+    def starts(self, cfg: Config) -> list[torch.Tensor]:
+        """The pre-trained cluster models for a variant's pre-training keys (trained once each)."""
+        from aggregator.bootstrap import pretrain_clusters
+
+        a = cfg.aggregator
+        key = (a.pretrain_shared, a.pretrain_epochs)
+        if key not in self._starts:
+            self._starts[key] = pretrain_clusters(cfg, self.clusters, self.model_name)
+        return self._starts[key]
 
     def data(self, agent: int, cycle: int) -> Any:
         key = (agent, cycle)
@@ -185,7 +233,7 @@ def run_variant(fleet: Fleet, variant: Variant, estimators: Sequence[str] = ()) 
     strategy = None
     extra = {}
     if variant.method != "local":
-        strategy = make_strategy(cfg, fleet.model_spec, [v.clone() for v in fleet.start_vectors],
+        strategy = make_strategy(cfg, fleet.model_spec, [v.clone() for v in fleet.starts(cfg)],
                                  fleet.proxies, device=fleet.device)
         if variant.method == "cdfl":
             c = cfg.cdfl
@@ -194,7 +242,7 @@ def run_variant(fleet: Fleet, variant: Variant, estimators: Sequence[str] = ()) 
                        "rho": c.trajectory_rho, "metric_weights": c.metric_weights,
                        "temperature": c.temperature}
             extra = {e: make_estimator(e, **options) for e in estimators}
-    uniform_start = torch.stack(fleet.start_vectors).mean(0)
+    uniform_start = torch.stack(fleet.starts(cfg)).mean(0)
     held: dict[int, torch.Tensor] = {}
     held_clusters: dict[int, list[torch.Tensor]] = {}
     tau: dict[int, int] = {}
@@ -266,7 +314,8 @@ def run_variant(fleet: Fleet, variant: Variant, estimators: Sequence[str] = ()) 
         acc_received=_mean(rows["received"]), kl=_mean(rows["kl"]), cluster_acc=cluster_acc,
         models_down_per_update=models, bytes_down_per_update=models * 4 * fleet.model_spec.numel,
         client_compute_s=_mean(rows["compute"]), aggregator_s_per_upload=_mean(rows["agg"]),
-        estimator_kl={e: _mean(v) for e, v in est_kl.items()}, settings=dict(variant.settings))
+        estimator_kl={e: _mean(v) for e, v in est_kl.items()}, settings=dict(variant.settings),
+        server_share=fleet.server_share)
 
 
 def run_variant_wire(spec: AblationSpec, variant: Variant, base: Config,
@@ -318,7 +367,8 @@ def run_ablation(variants: Sequence[Variant], *, clusters: Sequence[int], seeds:
 COLUMNS = [("acc_held", "held", 3), ("acc_trained", "trained", 3), ("acc_received", "received", 3),
            ("kl", "KL", 3), ("cluster_acc", "cluster", 3), ("models_down_per_update", "models/reply", 0),
            ("bytes_down_per_update", "bytes down/update", 0),
-           ("client_compute_s", "client s", 3), ("aggregator_s_per_upload", "agg s/upload", 3)]
+           ("client_compute_s", "client s", 3), ("aggregator_s_per_upload", "agg s/upload", 3),
+           ("server_share", "server data / fleet data", 3)]
 
 
 def summarize(results: Sequence[VariantResult]) -> list[dict[str, Any]]:
@@ -337,15 +387,42 @@ def summarize(results: Sequence[VariantResult]) -> list[dict[str, Any]]:
         for e in rs[0].estimator_kl:
             row["estkl_" + e] = _mean([r.estimator_kl.get(e, math.nan) for r in rs])
         rows.append(row)
+    for row in rows:
+        for control, gain in (("frozen", "fed"), ("proxy-only", "client")):
+            ctl = groups.get((row["K"], f"{row['variant']}/{control}"))
+            if not ctl:
+                continue
+            own = {r.seed: r for r in groups[(row["K"], row["variant"])]}
+            for attr, short in (("acc_received", "received"), ("cluster_acc", "cluster")):
+                diffs = [getattr(own[c.seed], attr) - getattr(c, attr) for c in ctl if c.seed in own]
+                row[f"{gain}_gain_{short}"], row[f"{gain}_gain_{short}_ci"] = paired_interval(diffs)
     return rows
+
+
+def paired_interval(diffs: Sequence[float]) -> tuple[float, float]:
+    """Mean of per-seed paired differences and the half-width of its 95 % t interval (0 for one seed)."""
+    d = [x for x in diffs if not math.isnan(x)]
+    if not d:
+        return math.nan, math.nan
+    if len(d) == 1:
+        return float(d[0]), 0.0
+    t95 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306, 10: 2.262}
+    half = t95.get(len(d), 1.96) * float(np.std(d, ddof=1)) / math.sqrt(len(d))
+    return float(np.mean(d)), half
+
+
+GAINS = [("fed_gain_received", "fed gain received (pp)"), ("fed_gain_cluster", "fed gain cluster (pp)"),
+         ("client_gain_received", "client gain received (pp)"), ("client_gain_cluster", "client gain cluster (pp)")]
+"""Paired over seeds, variant minus its control, in percentage points, ± the 95 % t interval."""
 
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     est = sorted({k for r in rows for k in r if k.startswith("estkl_")})
+    gains = [g for g in GAINS if any(g[0] in r for r in rows)]
     # a partial extra seed leaves some rows with fewer seeds: then say how many each row has
     uneven = len({r["seeds"] for r in rows}) > 1
     head = ["K", "variant", *(["seeds"] if uneven else []), *[c[1] for c in COLUMNS],
-            *[e[6:] + " KL" for e in est]]
+            *[g[1] for g in gains], *[e[6:] + " KL" for e in est]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [str(r["K"]), r["variant"], *([str(r["seeds"])] if uneven else [])]
@@ -357,6 +434,10 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
                 cells.append(f"{v:.{digits}f} ± {r[attr + '_std']:.{digits}f}")
             else:
                 cells.append(f"{v:.{digits}f}")
+        for attr, _ in gains:
+            v = r.get(attr, math.nan)
+            cells.append("-" if math.isnan(v) else f"{100 * v:+.1f}"
+                         + (f" ± {100 * r[attr + '_ci']:.1f}" if r["seeds"] > 1 else ""))
         cells += ["-" if math.isnan(r.get(e, math.nan)) else f"{r[e]:.3f}" for e in est]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -417,6 +498,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim.ablation"
     p.add_argument("--test-samples", type=int, default=300)
     p.add_argument("--variant", action="append", default=[],
                    help="NAME=METHOD[:key=value,...] (repeatable); default: " + " ".join(DEFAULT_VARIANTS))
+    p.add_argument("--controls", default="frozen,proxy-only",
+                   help="controls run after every CDFL variant on the same fleet, comma list of frozen "
+                        "(cdfl.beta0=0: the uploads never move the clusters) and proxy-only "
+                        "(cdfl.reply_uses_upload=false), or none; the table gains the federation and "
+                        "client gains (default: %(default)s)")
     p.add_argument("--estimators", default="", help="also score these estimators on every CDFL upload")
     p.add_argument("--wire", action="store_true", help="run each variant through the fleet runner (MQTT)")
     p.add_argument("--out", type=Path, required=True)
@@ -441,6 +527,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim.ablation"
     setup_logging(cfg.log.level, cfg.log.json)
     try:
         variants = [Variant.parse(v) for v in (args.variant or DEFAULT_VARIANTS)]
+        controls = [c.strip() for c in args.controls.split(",") if c.strip() and c.strip() != "none"]
+        unknown = [c for c in controls if c not in CONTROLS]
+        if unknown:
+            raise ValueError(f"--controls: unknown {', '.join(unknown)}; use {', '.join(CONTROLS)} or none")
+        variants = with_controls(variants, controls)
     except ValueError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 2

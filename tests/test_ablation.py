@@ -17,10 +17,13 @@ from sim.ablation import (
     AblationSpec,
     Fleet,
     Variant,
+    control_of,
     main,
+    paired_interval,
     run_ablation,
     run_variant,
     run_variant_wire,
+    with_controls,
 )
 
 # Speed only: tiny agents and server sets so a replayed fleet takes seconds; the defaults
@@ -49,19 +52,13 @@ def test_variant_parse():
         Variant.parse("x=cdfl:beta0")
 
 
-def test_default_variants_run_the_personalization_their_names_say():
-    """A bare `cdfl` follows the config default, so a variant named cdfl-mixture must set it."""
-    named = {}
-    for text in DEFAULT_VARIANTS:
-        v = Variant.parse(text)
-        if v.method == "cdfl":
-            named[v.name] = v.config(Config()).cdfl.personalization
-    assert named, "no CDFL variant among the defaults"
-    for name, personalization in named.items():
-        assert name == f"cdfl-{personalization}", (name, personalization)
-        assert personalization in PERSONALIZATIONS
-    # the paper's mixture stays in the default comparison whatever the config default is
-    assert "mixture" in named.values() and Config().cdfl.personalization in named.values()
+def test_default_variants_are_todays_cdfl_the_upload_reply_and_the_paper():
+    """A bare `cdfl` follows the config default; the others say what differs from it."""
+    got = {v.name: v.config(Config()).cdfl for v in map(Variant.parse, DEFAULT_VARIANTS) if v.method == "cdfl"}
+    assert got["cdfl"] == Config().cdfl
+    assert got["cdfl-upload"].personalize_start == "upload" and got["cdfl-upload"].update_rule == "alpha"
+    assert got["cdfl-paper"].personalization == "mixture" and got["cdfl-paper"].cluster_refresh_steps == 0
+    assert all(p.personalization in PERSONALIZATIONS for p in got.values())
 
 
 def test_every_variant_replays_the_same_fleet_and_a_rerun_is_identical():
@@ -142,7 +139,8 @@ def test_the_same_command_runs_on_mnist_files_through_data_dir(tmp_path):
     clear_cache()
     assert rc == 0
     data = json.loads((out / "results.json").read_text())
-    assert [r["variant"] for r in data["runs"]] == ["local", "cdfl-distill"]
+    assert [r["variant"] for r in data["runs"]] == ["local", "cdfl-distill", "cdfl-distill/frozen",
+                                                     "cdfl-distill/proxy-only"]
     assert "--data-dir" in data["command"] and "rotated-mnist" in data["command"]
     assert all(0.0 <= r["acc_trained"] <= 1.0 for r in data["runs"])
     assert "| 2 | cdfl-distill |" in (out / "table.md").read_text()
@@ -153,6 +151,7 @@ def test_merge_builds_one_table_from_separate_runs_and_refuses_a_run_twice(tmp_p
     for seed in (0, 1):
         rc = main(["--clusters", "2", "--seeds", "1", "--seed", str(seed), "--agents", "2",
                    "--updates-per-agent", "1", "--test-samples", "30", "--variant", MIXTURE,
+                   "--controls", "none",  # one row per run keeps this test about merging
                    *[x for k, v in SMALL.items() for x in ("--set", f"{k}={v}")], "--out", str(tmp_path / f"s{seed}")])
         assert rc == 0
     rc = main(["--merge", str(tmp_path / "s0"), "--merge", str(tmp_path / "s1"), "--out", str(tmp_path / "both")])
@@ -184,3 +183,34 @@ def test_table_says_how_many_seeds_a_row_has_when_they_differ():
     uneven = markdown_table(summarize([run("a", 0, 0.5), run("b", 0, 0.8), run("a", 1, 0.7)]))
     assert "| K | variant | seeds |" in uneven
     assert "| 2 | a | 2 | 0.600 ± 0.100 |" in uneven and "| 2 | b | 1 | 0.800 |" in uneven
+
+
+def test_every_cdfl_variant_gets_its_frozen_and_proxy_only_controls():
+    got = with_controls([Variant.parse("local"), Variant.parse("b=cdfl:cdfl.personalize_start=blend")],
+                        ["frozen", "proxy-only"])
+    assert [v.name for v in got] == ["local", "b", "b/frozen", "b/proxy-only"]
+    assert got[2].settings == (("cdfl.personalize_start", "blend"), ("cdfl.beta0", "0"), ("cdfl.server_lr", "0"))
+    assert got[3].settings == (("cdfl.personalize_start", "blend"), ("cdfl.reply_uses_upload", "false"))
+    assert control_of("b/frozen") == ("b", "frozen") and control_of("b") is None
+    assert main(["--controls", "thawed", "--out", "unused", "--dry-run"]) == 2
+
+
+def test_gains_are_paired_over_seeds_with_a_t_interval():
+    from sim.ablation import VariantResult, markdown_table, summarize
+
+    def run(variant: str, seed: int, received: float, cluster: float) -> VariantResult:
+        return VariantResult(variant, "cdfl", 4, seed, 10, 0.5, 0.5, received, 0.1, cluster, 1, 4, 0.1, 0.01)
+
+    runs = [run("v", 0, 0.90, 0.95), run("v", 1, 0.80, 0.93), run("v", 2, 0.85, 0.94),
+            run("v/frozen", 0, 0.86, 0.90), run("v/frozen", 1, 0.77, 0.90), run("v/frozen", 2, 0.80, 0.90),
+            run("v/proxy-only", 0, 0.70, 0.95), run("v/proxy-only", 1, 0.70, 0.93), run("v/proxy-only", 2, 0.70, 0.94)]
+    (row, *_) = summarize(runs)
+    # paired: 0.04, 0.03, 0.05 -> mean 0.04, sd 0.01, t(2) 4.303 / sqrt(3)
+    assert row["fed_gain_received"] == pytest.approx(0.04)
+    assert row["fed_gain_received_ci"] == pytest.approx(4.303 * 0.01 / np.sqrt(3))
+    assert row["fed_gain_cluster"] == pytest.approx(0.04)
+    assert row["client_gain_received"] == pytest.approx(0.15)
+    assert row["client_gain_cluster"] == pytest.approx(0.0)
+    table = markdown_table(summarize(runs))
+    assert "fed gain received (pp)" in table and "| +4.0 ± 2.5 |" in table
+    assert paired_interval([0.02]) == (0.02, 0.0)

@@ -98,9 +98,11 @@ def test_full_disk_raises_journal_error_and_keeps_snapshot(tmp_path) -> None:
     assert Journal(tmp_path).load() == ({"t": 5}, [])
 
 
-def test_replay_reuses_the_journaled_reply_instead_of_training_it_again(tmp_path) -> None:
+@pytest.mark.parametrize("rule", ["alpha", "delta"])
+def test_replay_reuses_the_journaled_reply_instead_of_training_it_again(tmp_path, rule) -> None:
     """A trained reply (CDFL finetune) is journaled with its record: recovery re-encodes it
-    and trains nothing, and the agent's base and cached reply come out identical."""
+    and trains nothing, and the agent's base and cached reply come out identical. The delta
+    rule moves the clusters by v - base: replay must see the same base as the live engine."""
     from aggregator.bootstrap import build_engine
     from aggregator.engine import Inbound
     from fedmq import codecs, protocol
@@ -113,7 +115,8 @@ def test_replay_reuses_the_journaled_reply_instead_of_training_it_again(tmp_path
                              "data.proxy_per_cluster": 100, "data.pretrain_per_cluster": 200,
                              "aggregator.pretrain_epochs": 1, "device": "cpu",
                              "aggregator.state_dir": str(tmp_path / "state"),
-                             "cdfl.personalization": "finetune", "cdfl.personalize_epochs": 2})
+                             "cdfl.personalization": "finetune", "cdfl.personalize_epochs": 2,
+                             "cdfl.update_rule": rule})
     live = build_engine(cfg)
     live.recover()
     base = None

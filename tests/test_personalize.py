@@ -191,3 +191,81 @@ def test_cluster_refresh_refuses_bad_settings(world):
     with pytest.raises(ValueError, match="cluster_refresh_lr"):
         CDFL.from_settings(SPEC, w, proxies, CDFLSettings(clusters=K, cluster_refresh_steps=1,
                                                           cluster_refresh_lr=0.0), device="cpu")
+
+
+def test_reply_starts_from_the_upload_the_mixture_the_dominant_cluster_or_the_best_blend(world):
+    """Only the non-upload starts put the cluster models (the fleet) into the reply."""
+    _, w, proxies = world
+    ev = ProxyEvaluator(SPEC, proxies, device="cpu")
+    noise = torch.randn(SPEC.numel, generator=torch.Generator().manual_seed(0)) * 0.5
+    alpha = [0.3, 0.7]
+    req = PersonalizeRequest(w, alpha, noise, seed=1)
+
+    def start(name: str, **kw):
+        return DistillPersonalizer(ev, start=name, **kw).start_vector(req)
+
+    assert torch.equal(start("upload")[0], noise)
+    torch.testing.assert_close(start("mixture")[0], alpha_mixture(w, alpha))
+    v, info = start("dominant")
+    assert torch.equal(v, w[1]) and info["cluster"] == 1
+    grid = [0.0, 0.25, 0.5, 0.75, 1.0]
+    v, info = start("blend", blend_grid=grid)
+    losses = [float(ev.losses(((1 - g) * noise + g * alpha_mixture(w, alpha))[None])[0] @ torch.tensor(alpha))
+              for g in grid]
+    assert info["lam"] == grid[int(np.argmin(losses))] and info["lam"] > 0  # a random upload loses
+    # a join (no upload) starts from the mixture whatever the start
+    join = PersonalizeRequest(w, alpha, None)
+    assert DistillPersonalizer(ev, start="blend").start_vector(join)[1] == {"start": "mixture"}
+    with pytest.raises(ValueError, match="personalize_start must be one of"):
+        DistillPersonalizer(ev, start="average")
+    with pytest.raises(ValueError, match="personalize_blend_grid"):
+        DistillPersonalizer(ev, start="blend", blend_grid=[1.5])
+
+
+def test_frozen_control_refreshes_like_the_variant_and_proxy_only_ignores_the_upload(world):
+    """beta0 = 0: uploads never move the clusters, yet the proxy refresh runs as in the variant
+    (same clusters whatever was uploaded); reply_uses_upload = false: the reply is the same
+    whatever the agent uploaded."""
+    _, w, proxies = world
+    base = dict(clusters=K, tau0=100, personalization="finetune", personalize_epochs=1, personalize_start="upload",
+                cluster_refresh_steps=2, cluster_refresh_lr=0.05)
+    ups = [Upload("a", w[0] + 0.1 * torch.randn(SPEC.numel, generator=torch.Generator().manual_seed(s)), tau=0)
+           for s in (1, 2)]
+
+    def after(settings: CDFLSettings, up: Upload):
+        s = CDFL.from_settings(SPEC, w, proxies, settings, device="cpu")
+        s.join("a")
+        versions = list(s.versions)
+        reply = s.apply(up, alpha=[0.8, 0.2])
+        return s, reply.vectors[0], versions
+
+    frozen = CDFLSettings(**base, beta0=0.0)
+    (s1, r1, v0), (s2, r2, _) = after(frozen, ups[0]), after(frozen, ups[1])
+    assert torch.equal(s1.clusters, s2.clusters) and not torch.equal(s1.clusters, w)  # refreshed
+    assert all(a > b for a, b in zip(s1.versions, v0, strict=True))  # the loss cache sees the refresh
+    assert not torch.equal(r1, r2)  # the reply still starts from the upload
+    proxy_only = CDFLSettings(**base, beta0=0.0, reply_uses_upload=False)
+    (_, p1, _), (_, p2, _) = after(proxy_only, ups[0]), after(proxy_only, ups[1])
+    assert torch.equal(p1, p2)
+    moving = CDFLSettings(**base, beta0=0.5)
+    m1, _, _ = after(moving, ups[0])
+    m2, _, _ = after(moving, ups[1])
+    assert not torch.equal(m1.clusters, m2.clusters)  # with beta0 > 0 the upload moves them
+
+
+def test_delta_rule_adds_the_agents_step_to_each_cluster_in_its_share(world):
+    """w_k += beta0 alpha_k s (v - base): the specialist keeps its place and gains the agent's
+    learning; without a base (an older aggregator state) the paper's pull is used."""
+    _, w, proxies = world
+    s = CDFL.from_settings(SPEC, w, proxies, CDFLSettings(clusters=K, tau0=100, beta0=0.5, server_lr=0.5, update_rule="delta",
+                                                          personalization="mixture", cluster_refresh_steps=0),
+                           device="cpu")
+    s.join("a")
+    base = w.mean(0)
+    step = 0.01 * torch.randn(SPEC.numel, generator=torch.Generator().manual_seed(3))
+    reply = s.apply(Upload("a", base + step, tau=0, base=base), alpha=[0.8, 0.2])
+    assert reply.info["rule"] == "delta"
+    torch.testing.assert_close(s.clusters[0], w[0] + 0.5 * 0.8 * step)
+    torch.testing.assert_close(s.clusters[1], w[1] + 0.5 * 0.2 * step)
+    s.apply(Upload("a", base, tau=1), alpha=[1.0, 0.0])  # no base: pull toward v
+    torch.testing.assert_close(s.clusters[0], 0.5 * (w[0] + 0.5 * 0.8 * step) + 0.5 * base)
