@@ -25,8 +25,10 @@ from fedmq.sketch import data_sketch
 
 DEFAULT = "default (finetune-ep8, refresh 1)"
 VARIANTS: dict[str, dict] = {
-    "paper (mixture, no refresh)": {"personalization": "mixture", "cluster_refresh_steps": 0},
+    "paper (mixture, no refresh)": {"personalization": "mixture", "cluster_refresh_steps": 0,
+                                    "update_rule": "alpha"},
     DEFAULT: {},
+    "federating (opt-in)": {"personalize_start": "mixture", "update_rule": "delta"},
     "no refresh": {"cluster_refresh_steps": 0},
     "finetune-ep2": {"personalize_epochs": 2},
     "samples512": {"personalize_samples": 512},
@@ -57,7 +59,8 @@ def run(quick: bool = False) -> dict:
         for i in range(uploads_per_variant):
             v = clusters[i % K] + 0.01 * torch.randn(spec.numel, generator=g)
             t0 = time.perf_counter()
-            reply = strategy.update(Upload(f"agent{i}", v, tau=strategy.epoch, sketch=sketch))
+            reply = strategy.update(Upload(f"agent{i}", v, tau=strategy.epoch, sketch=sketch,
+                                           base=clusters[i % K]))  # the delta rule needs it
             if device == "cuda":
                 torch.cuda.synchronize()
             seconds.append(time.perf_counter() - t0)
