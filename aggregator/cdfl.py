@@ -116,7 +116,8 @@ class SoftClusters(Strategy):
         # w_k += beta_k (v - w_k), also drags a specialist toward the agent's starting point (a
         # mixture of clusters), hence its small beta0 and steep staleness discount; a step from
         # an older base is still a step down the agent's loss, so it is discounted gently.
-        delta = self.update_rule == "delta" and upload.base is not None
+        base = upload.base if self.update_rule == "delta" else None
+        delta = base is not None
         threshold = self.staleness_threshold(delta)
         s = hinge_staleness(d, self.delta_hinge_a if delta else self.hinge_a, self.hinge_b)
         info: dict[str, Any] = {"staleness": d, "tau0": threshold, "s": s}
@@ -127,9 +128,8 @@ class SoftClusters(Strategy):
         rate = self.server_lr if delta else self.beta0
         betas = [rate * a * s for a in update_weights(alpha, self.update_rule, self.update_power)]
         step = None
-        if delta:
-            assert upload.base is not None
-            step = vector - upload.base.to(vector.dtype)
+        if base is not None:
+            step = vector - base.to(vector.dtype)
             info["rule"] = "delta"
         for k, beta in enumerate(betas):
             if beta <= 0.0:
@@ -138,11 +138,15 @@ class SoftClusters(Strategy):
                 self.clusters[k].add_(step, alpha=beta)
             else:
                 self.clusters[k].mul_(1.0 - beta).add_(vector, alpha=beta)
-            self.versions[k] += 1
-            self.cluster_updated[k] = self.epoch
+            self._changed(k)
         self.counters["applied"] += 1
         info.update(stale=False, betas=betas)
         return info
+
+    def _changed(self, k: int) -> None:
+        """w_k moved at this epoch: the evaluator's cluster-loss cache keys on versions."""
+        self.versions[k] += 1
+        self.cluster_updated[k] = self.epoch
 
     def _base_state(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "clusters": self.clusters.clone(), "versions": list(self.versions),
@@ -225,8 +229,6 @@ class CDFL(SoftClusters):
                        "kd_weight": settings.personalize_kd_weight,
                        "temperature": settings.personalize_temperature,
                        "start": settings.personalize_start, "blend_grid": settings.personalize_blend_grid}
-        if settings.personalization == "distill-mixture":
-            personalize["start"] = "mixture"
         if "evaluator" not in kwargs:
             kwargs["evaluator"] = ProxyEvaluator(spec, proxies, device=device, batch=settings.proxy_batch,
                                                  chunk=settings.eval_chunk or None,
@@ -261,9 +263,8 @@ class CDFL(SoftClusters):
                     self.clusters[k] = refresh_cluster(
                         self.evaluator, self.clusters[k], k, steps=self.refresh_steps, lr=self.refresh_lr,
                         seed=(self.seed * 1_000_003 + self.epoch) * 64 + k)
-                    if info["betas"][k] == 0.0:  # not bumped by step 3: the cache keys on it
-                        self.versions[k] += 1
-                        self.cluster_updated[k] = self.epoch
+                    if info["betas"][k] == 0.0:  # step 3 did not mark it changed
+                        self._changed(k)
             info["refresh_seconds"] = time.perf_counter() - t0
         return info
 

@@ -41,6 +41,7 @@ from torch import Tensor
 from torch.func import functional_call
 
 from aggregator.evaluator import ProxyEvaluator, vector_digest
+from fedmq.config import CDFLSettings
 
 
 @dataclass
@@ -65,7 +66,7 @@ class Personalizer(ABC):
 
 STARTS = ("upload", "mixture", "dominant", "blend")
 """Where a trained reply starts (cfg.cdfl.personalize_start)."""
-BLEND_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
+BLEND_GRID = tuple(CDFLSettings().personalize_blend_grid)
 
 
 def alpha_mixture(clusters: Tensor, alpha: Sequence[float]) -> Tensor:
@@ -147,15 +148,15 @@ class DistillPersonalizer(Personalizer):
 
     def start_vector(self, request: PersonalizeRequest) -> tuple[Tensor, dict[str, Any]]:
         """Where the reply's training starts (CPU float32), and what was chosen."""
-        mixture = alpha_mixture(request.clusters, request.alpha)
         if self.start == "dominant":
             k = max(range(len(request.alpha)), key=lambda i: float(request.alpha[i]))
             return request.clusters[k].clone(), {"start": "dominant", "cluster": k}
+        if request.upload is not None and self.start == "upload":
+            return request.upload.detach().to("cpu", torch.float32).clone(), {"start": "upload"}
+        mixture = alpha_mixture(request.clusters, request.alpha)
         if request.upload is None or self.start == "mixture":
             return mixture, {"start": "mixture"}
         upload = request.upload.detach().to("cpu", torch.float32)
-        if self.start == "upload":
-            return upload.clone(), {"start": "upload"}
         grid = self.blend_grid
         candidates = torch.stack([(1.0 - g) * upload + g * mixture for g in grid])
         weights = torch.tensor([float(a) for a in request.alpha], dtype=torch.float32)
@@ -232,6 +233,5 @@ def make_personalizer(name: str, evaluator: ProxyEvaluator | None, **options: An
             opts["kd_weight"] = 0.0
         if name == "distill-mixture":
             opts["start"] = "mixture"
-        opts.setdefault("start", "upload")
         return DistillPersonalizer(evaluator, **opts)
     raise ValueError(f"unknown personalization {name!r}; known: {', '.join(PERSONALIZATIONS)}")

@@ -107,12 +107,6 @@ def with_controls(variants: Sequence[Variant], controls: Sequence[str]) -> list[
     return out
 
 
-def control_of(variant: str) -> tuple[str, str] | None:
-    """(base variant, control) for a control's name, else None."""
-    base, _, control = variant.rpartition("/")
-    return (base, control) if base and control in CONTROLS else None
-
-
 DEFAULT_VARIANTS = ("local=local", "fedsoft-async=fedsoft-async", "cdfl=cdfl",
                     "cdfl-fed=cdfl:cdfl.personalize_start=mixture,cdfl.update_rule=delta,"
                     "aggregator.pretrain_shared=true",
@@ -187,7 +181,7 @@ class Fleet:
         self.device = resolve_device(self.cfg.device)
         t0 = time.perf_counter()
         self._starts: dict[tuple[bool, int], list[torch.Tensor]] = {}
-        self.start_vectors = self.starts(self.cfg)
+        self.starts(self.cfg)
         self.pretrain_s = time.perf_counter() - t0
         proxies = [self.clusters.proxy(k, self.cfg.data.proxy_per_cluster or None) for k in range(spec.clusters)]
         self.proxies = [(p.x, p.y) for p in proxies]
@@ -405,8 +399,9 @@ def paired_interval(diffs: Sequence[float]) -> tuple[float, float]:
         return math.nan, math.nan
     if len(d) == 1:
         return float(d[0]), 0.0
-    t95 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306, 10: 2.262}
-    half = t95.get(len(d), 1.96) * float(np.std(d, ddof=1)) / math.sqrt(len(d))
+    from scipy.stats import t
+
+    half = float(t.ppf(0.975, len(d) - 1)) * float(np.std(d, ddof=1)) / math.sqrt(len(d))
     return float(np.mean(d)), half
 
 
