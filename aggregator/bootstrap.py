@@ -103,7 +103,8 @@ def build_engine(cfg: Config, *, clusters: RotatedClusters | None = None) -> Eng
     clusters = clusters or clusters_from_settings(cfg.data, K, seed=cfg.seed)
     if clusters.num_clusters != K:
         raise ValueError(f"data has {clusters.num_clusters} clusters, config asks for {K}")
-    journal = Journal(cfg.aggregator.state_dir)
+    journal = Journal(cfg.aggregator.state_dir, accept_loss=cfg.aggregator.accept_journal_loss)
+    journal.check_writable()  # before pre-training, which takes minutes
     if journal.has_state():
         vectors = [to_vector(build_model(model_name, seed=cfg.seed)) for _ in range(K)]
     else:

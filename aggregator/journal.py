@@ -1,4 +1,4 @@
-"""Durable aggregator state: snapshots plus a write-ahead journal.
+"""Durable aggregator state: checksummed snapshots plus a write-ahead journal.
 
 The aggregator acknowledges an upload to the broker only after the upload's journal record
 is on disk (fsync), so `kill -9` at any moment loses no acknowledged update: on restart the
@@ -7,18 +7,34 @@ needs to redo the update bit-exactly (the decoded vector and the alpha that was 
 replay does not depend on batch composition or thread count.
 
 Files in the state dir, `N` a generation number:
-    snapshot-N.msgpack   the state at the start of generation N (atomic: tmp, fsync, rename)
-    journal-N.log        records applied since; each `u32 length | u32 crc32 | msgpack`
-A torn record at the end of a journal (a crash mid-write, never acknowledged) is dropped.
+    snapshot-N.msgpack   `FMQSNAP2 | sha256(body) | body`: the state at the start of
+                         generation N (atomic: tmp, fsync, rename)
+    journal-N.log        `FMQJRNL2` then records applied since, each
+                         `u32 length | u32 crc32(body) | u32 crc32(length, crc) | body`
+
+Damage is told apart from a crash. A crash mid-append leaves a *torn tail*: the last record
+incomplete (its checksummed header says it runs past the end of the file, or fewer bytes
+than a header remain, or zeros the file system never filled in). It was never acknowledged,
+so it is cut off, with a warning. Anything else that fails a checksum is *damage*, which
+may hold acknowledged updates: loading stops with `JournalCorrupt`, naming the file, the
+byte offset and the record, and changes nothing. With `accept_loss` (the aggregator's
+`--accept-journal-loss`) the damaged bytes are skipped (the records after them are found
+again by their checksums), the loss is logged by file and byte range, a copy of each damaged
+file is kept as `NAME.damaged`, and the caller starts a new generation at once, so nothing is
+ever appended after damage. An unreadable newest snapshot falls back to the one before it
+plus every later journal, which recovers the same state exactly.
 Values are msgpack-native plus torch tensors, stored as dtype, shape and raw bytes (no pickle).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import logging
 import os
 import struct
 import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +43,15 @@ import numpy as np
 import torch
 
 from fedmq.atomic_file import atomic_write as write_atomically
+from fedmq.atomic_file import keep_aside
 from fedmq.errors import RuntimeFailure
+from fedmq.logs import event, get_logger
 
-_HEADER = struct.Struct("<II")
+log = get_logger("aggregator.journal")
+
+JOURNAL_MAGIC = b"FMQJRNL\x02"
+SNAPSHOT_MAGIC = b"FMQSNAP\x02"
+_RECORD = struct.Struct("<III")  # length, crc32(body), crc32 of the first 8 header bytes
 _TENSOR = "__tensor__"
 
 
@@ -38,7 +60,11 @@ class JournalError(OSError, RuntimeFailure):
 
 
 class JournalCorrupt(RuntimeFailure):
-    """The state dir has snapshots but none can be read: refuse to start over them."""
+    """Durable state is damaged or does not fit: refuse to start over it (nothing is changed)."""
+
+
+class DamagedFile(ValueError):
+    """A snapshot that fails its checksum or does not parse; the message says how."""
 
 
 def _pack_value(obj: Any) -> Any:
@@ -80,14 +106,121 @@ def atomic_write(path: Path, blob: bytes) -> None:
         raise JournalError(e.errno, f"cannot write {path}: {e.strerror or e}") from e
 
 
+def snapshot_bytes(state: Any) -> bytes:
+    body = dumps(state)
+    return SNAPSHOT_MAGIC + hashlib.sha256(body).digest() + body
+
+
+def read_snapshot(path: Path) -> dict[str, Any]:
+    """A snapshot file's state; DamagedFile (or OSError) if it is not a whole, intact one."""
+    blob = Path(path).read_bytes()
+    head = len(SNAPSHOT_MAGIC) + 32
+    if len(blob) < head or not blob.startswith(SNAPSHOT_MAGIC):
+        raise DamagedFile("not a fedmq snapshot (bad header)")
+    body = blob[head:]
+    if hashlib.sha256(body).digest() != blob[len(SNAPSHOT_MAGIC):head]:
+        raise DamagedFile("checksum mismatch (damaged file)")
+    try:
+        state = loads(body)
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        raise DamagedFile(f"does not parse ({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict):
+        raise DamagedFile(f"holds a {type(state).__name__}, not a state")
+    return state
+
+
+def _frame(body: bytes) -> bytes:
+    head = struct.pack("<II", len(body), zlib.crc32(body))
+    return head + struct.pack("<I", zlib.crc32(head)) + body
+
+
+@dataclass
+class JournalScan:
+    """What one journal file holds: its intact records and what could not be read."""
+
+    path: Path
+    records: list[Any] = field(default_factory=list)
+    good_end: int = 0
+    """Where the torn tail starts (the file's size when there is none)."""
+    torn_bytes: int = 0
+    damage: list[tuple[int, int, int]] = field(default_factory=list)
+    """(first byte, end byte, index of the next intact record) of each damaged stretch."""
+
+    def describe_damage(self) -> str:
+        spans = ", ".join(f"bytes {a}-{b} before record {i}" for a, b, i in self.damage)
+        return f"{self.path.name}: {spans}"
+
+
+def _frame_at(data: bytes, pos: int) -> tuple[str, int]:
+    """('ok', length) for an intact record at pos; ('torn', 0) for an incomplete last one;
+    ('damaged', 0) otherwise."""
+    rest = len(data) - pos
+    if rest < _RECORD.size:
+        return "torn", 0  # a header cut short
+    length, crc, head_crc = _RECORD.unpack_from(data, pos)
+    if zlib.crc32(data[pos:pos + 8]) != head_crc:
+        return "damaged", 0
+    if _RECORD.size + length > rest:
+        return "torn", 0  # the header is intact and says the body runs past the end
+    body = data[pos + _RECORD.size:pos + _RECORD.size + length]
+    return ("ok", length) if zlib.crc32(body) == crc else ("damaged", 0)
+
+
+def scan_journal(path: Path, *, resync: bool = False) -> JournalScan:
+    """Read a journal file without changing it; `resync` also reads past damage."""
+    scan = JournalScan(Path(path))
+    try:
+        data = scan.path.read_bytes()
+    except FileNotFoundError:
+        return scan
+    if not data:
+        return scan  # created but never written (no header yet)
+    pos = len(JOURNAL_MAGIC)
+    if not data.startswith(JOURNAL_MAGIC):
+        if len(data) < pos and JOURNAL_MAGIC.startswith(data):
+            scan.torn_bytes = len(data)  # the header itself torn
+            return scan
+        if not resync:
+            scan.damage.append((0, len(data), 0))
+            return scan
+        pos = 0
+    while pos < len(data):
+        kind, length = _frame_at(data, pos)
+        if kind == "ok":
+            scan.records.append(loads(data[pos + _RECORD.size:pos + _RECORD.size + length]))
+            pos += _RECORD.size + length
+            continue
+        if kind == "torn" or data.count(0, pos) == len(data) - pos:
+            break  # torn, or zeros the file system allocated but a crash never filled in
+        start, nxt = pos, pos + 1
+        while resync and nxt < len(data) and _frame_at(data, nxt)[0] != "ok":
+            nxt += 1
+        end = nxt if resync else len(data)
+        scan.damage.append((start, end, len(scan.records)))
+        if not resync:
+            return scan
+        pos = end
+    scan.good_end = pos
+    scan.torn_bytes = len(data) - pos
+    return scan
+
+
 class Journal:
     """Snapshots and the journal of one state dir; one writer (the aggregator's worker)."""
 
-    def __init__(self, state_dir: str | os.PathLike[str], fsync: bool = True) -> None:
+    def __init__(self, state_dir: str | os.PathLike[str], fsync: bool = True,
+                 accept_loss: bool = False) -> None:
         self.dir = Path(state_dir)
         self.fsync = fsync
+        self.accept_loss = accept_loss
         self.generation = 0
         self.records_since_snapshot = 0
+        self.snapshot_file: Path | None = None
+        """The snapshot the last `load` returned."""
+        self.needs_snapshot = False
+        """The last `load` skipped damage or fell back past a damaged snapshot: the caller
+        must snapshot before appending, so that nothing is ever written after damage."""
+        self._damaged: list[Path] = []
         self._file: Any = None
 
     def _snapshot_path(self, gen: int) -> Path:
@@ -96,67 +229,108 @@ class Journal:
     def _journal_path(self, gen: int) -> Path:
         return self.dir / f"journal-{gen}.log"
 
-    def _generations(self) -> list[int]:
+    def _generations(self, pattern: str = "snapshot-*.msgpack") -> list[int]:
         gens = []
-        for p in self.dir.glob("snapshot-*.msgpack"):
+        for p in self.dir.glob(pattern):
             try:
-                gens.append(int(p.stem.split("-", 1)[1]))
+                gens.append(int(p.name.split("-", 1)[1].split(".", 1)[0]))
             except ValueError:
                 continue
         return sorted(gens)
+
+    def check_writable(self) -> None:
+        """JournalError now, not after minutes of set-up, when the state dir cannot be
+        created or written (a file in the way, read-only, full)."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            probe = self.dir / f".write-probe-{os.getpid()}"
+            with open(probe, "wb") as f:
+                f.write(b"x")
+                f.flush()
+                os.fsync(f.fileno())
+            probe.unlink()
+        except OSError as e:
+            raise JournalError(e.errno, f"cannot write state dir {self.dir}: {e.strerror or e}; "
+                                        f"pass a writable --state-dir") from e
 
     def has_state(self) -> bool:
         """Whether this dir holds a snapshot to resume from."""
         return self.dir.is_dir() and bool(self._generations())
 
     def load(self) -> tuple[Any | None, list[Any]]:
-        """The newest snapshot (None for a new state dir) and the records after it."""
+        """The newest intact snapshot (None for a new state dir) and the records after it.
+
+        Raises JournalCorrupt, changing nothing, when acknowledged records cannot be read
+        (unless `accept_loss`) or when no snapshot is readable."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise JournalError(e.errno, f"cannot create state dir {self.dir}: {e.strerror}; "
                                         f"pass a writable --state-dir") from e
-        problems = []
+        self.needs_snapshot, self._damaged, self.snapshot_file = False, [], None
+        problems: list[str] = []
         for gen in reversed(self._generations()):
+            path = self._snapshot_path(gen)
             try:
-                snapshot = loads(self._snapshot_path(gen).read_bytes())
-                if not isinstance(snapshot, dict):
-                    raise ValueError(f"a {type(snapshot).__name__}, not a snapshot")
-            except (OSError, ValueError, msgpack.UnpackException) as e:
-                problems.append(f"{self._snapshot_path(gen).name}: {e}")
-                continue  # an unreadable snapshot: fall back to the one before
+                snapshot = read_snapshot(path)
+            except (OSError, DamagedFile) as e:
+                problems.append(f"{path.name}: {e}")
+                continue  # fall back to the one before: it plus the later journals is the same state
             # Journals of later generations follow on from this one (their snapshots were
             # this state plus this journal), so a fallback replays them all in order.
-            later = [g for g in self._generations() if g > gen]
-            records = []
-            for g in [gen, *later]:
-                records += self._read_records(self._journal_path(g))
+            later = sorted(g for g in set(self._generations("journal-*.log")) if g > gen)
+            records = self._read_journals([gen, *later])
+            if problems:
+                self.needs_snapshot = True
+                self._damaged += [self._snapshot_path(g) for g in self._generations() if g > gen]
+                event(log, "state.snapshot_damaged", level=logging.WARNING, damaged="; ".join(problems),
+                      recovered_from=path.name, journals_replayed=len(later) + 1)
+            self.snapshot_file = path
             self.generation = max([gen, *later])
             self.records_since_snapshot = len(records)
             return snapshot, records
         if problems:
             raise JournalCorrupt(f"no readable snapshot in state dir {self.dir} ({'; '.join(problems)}); "
+                                 f"nothing was changed: move it away to start afresh, or point --state-dir elsewhere")
+        if self._generations("journal-*.log"):
+            raise JournalCorrupt(f"state dir {self.dir} has journals but no snapshot; nothing was changed: "
                                  f"move it away to start afresh, or point --state-dir elsewhere")
         return None, []
 
-    def _read_records(self, path: Path) -> list[Any]:
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            return []
-        records, pos = [], 0
-        while pos + _HEADER.size <= len(data):
-            length, crc = _HEADER.unpack_from(data, pos)
-            body = data[pos + _HEADER.size : pos + _HEADER.size + length]
-            if len(body) < length or zlib.crc32(body) != crc:
-                break  # torn tail: written but never acknowledged
-            records.append(loads(body))
-            pos += _HEADER.size + length
-        if pos != len(data):
-            # Cut the torn tail so that later appends follow the last good record.
-            with open(path, "r+b") as f:
-                f.truncate(pos)
-        return records
+    def _read_journals(self, gens: list[int]) -> list[Any]:
+        scans = [scan_journal(self._journal_path(g), resync=self.accept_loss) for g in gens]
+        damaged = [s for s in scans if s.damage]
+        if damaged and not self.accept_loss:
+            first = damaged[0]
+            start, _, index = first.damage[0]
+            raise JournalCorrupt(
+                f"journal {first.path} is damaged at byte {start} (record {index}; the records from "
+                f"there on may be acknowledged updates); nothing was changed. Restart with "
+                f"--accept-journal-loss to skip the damaged bytes (a copy is kept as "
+                f"{first.path.name}.damaged), or restore the state dir from a backup")
+        for s in damaged:
+            self._damaged.append(s.path)
+            self.needs_snapshot = True
+            event(log, "journal.records_lost", level=logging.ERROR, file=str(s.path),
+                  damaged=s.describe_damage(), kept=len(s.records))
+        for s in scans:
+            if s.torn_bytes and not s.damage:
+                # A crash mid-append: never acknowledged. Cut it so later appends follow
+                # the last good record.
+                event(log, "journal.torn_tail", level=logging.WARNING, file=str(s.path),
+                      dropped_bytes=s.torn_bytes, kept=len(s.records))
+                with open(s.path, "r+b") as f:
+                    f.truncate(s.good_end)
+        return [r for s in scans for r in s.records]
+
+    def set_aside_damaged(self) -> None:
+        """Keep a copy `NAME.damaged` of each damaged file the last load read past (call
+        after the new snapshot is durable; the originals then age out with their generation)."""
+        for path in self._damaged:
+            aside = keep_aside(path)
+            event(log, "state.damaged_kept", level=logging.WARNING, file=str(path), copy=str(aside))
+        self._damaged = []
+        self.needs_snapshot = False
 
     def append(self, records: list[Any]) -> None:
         """Append records and make them durable before returning (the ack point)."""
@@ -164,11 +338,13 @@ class Journal:
             return
         blob = bytearray()
         for rec in records:
-            body = dumps(rec)
-            blob += _HEADER.pack(len(body), zlib.crc32(body)) + body
+            blob += _frame(dumps(rec))
         try:
             if self._file is None:
-                self._file = open(self._journal_path(self.generation), "ab")  # noqa: SIM115 (kept open across appends)
+                path = self._journal_path(self.generation)
+                self._file = open(path, "ab")  # noqa: SIM115 (kept open across appends)
+                if self._file.tell() == 0:
+                    blob[:0] = JOURNAL_MAGIC
             self._file.write(blob)
             self._file.flush()
             if self.fsync:
@@ -181,12 +357,12 @@ class Journal:
     def snapshot(self, state: Any) -> None:
         """Write `state` as generation N+1 and start its empty journal; drop older files."""
         gen = self.generation + 1
-        atomic_write(self._snapshot_path(gen), dumps(state))
+        atomic_write(self._snapshot_path(gen), snapshot_bytes(state))
         self._close_file()
         old = self.generation
         self.generation = gen
         self.records_since_snapshot = 0
-        for g in self._generations():
+        for g in self._generations() + self._generations("journal-*.log"):
             if g < old:
                 self._snapshot_path(g).unlink(missing_ok=True)
                 self._journal_path(g).unlink(missing_ok=True)

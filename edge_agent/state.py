@@ -11,8 +11,8 @@ Saving is atomic: the new file is written to a temporary name, fsynced, and rena
 the old one (then the directory is fsynced), so a reader sees the old state or the new
 one, never half. Before the rename the current file is hard-linked (copied where links
 are not possible) to `agent_state.prev.msgpack`, so one older good copy exists.
-`load` ignores leftover temporary files; if the current file is corrupt it logs that and
-falls back to the previous copy (one save older: at worst an upload is sent again, which
+`load` ignores leftover temporary files; if the current file is corrupt it logs that, moves
+it aside as `agent_state.msgpack.damaged` (never overwritten) and falls back to the previous copy (one save older: at worst an upload is sent again, which
 the aggregator dedupes by msg_id, or a model is re-downloaded); if both are bad it raises
 `StateCorrupt` naming the files and what is wrong with each.
 """
@@ -32,7 +32,8 @@ import msgpack
 import numpy as np
 import torch
 
-from fedmq.atomic_file import fsync_dir, write_temp
+from fedmq import protocol
+from fedmq.atomic_file import fsync_dir, keep_aside, write_temp
 from fedmq.errors import RuntimeFailure
 from fedmq.logs import event, get_logger
 from fedmq.models import model_spec
@@ -72,6 +73,9 @@ class AgentState:
     counters: dict[str, int] = field(default_factory=dict)
     reference_accuracy: float | None = None
     saved_at: float = 0.0
+    msg_id_floor: str = ""
+    """protocol.msg_id_floor() when saved: after a restart the agent's msg_ids sort above
+    every one it sent before, even if the clock went back (the aggregator needs them rising)."""
 
     def matches_zoo(self) -> bool:
         """True when the zoo still defines this model with the same spec (and the vector fits)."""
@@ -94,7 +98,7 @@ class AgentState:
         doc = {"agent_id": self.agent_id, "model_name": self.model_name, "spec_hash": self.spec_hash,
                "vector": vector, "tau": self.tau, "pending": pending, "monitor": self.monitor,
                "counters": self.counters, "reference_accuracy": self.reference_accuracy,
-               "saved_at": self.saved_at}
+               "saved_at": self.saved_at, "msg_id_floor": self.msg_id_floor}
         return msgpack.packb(doc, use_bin_type=True)
 
     @classmethod
@@ -116,7 +120,8 @@ class AgentState:
         return cls(agent_id=str(doc["agent_id"]), model_name=str(doc["model_name"]),
                    spec_hash=str(doc["spec_hash"]), vector=vector, tau=int(doc["tau"]), pending=pending,
                    monitor=dict(doc["monitor"]), counters={str(k): int(v) for k, v in doc["counters"].items()},
-                   reference_accuracy=None if ref is None else float(ref), saved_at=float(doc["saved_at"]))
+                   reference_accuracy=None if ref is None else float(ref), saved_at=float(doc["saved_at"]),
+                   msg_id_floor=str(doc.get("msg_id_floor", "")))
 
     def to_bytes(self) -> bytes:
         body = self._body()
@@ -149,6 +154,7 @@ class AgentState:
         folder = Path(directory)
         folder.mkdir(parents=True, exist_ok=True)
         self.saved_at = time.time()
+        self.msg_id_floor = max(self.msg_id_floor, protocol.msg_id_floor())
         blob = self.to_bytes()
         current, previous = folder / STATE_FILE, folder / PREVIOUS_FILE
         tmp = write_temp(folder, STATE_FILE, blob)
@@ -177,7 +183,11 @@ class AgentState:
                 problems.append((path, exc))
                 continue
             for bad, exc in problems:  # logged here, not when both are bad: StateCorrupt says it all
-                event(log, "state.unreadable", level=logging.WARNING, file=str(bad), reason=str(exc))
+                # Moved aside, so that the next save neither overwrites it nor makes it the
+                # "previous" copy in place of the good one just read.
+                aside = keep_aside(bad, move=True)
+                event(log, "state.unreadable", level=logging.WARNING, file=str(bad), reason=str(exc),
+                      kept_as=str(aside))
             if problems:
                 event(log, "state.fallback_to_previous", level=logging.WARNING, file=str(path))
             return state

@@ -57,3 +57,24 @@ def atomic_write(path: str | os.PathLike[str], blob: bytes, *, mode: int | None 
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def keep_aside(path: str | os.PathLike[str], *, move: bool = False) -> Path:
+    """Keep a damaged file's bytes as `NAME.damaged` (`.damaged.2`, ... if taken) for a person
+    to look at: a hard link (a copy where links fail) or, with `move`, the file itself, so
+    that the original name can be written afresh without overwriting what was damaged."""
+    path = Path(path)
+    for n in range(1, 1000):
+        aside = path.with_name(f"{path.name}.damaged" + (f".{n}" if n > 1 else ""))
+        if aside.exists():
+            continue
+        if move:
+            os.rename(path, aside)
+        else:
+            try:
+                os.link(path, aside)
+            except OSError:
+                aside.write_bytes(path.read_bytes())
+        fsync_dir(path.parent)
+        return aside
+    raise FileExistsError(f"too many damaged copies of {path} kept aside; clear them out")

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from aggregator.journal import Journal, loads
+from aggregator.journal import read_snapshot, scan_journal
 from fedmq.logs import get_logger
 from soak.fleet_setup import (
     pretrained_state,
@@ -184,13 +184,12 @@ def run_kills(broker_url: str, state: Path, *, fleet: str, agents: int = 6, upda
     run_s = time.monotonic() - t0
 
     # What was applied: the whole run is journal-1 on top of the pre-trained snapshot-1.
-    journal = Journal(state)
-    records = journal._read_records(journal._journal_path(1))
+    records = scan_journal(state / "journal-1.log").records
     applied = [r["msg_id"] for r in records if r["op"] == "update"]
     lost = sorted(set(uploaded) - set(applied))
     unexpected = sorted(set(applied) - set(uploaded))
     twice = len(applied) - len(set(applied))
-    live = loads((state / "snapshot-2.msgpack").read_bytes())
+    live = read_snapshot(state / "snapshot-2.msgpack")
     # Replay the same applied sequence on a copy that lacks the live snapshot.
     replay_dir = workdir / "replay"
     shutil.copytree(pristine, replay_dir)

@@ -214,10 +214,10 @@ def run_burst(broker_url: str, workdir: Path, *, agents: int, model: str = "cnn2
         counter.close()
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
-    from aggregator.journal import Journal
+    from aggregator.journal import scan_journal
 
-    journal = Journal(state)  # the whole run is journal-1 (snapshots off until the final one)
-    ids = [r["msg_id"] for r in journal._read_records(journal._journal_path(1)) if r["op"] == "update"]
+    # The whole run is journal-1 (snapshots off until the final one).
+    ids = [r["msg_id"] for r in scan_journal(state / "journal-1.log").records if r["op"] == "update"]
     sent_ids = {e.msg_id for e in envs}
     figures.update(journal_updates=len(ids), applied_twice=len(ids) - len(set(ids)),
                    journal_matches_sent=set(ids) == sent_ids)

@@ -89,6 +89,27 @@ def test_corrupt_current_falls_back_to_previous(tmp_path, caplog, damage: str) -
     assert loaded is not None and loaded.tau == 1
     messages = [r.getMessage() for r in caplog.records]
     assert "state.unreadable" in messages and "state.fallback_to_previous" in messages
+    # The damaged file is kept aside, and the next save neither overwrites it nor makes it
+    # the previous copy in place of the good one.
+    assert (tmp_path / f"{STATE_FILE}.damaged").read_bytes() == bytes(blob)
+    loaded.tau = 3
+    loaded.save(tmp_path)
+    assert AgentState.from_bytes((tmp_path / PREVIOUS_FILE).read_bytes()).tau == 1
+    assert AgentState.load(tmp_path).tau == 3 and (tmp_path / f"{STATE_FILE}.damaged").read_bytes() == bytes(blob)
+
+
+def test_msg_ids_after_a_restart_sort_above_those_sent_before(tmp_path, monkeypatch) -> None:
+    """The aggregator refuses an agent's msg_id at or below the highest it applied; a device
+    whose clock goes back across a restart (no RTC, NTP not yet synced) must still rise."""
+    from fedmq import protocol
+
+    monkeypatch.setattr(protocol, "_last_micros", protocol._last_micros)  # restored afterwards
+    sent = protocol.new_msg_id()
+    sample_state(tau=1).save(tmp_path)
+    monkeypatch.setattr(protocol, "_last_micros", 0)  # a new process...
+    monkeypatch.setattr(protocol.time, "time_ns", lambda: 10**15)  # ...whose clock says 1970
+    protocol.msg_ids_after(AgentState.load(tmp_path).msg_id_floor)  # what DeviceAgent.start does
+    assert protocol.new_msg_id() > sent
 
 
 def test_both_copies_corrupt_is_a_clear_error(tmp_path) -> None:

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from aggregator.bootstrap import build_engine
-from aggregator.journal import Journal, loads
+from aggregator.journal import read_snapshot, scan_journal
 from aggregator.service import AggregatorService
 from edge_agent.runtime import EdgeAgent
 from fedmq import protocol
@@ -55,9 +55,8 @@ def noisy(agent: EdgeAgent, seed: int, scale: float = 0.01) -> torch.Tensor:
 
 def journal_update_ids(state: Path) -> list[str]:
     """Update msg_ids of every journal generation still on disk, in order."""
-    journal = Journal(state)
     gens = sorted(int(p.stem.split("-")[1]) for p in state.glob("journal-*.log"))
-    return [r["msg_id"] for g in gens for r in journal._read_records(journal._journal_path(g))
+    return [r["msg_id"] for g in gens for r in scan_journal(state / f"journal-{g}.log").records
             if r["op"] == "update"]
 
 
@@ -300,9 +299,9 @@ def test_disk_full_stops_acks_keeps_the_checkpoint_and_recovers(mosquitto, pretr
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
         a.close()
-    live = loads((state / "snapshot-2.msgpack").read_bytes())
+    live = read_snapshot(state / "snapshot-2.msgpack")
     assert live["strategy"]["epoch"] == 2 and live["counters"]["applied.update"] == 2
-    records = Journal(state)._read_records(state / "journal-1.log")
+    records = scan_journal(state / "journal-1.log").records
     assert [r["msg_id"] for r in records if r["op"] == "update"] == [up1.msg_id, up2.msg_id]
 
 

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import numpy as np
 import pytest
 import torch
 
-from aggregator.journal import Journal, JournalError, dumps, loads
+from aggregator.journal import (
+    Journal,
+    JournalCorrupt,
+    JournalError,
+    _frame,
+    dumps,
+    loads,
+    scan_journal,
+)
 
 
 def test_values_round_trip_without_pickle() -> None:
@@ -43,21 +52,116 @@ def test_new_snapshot_starts_empty_journal_and_drops_old_generations(tmp_path) -
     assert len(list(tmp_path.glob("snapshot-*.msgpack"))) <= 2
 
 
-def test_torn_tail_is_dropped_and_appends_continue(tmp_path) -> None:
+def test_torn_tail_is_dropped_and_appends_continue(tmp_path, caplog) -> None:
     j = Journal(tmp_path)
     j.load()
     j.snapshot({"t": 0})
     j.append([{"i": 1}, {"i": 2}])
     j.close()
     log = next(tmp_path.glob("journal-*.log"))
-    data = log.read_bytes()
-    log.write_bytes(data + data[: len(data) // 3])  # half a record: a crash mid-write
+    frame = _frame(dumps({"i": 99, "pad": b"x" * 40}))
+    for cut in (5, 12, len(frame) - 1):  # mid-header, header only, all but the last byte
+        data = log.read_bytes()
+        log.write_bytes(data + frame[:cut])  # a crash mid-write (never acknowledged)
+        j2 = Journal(tmp_path)
+        _, recs = j2.load()
+        assert [r["i"] for r in recs] == [1, 2] and not j2.needs_snapshot
+        assert log.read_bytes() == data and "journal.torn_tail" in caplog.text
+    log.write_bytes(log.read_bytes() + bytes(300))  # zeros a crash left in an allocated block
+    assert [r["i"] for r in Journal(tmp_path).load()[1]] == [1, 2]
     j2 = Journal(tmp_path)
-    _, recs = j2.load()
-    assert [r["i"] for r in recs] == [1, 2]
+    j2.load()
     j2.append([{"i": 3}])
     j2.close()
     assert [r["i"] for r in Journal(tmp_path).load()[1]] == [1, 2, 3]
+
+
+def _two_generations(folder) -> int:
+    """snapshot-1 {sum 0} + journal-1 (1, 2, 3); snapshot-2 {sum 6} + journal-2 (4, 5, 6)."""
+    j = Journal(folder)
+    j.load()
+    total = 0
+    for gen in range(2):
+        j.snapshot({"sum": total})
+        for i in range(1 + 3 * gen, 4 + 3 * gen):
+            j.append([{"i": i, "v": torch.full((3,), float(i))}])
+            total += i
+    j.close()
+    return total
+
+
+def _state_sum(snapshot, records) -> int:
+    return snapshot["sum"] + sum(r["i"] for r in records)
+
+
+def test_a_flipped_bit_anywhere_is_recovered_exactly_or_refused_by_name(tmp_path) -> None:
+    """Every byte of every file of a small state dir, one bit flipped at a time: the load
+    either gives the state it had (a damaged snapshot falls back to the one before plus the
+    later journals) or stops with JournalCorrupt naming the file, and changes nothing."""
+    pristine = tmp_path / "pristine"
+    expected = _two_generations(pristine)
+    files = {p.name: p.read_bytes() for p in sorted(pristine.iterdir())}
+    assert sorted(files) == ["journal-1.log", "journal-2.log", "snapshot-1.msgpack", "snapshot-2.msgpack"]
+    outcomes = {"exact": 0, "refused": 0}
+    work = tmp_path / "work"
+    for name, blob in files.items():
+        for pos in range(len(blob)):
+            if work.exists():
+                shutil.rmtree(work)
+            shutil.copytree(pristine, work)
+            damaged = bytearray(blob)
+            damaged[pos] ^= 1 << (pos % 8)
+            (work / name).write_bytes(bytes(damaged))
+            before = {p.name: p.read_bytes() for p in work.iterdir()}
+            try:
+                snap, recs = Journal(work).load()
+            except JournalCorrupt as e:
+                assert name in str(e) and "nothing was changed" in str(e), (name, pos, str(e))
+                assert {p.name: p.read_bytes() for p in work.iterdir()} == before, (name, pos)
+                outcomes["refused"] += 1
+                continue
+            assert _state_sum(snap, recs) == expected, (name, pos)  # never a silent loss
+            outcomes["exact"] += 1
+    # Damage the newest generation does not read (snapshot-1, journal-1) or a damaged newest
+    # snapshot (fallback) recovers exactly; damage in the journal it replays is refused.
+    assert outcomes["refused"] == len(files["journal-2.log"])
+    assert outcomes["exact"] == sum(len(b) for n, b in files.items() if n != "journal-2.log")
+
+
+def test_damage_is_refused_unless_accepted_then_only_the_damaged_record_is_lost(tmp_path, caplog) -> None:
+    expected = _two_generations(tmp_path)
+    log = tmp_path / "journal-2.log"
+    data = bytearray(log.read_bytes())
+    record = scan_journal(log)
+    assert [r["i"] for r in record.records] == [4, 5, 6]
+    second = len(data) // 2  # inside record 5
+    data[second] ^= 0x10
+    log.write_bytes(bytes(data))
+    with pytest.raises(JournalCorrupt, match=r"journal-2\.log is damaged at byte \d+ \(record 1;.*--accept-journal-loss"):
+        Journal(tmp_path).load()
+    assert log.read_bytes() == bytes(data)
+
+    j = Journal(tmp_path, accept_loss=True)
+    snap, recs = j.load()
+    assert [r["i"] for r in recs] == [4, 6] and _state_sum(snap, recs) == expected - 5
+    (lost,) = [r for r in caplog.records if r.getMessage() == "journal.records_lost"]
+    assert j.needs_snapshot and lost.fields["file"] == str(log) and "before record 1" in lost.fields["damaged"]
+    j.snapshot({"sum": _state_sum(snap, recs)})  # what Engine.recover does next
+    j.set_aside_damaged()
+    j.close()
+    assert (tmp_path / "journal-2.log.damaged").read_bytes() == bytes(data)  # kept aside, as it was
+    assert Journal(tmp_path).load() == ({"sum": expected - 5}, [])  # no flag needed any more
+
+
+def test_garbage_journal_and_journal_without_snapshot_are_refused(tmp_path) -> None:
+    _two_generations(tmp_path)
+    (tmp_path / "journal-2.log").write_bytes(b"garbage from the first byte on" * 10)
+    with pytest.raises(JournalCorrupt, match="journal-2.log is damaged at byte 0"):
+        Journal(tmp_path).load()
+    for snap in tmp_path.glob("snapshot-*"):
+        snap.unlink()
+    with pytest.raises(JournalCorrupt, match="has journals but no snapshot"):
+        Journal(tmp_path).load()
 
 
 def test_corrupt_newest_snapshot_falls_back_and_replays_later_journals(tmp_path) -> None:
@@ -70,9 +174,15 @@ def test_corrupt_newest_snapshot_falls_back_and_replays_later_journals(tmp_path)
     j.close()
     newest = sorted(tmp_path.glob("snapshot-*.msgpack"))[-1]
     newest.write_bytes(b"\xc1garbage")
-    snap, recs = Journal(tmp_path).load()
+    j2 = Journal(tmp_path)
+    snap, recs = j2.load()
     assert snap == {"t": 0}
     assert [r["i"] for r in recs] == [1, 2]
+    assert j2.needs_snapshot  # the caller snapshots at once; the damaged file is kept aside
+    j2.snapshot({"t": 2})
+    j2.set_aside_damaged()
+    assert (tmp_path / f"{newest.name}.damaged").read_bytes() == b"\xc1garbage"
+    assert Journal(tmp_path).load() == ({"t": 2}, [])
 
 
 def test_state_dir_that_is_a_file_raises_journal_error(tmp_path) -> None:
