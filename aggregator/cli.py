@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 
-from fedmq.config import add_config_arguments, config_from_args
+from fedmq.config import add_config_arguments, config_from_args, dry_run_json
 from fedmq.logs import mask_secrets, setup_logging
 
 ASYNC_ALGORITHMS = ("cdfl", "fedsoft-async", "fedasync")
@@ -38,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="deadline rounds: agents to wait for before round 1 (catafed.min_agents; "
                         "default: the agents one round invites)")
     p.add_argument("--state-dir", metavar="DIR", help="snapshots and journal (default state/aggregator)")
+    p.add_argument("--accept-journal-loss", action="store_true", default=None,
+                   help="start although the journal is damaged, skipping (and logging) the damaged "
+                        "records; without it a damaged journal stops the start and changes nothing")
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus metrics on http://HOST:PORT/metrics (default 0: off)")
     p.add_argument("--metrics-host", metavar="ADDR",
@@ -50,24 +53,23 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, {"algorithm": "aggregator.algorithm", "clusters": "cdfl.clusters",
                                   "min_agents": "catafed.min_agents",
                                   "state_dir": "aggregator.state_dir",
+                                  "accept_journal_loss": "aggregator.accept_journal_loss",
                                   "metrics_port": "metrics.port", "metrics_host": "metrics.host"})
     setup_logging(cfg.log.level, cfg.log.json, auto="progress")
     if args.dry_run:
-        import json
-        from dataclasses import asdict
-
-        from fedmq.models import resolve_dataset_and_model
-        from fedmq.transport import parse_broker_url
-
-        parse_broker_url(cfg.broker.url)  # a bad URL fails here as it would at start
-
-        print(json.dumps({**asdict(cfg), "resolved": resolve_dataset_and_model(cfg.data.dataset, cfg.model)}, indent=2))
+        print(dry_run_json(cfg))
         return 0
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # also when started with SIGINT ignored (a background job)
         signal.signal(sig, lambda *_: stop.set())
+    from aggregator.journal import Journal
+    from fedmq.transport import check_reachable
+
+    # Fail in a second, not after minutes of loading data and pre-training.
+    Journal(cfg.aggregator.state_dir).check_writable()
     if cfg.aggregator.algorithm in ROUND_ALGORITHMS:
         return _run_rounds(cfg, stop)
+    check_reachable(cfg.broker.url)
     from aggregator.bootstrap import build_engine
     from aggregator.service import AggregatorService
 
@@ -99,6 +101,7 @@ def _run_rounds(cfg, stop: threading.Event) -> int:
     from fedmq.data import load_dataset
     from fedmq.models import build_model, resolve_model_name, to_vector
     from fedmq.training import evaluate
+    from fedmq.transport import check_reachable
 
     algorithm = cfg.aggregator.algorithm
     try:
@@ -114,6 +117,7 @@ def _run_rounds(cfg, stop: threading.Event) -> int:
     strategy = make_strategy(algorithm, cfg.catafed,
                              to_vector(build_model(model_name, seed=cfg.seed)), seed=cfg.seed,
                              fedavg=cfg.fedavg)
+    check_reachable(cfg.broker.url)  # after every settings check (those are usage errors)
 
     def report(r: RoundRecord) -> None:
         acc = "-" if r.accuracy is None else f"{r.accuracy:.3f}"

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from aggregator.evaluator import ProxyEvaluator
-from aggregator.journal import Journal
+from aggregator.journal import Journal, JournalCorrupt
 from aggregator.strategy import Reply, Strategy, Upload
 from fedmq import codecs, protocol, sketch
 from fedmq.config import Config
@@ -36,7 +36,9 @@ from fedmq.models import ModelSpec
 log = get_logger("aggregator")
 
 RECENT_MSG_IDS = 32
-"""Applied msg_ids remembered per agent: an agent only ever re-sends its latest upload."""
+"""Applied msg_ids remembered per agent, each answered again with its reply (or `duplicate`
+once superseded). Older ones are caught by the agent's high-water mark: an agent's msg_ids
+increase (protocol.md), so an id at or below the highest applied one is never applied again."""
 
 
 class Rejected(Exception):
@@ -58,14 +60,17 @@ class AgentRecord:
     """The encoded reply to the agent's last applied message, re-sent on a replay."""
     last_msg_id: str = ""
     recent: deque[str] = field(default_factory=lambda: deque(maxlen=RECENT_MSG_IDS))
+    high_water: str = ""
+    """The highest msg_id applied from this agent: bounded memory that never forgets one."""
 
     def to_state(self) -> dict[str, Any]:
-        return {"base": self.base, "last_reply": self.last_reply,
-                "last_msg_id": self.last_msg_id, "recent": list(self.recent)}
+        return {"base": self.base, "last_reply": self.last_reply, "last_msg_id": self.last_msg_id,
+                "recent": list(self.recent), "high_water": self.high_water}
 
     @classmethod
     def from_state(cls, d: dict[str, Any]) -> AgentRecord:
-        rec = cls(base=d["base"], last_reply=d["last_reply"], last_msg_id=d["last_msg_id"])
+        rec = cls(base=d["base"], last_reply=d["last_reply"], last_msg_id=d["last_msg_id"],
+                  high_water=d.get("high_water", max(d["recent"], default="")))
         rec.recent.extend(d["recent"])
         return rec
 
@@ -118,7 +123,10 @@ class Engine:
         """Load the newest snapshot and replay the journal after it; returns records replayed.
 
         A fresh state dir gets a first snapshot of the initial state, so that the cluster
-        models a run started from are on disk before any update is acknowledged.
+        models a run started from are on disk before any update is acknowledged. State that
+        does not fit this aggregator (another algorithm, K or model) raises JournalCorrupt
+        naming the file; after a load that read past damage, a new snapshot is written at
+        once so nothing is appended after it.
         """
         if self.journal is None:
             return 0
@@ -127,9 +135,20 @@ class Engine:
         if snapshot is None:
             self.journal.snapshot(self.state_dict())
             return 0
-        self.load_state_dict(snapshot)
-        for rec in records:
-            self._replay(rec)
+        where = self.journal.snapshot_file
+        try:
+            self.load_state_dict(snapshot)
+            for where_index, rec in enumerate(records):
+                where = f"journal record {where_index} after {self.journal.snapshot_file}"
+                self._replay(rec)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
+            raise JournalCorrupt(f"{where} in {self.journal.dir} does not fit this aggregator "
+                                 f"({type(e).__name__}: {e}); was it written with another algorithm, "
+                                 f"--clusters or model? Nothing was changed: point --state-dir elsewhere "
+                                 f"or move the directory away") from e
+        if self.journal.needs_snapshot:
+            self.journal.snapshot(self.state_dict())
+            self.journal.set_aside_damaged()
         event(log, "state.recovered", records=len(records), epoch=self.strategy.epoch,
               agents=len(self.agents))
         return len(records)
@@ -194,6 +213,7 @@ class Engine:
                 if self._is_replay(env):
                     out.append(self._answer_replay(env))
                     continue
+                self._check_newer(env)
                 if isinstance(env, protocol.Join):
                     self._check_spec(env.model)
                     joins.append(env)
@@ -307,6 +327,15 @@ class Engine:
         record = self.agents.get(env.agent)
         return record is not None and env.msg_id in record.recent
 
+    def _check_newer(self, env: protocol.Envelope) -> None:
+        """Refuse an id at or below the agent's high-water mark: applied once already (and out
+        of the recent window), or sent out of order; either way it must not be applied."""
+        record = self.agents.get(env.agent)
+        if record is not None and env.msg_id <= record.high_water:
+            raise Rejected("duplicate", f"msg_id {env.msg_id} is not newer than {record.high_water}, the "
+                                        f"newest applied from {env.agent}: applied already or out of order "
+                                        f"(an agent's msg_ids must increase)")
+
     def _answer_replay(self, env: protocol.Envelope) -> protocol.Envelope:
         self.counters["duplicates"] += 1
         record = self.agents.get(env.agent)
@@ -346,6 +375,7 @@ class Engine:
         record.last_reply = protocol.encode(env)
         record.last_msg_id = in_reply_to
         record.recent.append(in_reply_to)
+        record.high_water = max(record.high_water, in_reply_to)
         return env
 
     def _codec_params(self) -> dict[str, Any]:

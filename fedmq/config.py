@@ -128,7 +128,9 @@ class CDFLSettings:
     clusters: int = 3
     """K, the number of soft-cluster models."""
     tau0: int = 0
-    """Staleness threshold: uploads with t - tau > tau0 leave clusters unchanged. 0 = number of agents seen."""
+    """Staleness threshold: uploads with staleness > tau0 leave clusters unchanged. 0 = number of agents seen."""
+    staleness_cap: int = 1
+    """Staleness counts each agent's uploads since the model an upload started from at most this many times, so one agent uploading 20x as often cannot make the others' uploads stale (1: staleness = 1 + agents that uploaded since). 0 = every upload counts (the papers' t - tau). Also FedSoft-Async and FedAsync."""
     beta0: float = 0.025
     """Base update ratio (the paper's value); beta_mk = beta0 * alpha_mk * s(t - tau)."""
     hinge_a: float = 10.0
@@ -286,6 +288,8 @@ class AggregatorSettings:
     """cdfl, fedsoft-async or fedasync (asynchronous); catafed, fedavg or fedprox (deadline rounds, see [catafed] and [fedavg])."""
     state_dir: str = "state/aggregator"
     """Snapshots and the write-ahead journal; restart from here resumes."""
+    accept_journal_loss: bool = False
+    """Start even when the journal is damaged, skipping the damaged bytes (each loss is logged by file and byte range; a copy of the file is kept as NAME.damaged). false: refuse to start and change nothing. Meant for one restart (`--accept-journal-loss`), not for a config file."""
     max_batch: int = 32
     """Most queued uploads evaluated together."""
     inbox_max_messages: int = 256
@@ -590,3 +594,18 @@ def config_from_args(args: Any, extra: dict[str, str] | None = None) -> Config:
             overrides[key] = value
     overrides.update(parse_overrides(getattr(args, "set", None)))
     return load_config(getattr(args, "config", None), overrides)
+
+
+def dry_run_json(cfg: Config) -> str:
+    """What `--dry-run` prints: the resolved config as JSON, checked as a start would check
+    it (a bad broker URL fails here), the broker password masked."""
+    import json
+
+    from fedmq.logs import mask_secrets
+    from fedmq.models import resolve_dataset_and_model
+    from fedmq.transport import parse_broker_url
+
+    parse_broker_url(cfg.broker.url)
+    doc = dataclasses.asdict(cfg)
+    doc["broker"]["url"] = mask_secrets(cfg.broker.url)
+    return json.dumps({**doc, "resolved": resolve_dataset_and_model(cfg.data.dataset, cfg.model)}, indent=2)

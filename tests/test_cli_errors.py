@@ -151,13 +151,33 @@ def test_corrupt_agent_state_is_one_line_and_debug_shows_the_traceback(tmp_path)
     assert debug.returncode == 1 and "Traceback" in debug.stderr and "StateCorrupt" in debug.stderr
 
 
-def test_corrupt_aggregator_state_is_one_line_and_kept(tmp_path) -> None:
+def test_corrupt_aggregator_state_is_one_line_and_kept(tmp_path, mosquitto) -> None:
     state = tmp_path / "agg"
     state.mkdir()
     (state / "snapshot-3.msgpack").write_bytes(b"\xc1 not a snapshot")
-    argv = ("aggregator", "--state-dir", str(state), "--broker", f"mqtt://127.0.0.1:{free_port()}",)
+    # A broker that answers: the start gets as far as the state (an absent one is refused first).
+    argv = ("aggregator", "--state-dir", str(state), "--broker", mosquitto.url)
     assert_one_line(run(*argv), 1, "snapshot-3.msgpack", str(state))
     assert (state / "snapshot-3.msgpack").read_bytes() == b"\xc1 not a snapshot"  # nothing overwritten
+
+
+def test_snapshot_of_another_shape_and_a_damaged_journal_are_one_line_and_kept(tmp_path, mosquitto) -> None:
+    """A snapshot with a valid checksum but another structure (another algorithm, K or model),
+    and a journal with a flipped bit: each stops the start naming the file, changing nothing."""
+    from aggregator.journal import JOURNAL_MAGIC, _frame, dumps, snapshot_bytes
+
+    state = tmp_path / "agg"
+    state.mkdir()
+    (state / "snapshot-1.msgpack").write_bytes(snapshot_bytes({"strategy": {"not": "cdfl"}, "agents": {}}))
+    argv = ("aggregator", "--state-dir", str(state), "--broker", mosquitto.url)  # gets as far as the state
+    assert_one_line(run(*argv), 1, "snapshot-1.msgpack", "does not fit", "--clusters")
+
+    journal = bytearray(JOURNAL_MAGIC + _frame(dumps({"op": "join", "agent": "a", "msg_id": "m"})) * 2)
+    journal[-3] ^= 4  # one flipped bit in the second record
+    (state / "journal-1.log").write_bytes(bytes(journal))
+    before = {p.name: p.read_bytes() for p in state.iterdir()}
+    assert_one_line(run(*argv), 1, "journal-1.log", "damaged at byte", "--accept-journal-loss")
+    assert {p.name: p.read_bytes() for p in state.iterdir()} == before
 
 
 def test_unwritable_state_dir_is_one_line(tmp_path) -> None:
