@@ -205,6 +205,9 @@ class DeviceAgent:
             saved = None
         if saved is not None:
             self.state = saved
+            protocol.msg_ids_after(saved.msg_id_floor)
+            if saved.pending is not None:
+                protocol.msg_ids_after(saved.pending.msg_id)
             if saved.monitor:
                 self.monitor.load_state_dict(saved.monitor)
                 self.monitor.min_interval_s = self.settings.min_update_interval_s

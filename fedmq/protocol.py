@@ -23,6 +23,7 @@ import hashlib
 import math
 import re
 import secrets
+import threading
 import time
 import typing
 from collections import OrderedDict
@@ -417,10 +418,39 @@ def now() -> float:
     return time.time()
 
 
+_last_micros = 0
+_ids_lock = threading.Lock()
+
+
 def new_msg_id() -> str:
-    """A unique, time-ordered id (32 hex chars: microseconds since the epoch, then 72 random
-    bits), so ids sort by creation and dedupe windows can be kept by age."""
-    return f"{time.time_ns() // 1000:014x}{secrets.token_hex(9)}"
+    """A unique id that sorts after every id this process made or was told of
+    (`msg_ids_after`): 32 hex chars, microseconds since the epoch (never going back, even if
+    the clock does), then 72 random bits. The aggregator applies an agent's msg_id only if it
+    is above the highest it applied from that agent (protocol.md)."""
+    global _last_micros
+    with _ids_lock:
+        _last_micros = max(time.time_ns() // 1000, _last_micros + 1)
+        micros = _last_micros
+    return f"{micros:014x}{secrets.token_hex(9)}"
+
+
+def msg_ids_after(msg_id: str) -> None:
+    """Make later `new_msg_id()`s sort after `msg_id` (one this agent sent before a restart,
+    perhaps under a clock that was ahead); ids not made by `new_msg_id` are ignored."""
+    global _last_micros
+    try:
+        micros = int(msg_id[:14], 16) if len(msg_id) == 32 else 0
+    except ValueError:
+        return
+    with _ids_lock:
+        _last_micros = max(_last_micros, micros)
+
+
+def msg_id_floor() -> str:
+    """An id at or above every one `new_msg_id` has made: persist it, pass it to
+    `msg_ids_after` on the next start."""
+    with _ids_lock:
+        return f"{_last_micros:014x}{'0' * 18}"
 
 
 @dataclass(frozen=True)

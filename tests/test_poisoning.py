@@ -174,3 +174,35 @@ def test_fleet_relative_guard_is_off_by_default(pretrained, tmp_path) -> None:
         c.install(c.send(c.step(1.0, seed=i)))
     c.install(c.send(c.step(500.0, seed=3)))  # accepted: norm_factor = 0 means off
     assert engine.counters["applied.update"] == 4
+
+
+def test_a_replayed_msg_id_is_never_applied_twice_however_much_has_passed(pretrained, tmp_path) -> None:
+    """docs/protocol.md: a msg_id is applied at most once for the life of the state. An update,
+    then more messages than the recent window remembers, then the same update again: refused
+    `duplicate`, nothing applied; the high-water mark survives a restart."""
+    from aggregator.engine import RECENT_MSG_IDS
+
+    engine = make_engine(pretrained, tmp_path)
+    c = Client(engine, "car-9")
+    up = c.step(0.01, seed=1)
+    c.install(c.send(up))
+    for _ in range(RECENT_MSG_IDS + 1):  # each join is applied: `up` leaves the recent window
+        c.install(c.send(protocol.Join(agent="car-9", msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
+                                       model=SPEC.hash, algorithm="cdfl")))
+    before = fingerprint(engine)
+    assert refused(c.send(up), "duplicate")
+    assert_unchanged(before, engine)
+    engine.snapshot_if_due(force=True)
+    engine.journal.close()
+    restarted = make_engine(pretrained, tmp_path)
+    before = fingerprint(restarted)
+    assert refused(_as(restarted, "car-9").send(up), "duplicate")
+    assert_unchanged(before, restarted)
+    assert restarted.counters["applied.update"] == 1
+
+
+def _as(engine: Engine, agent: str) -> Client:
+    """A Client of `engine` for `agent` that has not joined (its state is the engine's)."""
+    c = Client.__new__(Client)
+    c.engine, c.agent, c.base, c.epoch = engine, agent, None, 0
+    return c

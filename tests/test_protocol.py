@@ -523,3 +523,16 @@ def test_one_sender_cannot_take_the_pending_memory_of_others() -> None:
     assert [r.add(c, "car-2") for c in honest][-1] is not None  # another sender still fits
     assert r.add(flood[0][1], "car-1") is None  # an open partial of car-1 still takes pieces
     assert r.add(flood[0][2], "car-1") is not None
+
+
+def test_msg_ids_keep_rising_when_the_clock_goes_back_and_across_a_restart(monkeypatch) -> None:
+    """The aggregator applies an agent's msg_id only above the highest it applied from it."""
+    monkeypatch.setattr(p, "_last_micros", p._last_micros)  # restored after: other tests' ids stay current
+    first = p.new_msg_id()
+    monkeypatch.setattr(p.time, "time_ns", lambda: 10**18)  # the clock set back decades
+    later = [p.new_msg_id() for _ in range(3)]
+    assert first < later[0] < later[1] < later[2]
+    ahead = f"{(1 << 55):014x}" + "ab" * 9  # an id sent before a restart under a clock far ahead
+    p.msg_ids_after(ahead)
+    assert p.new_msg_id() > ahead and p.msg_id_floor() >= ahead[:14]
+    p.msg_ids_after("m1")  # not one of ours: ignored

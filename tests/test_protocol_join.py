@@ -142,7 +142,8 @@ class ForeignDevice:
         self.client.publish(topic, payload, qos=1).wait_for_publish(10)
 
     def envelope(self, kind: str, **fields: Any) -> dict[str, Any]:
-        return {"v": 1, "type": kind, "agent": self.agent, "msg_id": uuid.uuid4().hex,
+        # protocol.md: an agent's msg_ids rise (zero-padded nanoseconds, then a random tail).
+        return {"v": 1, "type": kind, "agent": self.agent, "msg_id": f"{time.time_ns():020d}{uuid.uuid4().hex[:12]}",
                 "sent_at": time.time(), **fields}
 
     def close(self) -> None:
