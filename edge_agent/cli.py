@@ -26,7 +26,7 @@ import sys
 import threading
 import zlib
 
-from fedmq.config import add_config_arguments, config_from_args
+from fedmq.config import add_config_arguments, config_from_args, dry_run_json
 from fedmq.logs import event, get_logger, mask_secrets, setup_logging
 
 log = get_logger("agent")
@@ -60,15 +60,7 @@ def run(args: argparse.Namespace) -> int:
                                   "source_dir": "agent.source_dir"})
     setup_logging(cfg.log.level, cfg.log.json, auto="progress")
     if args.dry_run:
-        import json
-        from dataclasses import asdict
-
-        from fedmq.models import resolve_dataset_and_model
-        from fedmq.transport import parse_broker_url
-
-        parse_broker_url(cfg.broker.url)  # a bad URL fails here as it would at start
-
-        print(json.dumps({**asdict(cfg), "resolved": resolve_dataset_and_model(cfg.data.dataset, cfg.model)}, indent=2))
+        print(dry_run_json(cfg))
         return 0
     if not cfg.agent.id:
         print("fedmq agent: --id (or agent.id) is required", file=sys.stderr)
@@ -129,7 +121,7 @@ def _run_rounds(cfg) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     agent.start()
     try:
-        print(f"agent {agent.agent_id} ({agent.algorithm}, rounds) on {cfg.broker.url} "
+        print(f"agent {agent.agent_id} ({agent.algorithm}, rounds) on {mask_secrets(cfg.broker.url)} "
               f"fleet={cfg.fleet} samples={n}", flush=True)
         while not stop.wait(1.0):
             pass

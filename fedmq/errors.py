@@ -19,6 +19,8 @@ import sys
 import traceback
 from typing import NoReturn
 
+from fedmq.redact import mask_secrets
+
 USAGE = 2
 RUNTIME = 1
 
@@ -45,7 +47,7 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors are one line, `PROG: MESSAGE (see PROG --help)`, exit status 2."""
 
     def error(self, message: str) -> NoReturn:
-        print(f"{self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+        print(mask_secrets(f"{self.prog}: {message} (see {self.prog} --help)"), file=sys.stderr)
         sys.exit(USAGE)
 
 
@@ -65,7 +67,7 @@ def report_failure(prog: str, exc: BaseException, debug: bool = False) -> int:
     message = str(exc) or type(exc).__name__
     if isinstance(exc, OSError) and exc.strerror:  # not "[Errno 20] ..."
         message = f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
-    print(f"{prog}: {' '.join(message.split())}", file=sys.stderr)
+    print(mask_secrets(f"{prog}: {' '.join(message.split())}"), file=sys.stderr)
     return expected_failure(exc) or RUNTIME
 
 

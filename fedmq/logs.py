@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import sys
 import time
 from typing import Any
 
 from fedmq.errors import UsageError
+from fedmq.redact import mask_secrets
 
 PROGRESS = 25
 """A process's own account of its work (cycles, uploads, rounds): shown by default."""
@@ -29,14 +29,6 @@ logging.addLevelName(PROGRESS, "PROGRESS")
 
 LEVELS = ("debug", "info", "progress", "warning", "error")
 """What `log.level` accepts, besides `auto`."""
-
-_CREDENTIALS = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*:)[^@\s]+@")
-
-
-def mask_secrets(text: str) -> str:
-    """`mqtts://agg:s3cret@host` -> `mqtts://agg:***@host`: passwords in URLs never reach a log."""
-    return _CREDENTIALS.sub(r"\1***@", text)
-
 
 class EventFormatter(logging.Formatter):
     """One event per line: `HH:MM:SS level logger: event key=value ...`, or one JSON object; passwords in URLs masked."""

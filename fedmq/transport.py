@@ -67,7 +67,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 
 from fedmq.config import BrokerSettings
 from fedmq.errors import RuntimeFailure, UsageError
-from fedmq.logs import event, get_logger
+from fedmq.logs import event, get_logger, mask_secrets
 
 log = get_logger("transport")
 
@@ -368,14 +368,32 @@ class BrokerAddress:
     password: str | None = field(default=None, repr=False)
 
 
-def _redacted(url: str) -> str:
-    """The URL with any password replaced by ***, for error messages."""
-    head, at, tail = url.rpartition("@")
-    if not at or "://" not in head:
-        return url
-    scheme, _, userinfo = head.partition("://")
-    user, colon, _ = userinfo.partition(":")
-    return f"{scheme}://{user}{':***' if colon else ''}@{tail}"
+def _connect_failure(e: OSError, where: str, host: str) -> str:
+    """One line saying why a TCP/TLS connection to the broker failed and what to check."""
+    if isinstance(e, ConnectionRefusedError):
+        return (f"connection to {where} refused: no broker listens there; start one "
+                f"(`fedmq broker`) or pass the right --broker URL")
+    if isinstance(e, TimeoutError):
+        return (f"no answer from {where} within the timeout; check the host and port "
+                f"in --broker and that a firewall lets them through")
+    if isinstance(e, socket.gaierror):
+        return f"cannot resolve broker host {host!r}: {e.strerror or e}; check --broker"
+    if isinstance(e, ssl.SSLError):
+        return (f"TLS handshake with {where} failed: {e}; check --ca-file (the CA that "
+                f"signed the broker's certificate)")
+    return f"cannot connect to {where}: {e}; check --broker"
+
+
+def check_reachable(url: str, timeout_s: float = 10.0) -> None:
+    """Raise BrokerUnreachable (the message a start would give) when nothing accepts a TCP
+    connection at the broker URL: a service checks this before minutes of set-up, then
+    connects for real (authentication and TLS are checked there)."""
+    addr = parse_broker_url(url)
+    where = f"{'mqtts' if addr.tls else 'mqtt'}://{addr.host}:{addr.port}"
+    try:
+        socket.create_connection((addr.host, addr.port), timeout=timeout_s).close()
+    except OSError as e:
+        raise BrokerUnreachable(_connect_failure(e, where, addr.host)) from None
 
 
 def parse_broker_url(url: str) -> BrokerAddress:
@@ -383,7 +401,7 @@ def parse_broker_url(url: str) -> BrokerAddress:
 
     User and password are percent-decoded, so a password may hold `@` or `:` as %40 / %3A.
     """
-    shown = _redacted(url)
+    shown = mask_secrets(url)
     try:
         parts = urlsplit(url.strip())
     except ValueError as e:
@@ -799,19 +817,8 @@ class MqttTransport:
         self._first_connack = None
         try:
             client.connect(addr.host, addr.port, self.settings.keepalive_s, **kwargs)
-        except ConnectionRefusedError:
-            return (f"connection to {self._where()} refused: no broker listens there; start one "
-                    f"(`fedmq broker`) or pass the right --broker URL"), False
-        except TimeoutError:
-            return (f"no answer from {self._where()} within the timeout; check the host and port "
-                    f"in --broker and that a firewall lets them through"), False
-        except socket.gaierror as e:
-            return f"cannot resolve broker host {addr.host!r}: {e.strerror or e}; check --broker", False
-        except ssl.SSLError as e:
-            return (f"TLS handshake with {self._where()} failed: {e}; check --ca-file (the CA that "
-                    f"signed the broker's certificate)"), False
         except OSError as e:
-            return f"cannot connect to {self._where()}: {e}; check --broker", False
+            return _connect_failure(e, self._where(), addr.host), False
         closed_early = False
         while self.network is not None and self._first_connack is None and time.monotonic() < deadline:
             if client.socket() is None:  # the loop thread read EOF: the broker hung up

@@ -23,7 +23,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from fedmq.config import add_config_arguments, config_from_args
-from fedmq.logs import setup_logging
+from fedmq.logs import mask_secrets, setup_logging
 from sim.seeds import int_list, seed_list
 
 
@@ -156,7 +156,7 @@ def run_part(args: argparse.Namespace) -> int:
     spec = RunSpec(scenario=scenario.name, method=args.method, clusters=args.clusters, agents=args.agents,
                    seed=cfg.seed, updates_per_agent=args.updates_per_agent,
                    workers=getattr(args, "workers", 1), test_samples=args.test_samples)
-    print(f"run {spec.label}: fleet {fleet_name(cfg.fleet, spec)} on {cfg.broker.url}", flush=True)
+    print(f"run {spec.label}: fleet {fleet_name(cfg.fleet, spec)} on {mask_secrets(cfg.broker.url)}", flush=True)
     if args.dry_run:
         from sim.scenarios import describe_plan
 

@@ -39,7 +39,7 @@ import torch
 
 from fedmq import protocol
 from fedmq.config import Config
-from fedmq.logs import event, get_logger
+from fedmq.logs import event, get_logger, mask_secrets
 from fedmq.transport import Message, MqttTransport
 from sim.fleet import (
     UPDATE_COLUMNS,
@@ -104,7 +104,7 @@ def wait_for_aggregator(cfg: Config, timeout_s: float) -> None:
     try:
         transport.subscribe(protocol.aggregator_status(cfg.fleet), on_status, qos=1)
         if not online.wait(timeout_s):
-            raise TimeoutError(f"no aggregator online for fleet {cfg.fleet!r} on {cfg.broker.url} "
+            raise TimeoutError(f"no aggregator online for fleet {cfg.fleet!r} on {mask_secrets(cfg.broker.url)} "
                                f"after {timeout_s:.0f} s (start `fedmq sim aggregator` with the same "
                                f"run flags first)")
     finally:
@@ -182,7 +182,7 @@ def run_aggregator_part(spec: RunSpec, base: Config, out: Path, *, stop: threadi
     d = parts_dir(out, spec) / AGGREGATOR_PART
     d.mkdir(parents=True, exist_ok=True)
     (d / "part.json").write_text(json.dumps({
-        "role": "aggregator", "spec": asdict(spec), "fleet": cfg.fleet, "broker": cfg.broker.url,
+        "role": "aggregator", "spec": asdict(spec), "fleet": cfg.fleet, "broker": mask_secrets(cfg.broker.url),
         "complete": complete, "settings": _fingerprint(cfg), "t_start_unix": t_start,
         "t_end_unix": time.time(), "cluster_acc": cluster_acc, "joined": len(joined), **info,
     }, indent=1, default=float) + "\n")
@@ -229,7 +229,7 @@ def run_agents_part(spec: RunSpec, base: Config, out: Path, *, first: int, count
     d.mkdir(parents=True, exist_ok=True)
     _write_updates(d / "updates.csv", records)
     (d / "part.json").write_text(json.dumps({
-        "role": "agents", "spec": asdict(spec), "fleet": cfg.fleet, "broker": cfg.broker.url,
+        "role": "agents", "spec": asdict(spec), "fleet": cfg.fleet, "broker": mask_secrets(cfg.broker.url),
         "first": first, "count": count, "settings": _fingerprint(cfg), "t_start_unix": t_start,
         "t_first_unix": t_first, "t_end_unix": time.time(), "agent_bytes": agent_bytes,
     }, indent=1, default=float) + "\n")

@@ -213,3 +213,26 @@ def test_passwords_in_urls_never_reach_a_log_line(as_json: bool) -> None:
     assert "hunter2" not in out and "agg:***@h" in out
     if as_json:
         assert json.loads(out)["broker"] == "mqtt://agg:***@h:1883"
+
+
+def test_no_command_shows_the_broker_password(tmp_path) -> None:
+    """What a person sees on stdout and stderr: --dry-run's config, a bad-URL error, an
+    unknown flag next to a URL, and a start that cannot reach its broker. The password holds
+    an unencoded `@` on purpose (masked whole, not up to the first `@`)."""
+    from fedmq.broker import free_port
+
+    secret = "Hunter2@x"
+    url = f"mqtts://car-1:{secret}@127.0.0.1:{free_port()}"
+    runs = [
+        ("aggregator", "--broker", url, "--dry-run"),
+        ("agent", "--id", "car-1", "--broker", url, "--dry-run", "--state-dir", str(tmp_path / "a")),
+        ("agent", "--id", "car-1", "--broker", url.replace("mqtts", "mqtx"), "--state-dir", str(tmp_path / "a")),
+        ("aggregator", "--broker", url, "--no-such-flag"),
+        ("agent", "--id", "car-1", "--broker", url, "--state-dir", str(tmp_path / "b")),  # refused
+    ]
+    for argv in runs:
+        done = subprocess.run([sys.executable, "-m", "fedmq.cli", *argv], capture_output=True, text=True,
+                              timeout=180, cwd=Path(__file__).resolve().parent.parent)
+        shown = done.stdout + done.stderr
+        assert "Hunter2" not in shown and "@x@" not in shown, (argv, shown[-2000:])
+        assert "127.0.0.1" in shown or done.returncode == 2, (argv, shown[-2000:])  # it did speak of the URL
