@@ -249,6 +249,31 @@ def test_agent_cannot_publish_aggregator_status_or_any_downlink(peers):
 
 
 @needs_mosquitto
+@pytest.mark.parametrize("victim", ["a1", "aggregator"])
+def test_client_id_of_another_user_does_not_take_over_its_session(creds, prod_broker, peers, victim):
+    """a2, with its own valid password, connects under the client id the victim uses (the
+    agent's `fedmq-agent-a1`, the aggregator's `fedmq-aggregator-f1`): prod.conf makes the
+    client id the username, so the victim stays connected and its session keeps working."""
+    client_id = "fedmq-agent-a1" if victim == "a1" else f"fedmq-aggregator-{FLEET}"
+    target = Peer(client_id, creds.ca_cert, victim, creds.users()[victim])
+    attacker = Peer(client_id, creds.ca_cert, "a2", creds.agents["a2"])
+    watcher = peers("monitor")
+    try:
+        assert not target.connect(prod_broker.port).is_failure
+        assert not attacker.connect(prod_broker.port).is_failure  # accepted, as itself
+        # The broker drops a taken-over session before it answers the newcomer's CONNECT; a
+        # QoS 1 round trip after that CONNACK shows the victim's connection is still there.
+        status = topic(victim, "status") if victim == "a1" else AGG_STATUS
+        watcher.subscribe(status)
+        target.publish(status, b"still-here")
+        watcher.wait_for((status, b"still-here"))
+        assert not target.disconnected.is_set(), prod_broker.log_tail()
+    finally:
+        attacker.close()
+        target.close()
+
+
+@needs_mosquitto
 def test_monitor_reads_status_topics_only(peers):
     mon, a1, agg = peers("monitor"), peers("a1"), peers("aggregator")
     mon.subscribe("fedmq/#")
@@ -293,14 +318,17 @@ def test_rotated_password_replaces_the_old_after_sighup(tmp_path):
         # Sessions made before the rotation, with a1's old password and a2's (unchanged) one.
         a1_early = Peer("a1-early", creds.ca_cert, "a1", old)
         a2_early = Peer("a2-early", creds.ca_cert, "a2", creds.agents["a2"])
+        a1_pre = Peer("a1-pre", creds.ca_cert, "a1", old)
         try:
             assert not a1_early.connect(broker.port).is_failure
             assert not a2_early.connect(broker.port).is_failure
             new = rotate_password(creds.out_dir, "a1")
             assert new != old
             assert load_credentials(creds.out_dir).agents["a1"] == new
-            # Until the broker re-reads passwd it still knows only the old password.
-            assert not _try_connect(broker.port, creds.ca_cert, "a1", old, "a1-pre").is_failure
+            # Until the broker re-reads passwd it still knows only the old password. The client
+            # id is the username (prod.conf), so this login replaces a1_early's: one session per user.
+            assert not a1_pre.connect(broker.port).is_failure
+            assert a1_early.disconnected.wait(60), broker.log_tail()
 
             assert broker.proc is not None
             os.kill(broker.proc.pid, signal.SIGHUP)
@@ -311,14 +339,13 @@ def test_rotated_password_replaces_the_old_after_sighup(tmp_path):
             assert "Reloading config" in broker.log_path.read_text()
             rc = _try_connect(broker.port, creds.ca_cert, "a1", old, "a1-old")
             assert rc.is_failure and str(rc) == "Not authorized"
-            # Mosquitto 2.0.11 re-checks connected clients on reload (its man page says they are
-            # not affected; measured otherwise): the session holding the old password is cut
-            # off, the other agent's stays.
-            assert a1_early.disconnected.wait(60), broker.log_tail()
-            assert "Client a1-early disconnected" in broker.log_path.read_text()
+            # The session holding the old password is gone (Mosquitto 2.0.11 re-checks connected
+            # clients on reload, and a1's new login replaces it anyway); the other agent's stays.
+            assert a1_pre.disconnected.wait(60), broker.log_tail()
             assert not a2_early.disconnected.is_set() and a2_early.client.is_connected()
         finally:
             a1_early.close()
+            a1_pre.close()
             a2_early.close()
 
 
