@@ -25,7 +25,15 @@ from aggregator.cluster_refresh import refresh_cluster
 from aggregator.estimators import EstimationBatch, Estimator, make_estimator, uniform
 from aggregator.evaluator import Proxy, ProxyEvaluator
 from aggregator.personalize import Personalizer, PersonalizeRequest, make_personalizer
-from aggregator.strategy import Reply, Strategy, Upload, check_alpha, check_vector, hinge_staleness
+from aggregator.strategy import (
+    Reply,
+    Strategy,
+    Upload,
+    UploadLedger,
+    check_alpha,
+    check_vector,
+    hinge_staleness,
+)
 from fedmq.config import CDFLSettings
 from fedmq.models import ModelSpec
 
@@ -58,7 +66,7 @@ class SoftClusters(Strategy):
     def __init__(self, spec: ModelSpec, clusters: Tensor | Sequence[Tensor], *, tau0: int = 0,
                  beta0: float = 0.025, hinge_a: float = 10.0, hinge_b: float = 5.0,
                  update_rule: str = "alpha", update_power: float = 2.0, server_lr: float = 1.0,
-                 delta_hinge_a: float = 0.1, delta_tau0: int = 0) -> None:
+                 delta_hinge_a: float = 0.1, delta_tau0: int = 0, staleness_cap: int = 1) -> None:
         super().__init__()
         if update_rule not in UPDATE_RULES:
             raise ValueError(f"update_rule must be one of {', '.join(UPDATE_RULES)}, got {update_rule!r}")
@@ -91,6 +99,7 @@ class SoftClusters(Strategy):
         """Agent -> epoch first seen (insertion-ordered)."""
         self.last_epoch: dict[str, int] = {}
         """Agent -> epoch of the last reply it was sent."""
+        self.ledger = UploadLedger(staleness_cap)
 
     # ------------------------------------------------------------------ shared rules
 
@@ -110,7 +119,8 @@ class SoftClusters(Strategy):
         """Steps 1 and 3 at t := t + 1; returns what happened for Reply.info."""
         self._see(upload.agent)
         self.epoch += 1
-        d = self.epoch - int(upload.tau)
+        d = self.ledger.staleness(upload.tau, self.epoch)
+        self.ledger.record(upload.agent, self.epoch)
         # The delta rule: what the agent learned from its data, v - base, added to each cluster
         # in its share, w_k += server_lr alpha_k s(d) (v - base). The paper's pull toward v,
         # w_k += beta_k (v - w_k), also drags a specialist toward the agent's starting point (a
@@ -120,7 +130,8 @@ class SoftClusters(Strategy):
         delta = base is not None
         threshold = self.staleness_threshold(delta)
         s = hinge_staleness(d, self.delta_hinge_a if delta else self.hinge_a, self.hinge_b)
-        info: dict[str, Any] = {"staleness": d, "tau0": threshold, "s": s}
+        info: dict[str, Any] = {"staleness": d, "uploads_since": self.epoch - int(upload.tau),
+                                "tau0": threshold, "s": s}
         if d > threshold:
             self.counters["stale"] += 1
             info.update(stale=True, betas=[0.0] * self.k)
@@ -152,7 +163,7 @@ class SoftClusters(Strategy):
         return {"epoch": self.epoch, "clusters": self.clusters.clone(), "versions": list(self.versions),
                 "cluster_updated": list(self.cluster_updated), "agents_seen": dict(self.agents_seen),
                 "last_epoch": dict(self.last_epoch), "counters": dict(self.counters),
-                "k": self.k, "spec": self.spec.hash}
+                "k": self.k, "spec": self.spec.hash, "ledger": self.ledger.state_dict()}
 
     def _load_base(self, d: dict[str, Any]) -> None:
         if d.get("spec") != self.spec.hash or int(d["k"]) != self.k:
@@ -167,6 +178,7 @@ class SoftClusters(Strategy):
         self.cluster_updated = [int(v) for v in d["cluster_updated"]]
         self.agents_seen = {str(a): int(e) for a, e in d["agents_seen"].items()}
         self.last_epoch = {str(a): int(e) for a, e in d["last_epoch"].items()}
+        self.ledger.load_state_dict(d.get("ledger", {}))
         self.counters.clear()
         self.counters.update(d["counters"])
 
@@ -185,10 +197,11 @@ class CDFL(SoftClusters):
                  update_power: float = 2.0, personalization: str | Personalizer = "mixture",
                  personalize_options: dict[str, Any] | None = None, seed: int = 0,
                  refresh_steps: int = 0, refresh_lr: float = 0.01, reply_uses_upload: bool = True,
-                 server_lr: float = 1.0, delta_hinge_a: float = 0.1, delta_tau0: int = 0) -> None:
+                 server_lr: float = 1.0, delta_hinge_a: float = 0.1, delta_tau0: int = 0,
+                 staleness_cap: int = 1) -> None:
         super().__init__(spec, clusters, tau0=tau0, beta0=beta0, hinge_a=hinge_a, hinge_b=hinge_b,
                          update_rule=update_rule, update_power=update_power, server_lr=server_lr,
-                         delta_hinge_a=delta_hinge_a, delta_tau0=delta_tau0)
+                         delta_hinge_a=delta_hinge_a, delta_tau0=delta_tau0, staleness_cap=staleness_cap)
         if refresh_steps < 0 or refresh_lr <= 0:
             raise ValueError(f"need cluster_refresh_steps >= 0 and cluster_refresh_lr > 0, "
                              f"got {refresh_steps} and {refresh_lr}")
@@ -243,7 +256,8 @@ class CDFL(SoftClusters):
                    personalization=settings.personalization, personalize_options=personalize,
                    refresh_steps=settings.cluster_refresh_steps, refresh_lr=settings.cluster_refresh_lr,
                    reply_uses_upload=settings.reply_uses_upload, server_lr=settings.server_lr,
-                   delta_hinge_a=settings.delta_hinge_a, delta_tau0=settings.delta_tau0, **kwargs)
+                   delta_hinge_a=settings.delta_hinge_a, delta_tau0=settings.delta_tau0,
+                   staleness_cap=settings.staleness_cap, **kwargs)
 
     @property
     def reply_is_trained(self) -> bool:

@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import Tensor
 
-from aggregator.strategy import Reply, Strategy, Upload, check_vector, hinge_staleness
+from aggregator.strategy import Reply, Strategy, Upload, UploadLedger, check_vector, hinge_staleness
 from fedmq.config import CDFLSettings
 from fedmq.models import ModelSpec
 
@@ -20,7 +20,7 @@ class FedAsync(Strategy):
     name = "fedasync"
 
     def __init__(self, spec: ModelSpec, initial: Tensor, *, mixing: float = 0.6,
-                 hinge_a: float = 10.0, hinge_b: float = 5.0) -> None:
+                 hinge_a: float = 10.0, hinge_b: float = 5.0, staleness_cap: int = 1) -> None:
         super().__init__()
         if not 0.0 <= mixing <= 1.0:
             raise ValueError(f"mixing (fedasync_alpha) must be in [0, 1], got {mixing}")
@@ -30,11 +30,12 @@ class FedAsync(Strategy):
         self.hinge_a = float(hinge_a)
         self.hinge_b = float(hinge_b)
         self.last_epoch: dict[str, int] = {}
+        self.ledger = UploadLedger(staleness_cap)
 
     @classmethod
     def from_settings(cls, spec: ModelSpec, initial: Tensor, settings: CDFLSettings) -> FedAsync:
         return cls(spec, initial, mixing=settings.fedasync_alpha, hinge_a=settings.hinge_a,
-                   hinge_b=settings.hinge_b)
+                   hinge_b=settings.hinge_b, staleness_cap=settings.staleness_cap)
 
     def _reply(self, agent: str, info: dict[str, Any]) -> Reply:
         self.last_epoch[agent] = self.epoch
@@ -48,17 +49,19 @@ class FedAsync(Strategy):
     def apply(self, upload: Upload, alpha: list[float] | None = None, sent: Tensor | None = None) -> Reply:
         vector = check_vector(upload.vector, self.spec.numel, f"upload from {upload.agent}")
         self.epoch += 1
-        d = self.epoch - int(upload.tau)
+        d = self.ledger.staleness(upload.tau, self.epoch)
+        self.ledger.record(upload.agent, self.epoch)
         s = hinge_staleness(d, self.hinge_a, self.hinge_b)
         a_t = self.mixing * s
         self.model.mul_(1.0 - a_t).add_(vector, alpha=a_t)
         self.counters["applied"] += 1
-        return self._reply(upload.agent, {"staleness": d, "stale": False, "s": s, "mixing": a_t})
+        return self._reply(upload.agent, {"staleness": d, "uploads_since": self.epoch - int(upload.tau),
+                                          "stale": False, "s": s, "mixing": a_t})
 
     def state_dict(self) -> dict[str, Any]:
         return {"algorithm": self.name, "spec": self.spec.hash, "epoch": self.epoch,
                 "model": self.model.clone(), "last_epoch": dict(self.last_epoch),
-                "counters": dict(self.counters)}
+                "counters": dict(self.counters), "ledger": self.ledger.state_dict()}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         if d.get("algorithm") != self.name or d.get("spec") != self.spec.hash:
@@ -67,5 +70,6 @@ class FedAsync(Strategy):
         self.model = check_vector(d["model"], self.spec.numel, "state model").clone()
         self.epoch = int(d["epoch"])
         self.last_epoch = {str(a): int(e) for a, e in d["last_epoch"].items()}
+        self.ledger.load_state_dict(d.get("ledger", {}))
         self.counters.clear()
         self.counters.update(d["counters"])

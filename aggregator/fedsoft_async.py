@@ -24,7 +24,7 @@ class FedSoftAsync(SoftClusters):
     @classmethod
     def from_settings(cls, spec: ModelSpec, clusters: Any, settings: CDFLSettings) -> FedSoftAsync:
         return cls(spec, clusters, tau0=settings.tau0, beta0=settings.beta0,
-                   hinge_a=settings.hinge_a, hinge_b=settings.hinge_b)
+                   hinge_a=settings.hinge_a, hinge_b=settings.hinge_b, staleness_cap=settings.staleness_cap)
 
     def _clusters_reply(self, agent: str, info: dict[str, Any], alpha: list[float] | None) -> Reply:
         self.last_epoch[agent] = self.epoch

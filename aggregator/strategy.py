@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +54,42 @@ class Reply:
 def hinge_staleness(d: float, a: float, b: float) -> float:
     """s(d) = 1 if d <= b else 1 / (a (d - b) + 1): full weight while fresh, then a hinge."""
     return 1.0 if d <= b else 1.0 / (a * (d - b) + 1.0)
+
+
+class UploadLedger:
+    """Who uploaded at which epoch: staleness that one agent cannot inflate.
+
+    The papers' staleness d = t - tau counts every upload since the model an agent started
+    from, so one agent uploading 20x as often as another makes the other's uploads stale
+    (with 2 agents, 2 uploads of one between two of the other suffice). With `cap` c >= 1
+    each agent's uploads in (tau, t) count at most c times: with c = 1, d = 1 + the number of
+    agents that uploaded since tau, however often. c = 0 counts every upload (the papers').
+    The trade-off: an agent back from a long absence gets d <= 1 + agents, hinge-discounted
+    rather than cut by tau0 (docs/reliability.md)."""
+
+    def __init__(self, cap: int = 1) -> None:
+        if cap < 0:
+            raise ValueError(f"staleness_cap must be >= 0, got {cap}")
+        self.cap = int(cap)
+        self.recent: dict[str, deque[int]] = {}
+        """Agent -> epochs of its last `cap` uploads."""
+
+    def staleness(self, tau: int, epoch: int) -> int:
+        """Staleness of an upload started from epoch `tau`, applied as epoch `epoch`."""
+        counted = epoch - int(tau)
+        if self.cap == 0:
+            return counted
+        return min(counted, 1 + sum(sum(1 for e in q if e > tau) for q in self.recent.values()))
+
+    def record(self, agent: str, epoch: int) -> None:
+        if self.cap:
+            self.recent.setdefault(agent, deque(maxlen=self.cap)).append(int(epoch))
+
+    def state_dict(self) -> dict[str, list[int]]:
+        return {a: list(q) for a, q in self.recent.items()}
+
+    def load_state_dict(self, d: dict[str, list[int]]) -> None:
+        self.recent = {str(a): deque((int(e) for e in q), maxlen=max(1, self.cap)) for a, q in d.items()}
 
 
 def check_vector(vector: Tensor, numel: int, what: str = "upload") -> Tensor:

@@ -64,13 +64,33 @@ def test_update_moves_each_cluster_by_beta_toward_v():
 
 
 def test_beta_with_hinge_for_an_old_upload():
-    s = make_cdfl(2, tau0=100, beta0=0.1, hinge_a=10, hinge_b=5)
+    s = make_cdfl(2, tau0=100, beta0=0.1, hinge_a=10, hinge_b=5, staleness_cap=0)  # the papers' d = t - tau
     for _ in range(7):
         s.apply(Upload("a", vector(1), tau=s.epoch), alpha=[0.5, 0.5])
     reply = s.apply(Upload("b", vector(2), tau=0), alpha=[1.0, 0.0])  # t = 8, d = 8
     assert reply.info["staleness"] == 8
     assert reply.info["betas"] == pytest.approx([0.1 * 1.0 / (10 * 3 + 1), 0.0])
     assert s.cluster_updated == [8, 7]  # alpha_2 = 0: cluster 2 untouched
+
+
+@pytest.mark.parametrize("cap, expected", [(0, 22), (1, 3), (2, 4)])
+def test_one_agent_uploading_often_cannot_make_another_stale(cap, expected):
+    """Between two of b's uploads, a floods 20 and c uploads once: with the default cap 1
+    b's staleness is 1 + the agents that uploaded since (3, within tau0 = 3 agents); the
+    papers' rule (cap 0) counts 22 and throws b's upload away. The ledger is durable state."""
+    s = make_cdfl(2, staleness_cap=cap)
+    for agent in "abc":
+        s.join(agent)
+    tau = s.epoch
+    for _ in range(20):
+        s.apply(Upload("a", vector(1), tau=s.epoch), alpha=[0.5, 0.5])
+    s.apply(Upload("c", vector(3), tau=tau), alpha=[0.5, 0.5])
+    restored = make_cdfl(2, staleness_cap=cap)
+    restored.load_state_dict(s.state_dict())
+    for strategy in (s, restored):
+        reply = strategy.apply(Upload("b", vector(2), tau=tau), alpha=[0.5, 0.5])
+        assert reply.info["staleness"] == expected and reply.info["uploads_since"] == 22
+        assert reply.info["stale"] is (expected > 3)
 
 
 def test_stale_upload_leaves_clusters_bit_identical_and_tau0_defaults_to_agents_seen():
@@ -131,7 +151,7 @@ def test_batched_update_equals_applying_its_alphas_in_order():
 
 
 def test_cluster_loss_cache_is_refreshed_after_an_update():
-    s = make_cdfl(2, tau0=50)
+    s = make_cdfl(2, tau0=50, staleness_cap=0)  # the papers' count: tau=-100 below is stale
     s.update(Upload("a", vector(0), tau=0))
     misses = s.evaluator.cache_misses
     s.update(Upload("a", vector(1), tau=1))  # both clusters changed at the previous step
@@ -200,7 +220,7 @@ def test_fedsoft_async_updates_with_the_agents_alpha_and_sends_all_clusters():
 
 def test_fedasync_mixes_with_the_staleness_discounted_weight():
     w0, v = vector(0), vector(1)
-    s = FedAsync(SPEC, w0, mixing=0.6)
+    s = FedAsync(SPEC, w0, mixing=0.6, staleness_cap=0)  # the papers' d = t - tau
     assert torch.equal(s.join("a").vectors[0], w0)
     r = s.update(Upload("a", v, tau=0))  # d = 1
     assert r.info["mixing"] == pytest.approx(0.6)
