@@ -22,6 +22,7 @@ import sys
 import threading
 
 from fedmq.config import add_config_arguments, config_from_args, dry_run_json
+from fedmq.errors import RuntimeFailure
 from fedmq.logs import mask_secrets, setup_logging
 
 ASYNC_ALGORITHMS = ("cdfl", "fedsoft-async", "fedasync")
@@ -62,11 +63,12 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # also when started with SIGINT ignored (a background job)
         signal.signal(sig, lambda *_: stop.set())
-    from aggregator.journal import Journal
+    from aggregator.journal import Journal, StateDirLock
     from fedmq.transport import check_reachable
 
     # Fail in a second, not after minutes of loading data and pre-training.
     Journal(cfg.aggregator.state_dir).check_writable()
+    StateDirLock(cfg.aggregator.state_dir)  # held until this process exits
     if cfg.aggregator.algorithm in ROUND_ALGORITHMS:
         return _run_rounds(cfg, stop)
     check_reachable(cfg.broker.url)
@@ -87,9 +89,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"aggregator {cfg.aggregator.algorithm} on {mask_secrets(cfg.broker.url)} fleet={cfg.fleet} "
               f"K={cfg.cdfl.clusters} epoch={engine.strategy.epoch}", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
-            stop.wait()
+            while not stop.wait(0.5) and not service.failed.is_set():
+                pass
     if metrics is not None:
         metrics.close()
+    if service.failure:
+        raise RuntimeFailure(service.failure)
     return 0
 
 

@@ -1,9 +1,11 @@
 """The aggregator as an MQTT service: uplinks in, durable state, replies out.
 
-Threads: paho's network thread only enqueues raw messages; one worker thread owns the
-engine (no locks around algorithm state). The worker drains up to `max_batch` messages,
-turns them into envelopes (`Channel`), lets the engine apply them (journal fsynced), publishes
-the replies and only then acknowledges the raw messages to the broker (manual ack). So:
+Threads: paho's network thread only enqueues raw messages (per sender, aggregator/inbox.py;
+an agent over its queue quota is refused there and then); one worker thread owns the engine
+(no locks around algorithm state). The worker takes one waiting message per sender, senders
+in turn, turns them into envelopes (`Channel`), lets the engine apply them (journal fsynced),
+publishes the replies and only then acknowledges the raw messages to the broker (manual ack).
+So one agent's flood delays another's next message by one of its own at most, and:
 - an acknowledged upload is in the journal (kill -9 loses nothing);
 - an upload applied but not yet acknowledged is redelivered after a crash and recognized by
   its msg_id (applied once, its reply re-sent);
@@ -19,14 +21,14 @@ state, logs why, and retries the batch with backoff.
 from __future__ import annotations
 
 import hashlib
-import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from aggregator.engine import Engine, Inbound
+from aggregator.inbox import FairInbox
 from aggregator.journal import JournalError
 from fedmq import protocol
 from fedmq.channel import Channel, Received, Refused
@@ -42,6 +44,12 @@ log = get_logger("aggregator")
 
 EXPIRE_EVERY_S = 0.5
 """How often partial (chunked) messages past their timeout are dropped and answered."""
+
+
+def _sender_of(topic: str) -> str:
+    """The agent a topic names (`fedmq/FLEET/agents/AGENT/...`), else the topic itself."""
+    parts = topic.split("/")
+    return parts[3] if len(parts) >= 5 and parts[2] == "agents" else topic
 
 
 def serve_fleet(transport: MqttTransport, fleet: str, online_status: Callable[[], bytes],
@@ -122,7 +130,9 @@ class AggregatorService:
         self.engine = engine
         self.fleet = cfg.fleet
         self.client_id = client_id or f"fedmq-aggregator-{cfg.fleet}"
-        self._inbox: queue.Queue[Message] = queue.Queue()
+        self._own_status_ids: deque[str] = deque(maxlen=64)
+        """msg_ids of the statuses this service published (its will included)."""
+        self._inbox = FairInbox(cfg.aggregator.max_queued_per_agent)
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
         self.counters: Counter[str] = Counter()
@@ -131,10 +141,6 @@ class AggregatorService:
         self.metrics: AggregatorMetrics | None = None
         """Set by `AggregatorMetrics(service)`; told about each finished batch."""
         self._inbox_lock = threading.Lock()
-        self.inbox_bytes = 0
-        """Payload bytes received and not yet taken by the worker."""
-        self.inbox_peak = (0, 0)
-        """Most (messages, bytes) ever waiting in the inbox: what back-pressure bounds."""
         self.graph: bytes | None = None
         """The fleet's ONNX graph (no weights), made at start; None if the export failed."""
         shared = default_network()
@@ -146,6 +152,12 @@ class AggregatorService:
         )
         self.channel = Channel(self.transport, cfg.protocol)
         self.progress = ProgressLines(cfg.log, self._progress_state)
+        self._status_epoch = -1
+        self._status_at = time.monotonic()
+        self.failure: str | None = None
+        """Why the service stopped by itself (another aggregator took its session), else None."""
+        self.failed = threading.Event()
+        self._started_at, self._started_wall = time.monotonic(), time.time()
 
     def _progress_state(self) -> dict[str, Any]:
         refused = sum(v for k, v in self.counters.items() if k.startswith("refused."))
@@ -155,8 +167,54 @@ class AggregatorService:
                 **({"accuracy": [round(a, 4) for a in acc]} if acc else {}),
                 "online": sum(1 for s in self.presence.values() if s == "online")}
 
+    def _aggregator_status(self, message: Message) -> None:
+        """Network thread: a status on our own fleet's aggregator topic. One we did not publish
+        saying online means a second aggregator serves this fleet; with one client id the two
+        would take the session back and forth every second (Mosquitto 2.0.11 sends no "session
+        taken over" reason, so that is how we tell). Only live ones count: a retained online
+        status may be the last word of an aggregator that died without its will yet."""
+        if message.retain:
+            return
+        try:
+            env = protocol.decode(message.payload, max_bytes=64 * 1024)
+        except protocol.ProtocolError:
+            return
+        if not isinstance(env, protocol.Status) or env.state != "online" or env.msg_id in self._own_status_ids:
+            return
+        if env.sent_at < self._started_wall:
+            return  # queued in our persistent session before we started: a predecessor's word
+        self._another_aggregator(env)
+
+    def _another_aggregator(self, env: protocol.Status) -> None:
+        """The newcomer (within `takeover_grace_s` of its start) stops at once; one that has
+        served longer keeps serving and warns (the newcomer is the one to go)."""
+        newcomer = time.monotonic() - self._started_at <= self.cfg.aggregator.takeover_grace_s
+        event(log, "aggregator.another_online", level=30, fleet=self.fleet, epoch=env.epoch,
+              action="stopping" if newcomer else "serving on; the newcomer stops")
+        if not newcomer or self.failed.is_set():
+            return
+        self.transport.give_up()
+        self.failure = (f"another aggregator is online for fleet {self.fleet!r} (epoch {env.epoch}); with "
+                        f"one client id the two would take the MQTT session ({self.client_id}) in turns, "
+                        f"so this one stops. Stop the other one, or give this one another --fleet")
+        self._stop.set()
+        self.failed.set()
+
+    def _refresh_status(self) -> None:
+        """Re-publish the retained online status when the epoch moved, at most every
+        `aggregator.status_every_s`: a device reading it learns the current epoch, not the
+        one at connect time."""
+        now = time.monotonic()
+        epoch = self.engine.strategy.epoch
+        every = self.cfg.aggregator.status_every_s
+        if epoch == self._status_epoch or now - self._status_at < every or not every or not self.transport.connected:
+            return
+        self.transport.publish(protocol.aggregator_status(self.fleet), self._status("online"), qos=1, retain=True)
+
     def _status(self, state: str) -> bytes:
         """The retained status; it also advertises what a device needs to join (protocol.Status)."""
+        if state == "online":
+            self._status_epoch, self._status_at = self.engine.strategy.epoch, time.monotonic()
         spec, c = self.engine.spec, self.cfg.codec
         clusters = getattr(self.engine.strategy, "clusters", None)
         graph: dict[str, bool | int | float | str] = {}
@@ -164,7 +222,9 @@ class AggregatorService:
             graph = {"topic": protocol.model_graph(self.fleet), "format": "onnx",
                      "bytes": len(self.graph), "sha256": hashlib.sha256(self.graph).hexdigest(),
                      "input": INPUT_NAME, "output": OUTPUT_NAME}
-        env = protocol.Status(agent="aggregator", msg_id=protocol.new_msg_id(),
+        msg_id = protocol.new_msg_id()
+        self._own_status_ids.append(msg_id)
+        env = protocol.Status(agent="aggregator", msg_id=msg_id,
                               sent_at=protocol.now(), state=state, role="aggregator",
                               algorithm=self.cfg.aggregator.algorithm,
                               epoch=self.engine.strategy.epoch,
@@ -192,12 +252,15 @@ class AggregatorService:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> AggregatorService:
+        self._started_at, self._started_wall = time.monotonic(), time.time()
         replayed = self.engine.recover()
         self.counters["replayed"] += replayed
         self._export_graph()
         if self.graph is not None:  # retained before the online status, which points at it
             self.transport.on_connect_hooks.append(lambda t, _: t.publish(
                 protocol.model_graph(self.fleet), self.graph or b"", qos=1, retain=True))
+        # Registered before connecting: the SUBSCRIBE goes out with the others at connect.
+        self.transport.subscribe(protocol.aggregator_status(self.fleet), self._aggregator_status, qos=1)
         serve_fleet(self.transport, self.fleet, lambda: self._status("online"), self._receive)
         self._worker = threading.Thread(target=self._run, name="fedmq-aggregator", daemon=True)
         self._worker.start()
@@ -214,7 +277,7 @@ class AggregatorService:
             self.engine.snapshot_if_due(force=True)
         except JournalError as e:
             event(log, "snapshot.failed", level=40, error=str(e))
-        if self.transport.connected:
+        if self.transport.connected and not self.failed.is_set():  # the other one is online
             h = self.transport.publish(protocol.aggregator_status(self.fleet),
                                        self._status("offline"), qos=1, retain=True)
             h.wait(5)
@@ -230,25 +293,58 @@ class AggregatorService:
 
     # ------------------------------------------------------------------ back-pressure
 
+    @property
+    def inbox_bytes(self) -> int:
+        """Payload bytes received and not yet taken by the worker."""
+        return self._inbox.bytes
+
+    @property
+    def inbox_peak(self) -> tuple[int, int]:
+        """Most (messages, bytes) ever waiting in the inbox: what back-pressure bounds."""
+        return self._inbox.peak
+
     def _receive(self, message: Message) -> None:
         """Network thread: queue the message; stop reading once the inbox is full."""
         a = self.cfg.aggregator
+        sender = _sender_of(message.topic)
+        if self._inbox.over_quota(sender) and self._refuse_over_quota(message):
+            return
         with self._inbox_lock:
-            self._inbox.put(message)
-            self.inbox_bytes += len(message.payload)
-            n, size = self._inbox.qsize(), self.inbox_bytes
-            self.inbox_peak = (max(self.inbox_peak[0], n), max(self.inbox_peak[1], size))
+            n, size = self._inbox.put(sender, message)
             if (n >= a.inbox_max_messages or size >= a.inbox_max_bytes) and not self.transport.reading_paused:
                 self.transport.pause_reading()
                 self.counters["backpressure.paused"] += 1
                 event(log, "backpressure.paused", messages=n, bytes=size)
 
-    def _taken(self, messages: list[Message]) -> None:
-        """Worker: these left the inbox; read again once it is down to half."""
+    def _refuse_over_quota(self, message: Message) -> bool:
+        """Network thread: refuse (answer and ack) an uplink envelope from an agent that has
+        its quota waiting; chunk pieces and status messages are queued as usual (False)."""
+        try:
+            topic = protocol.parse_topic(message.topic)
+            env = protocol.decode(message.payload, max_bytes=self.cfg.protocol.max_message_bytes)
+        except protocol.ProtocolError:
+            return False  # the worker refuses it with its real reason
+        if topic.kind != "up" or topic.agent is None or isinstance(env, protocol.Chunk):
+            return False
+        limit = self.cfg.protocol.max_message_bytes
+        if env.msg_id in {protocol.readable_msg_id(m.payload, limit) for m in self._inbox.waiting(_sender_of(message.topic))}:
+            return False  # another copy of a waiting message (re-sent while we were down): no new work
+        with self._inbox_lock:
+            self.counters["refused.rate_limited"] += 1
+        detail = (f"{self._inbox.max_per_sender} messages from {topic.agent} are already waiting; "
+                  f"send the next one after a reply")
+        event(log, "uplink.refused", agent=topic.agent, reason="rate_limited", msg_id=env.msg_id)
+        err = protocol.Error(agent=topic.agent, msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
+                             reason="rate_limited", detail=detail, in_reply_to=env.msg_id)
+        self.channel.send(protocol.downlink(self.fleet, topic.agent), err)
+        self.transport.ack(message)
+        return True
+
+    def _taken(self) -> None:
+        """Worker: messages left the inbox; read again once it is down to half."""
         a = self.cfg.aggregator
         with self._inbox_lock:
-            self.inbox_bytes -= sum(len(m.payload) for m in messages)
-            n, size = self._inbox.qsize(), self.inbox_bytes
+            n, size = self._inbox.messages, self._inbox.bytes
             if (self.transport.reading_paused and n <= a.inbox_max_messages // 2
                     and size <= a.inbox_max_bytes // 2):
                 self.transport.resume_reading()
@@ -263,17 +359,12 @@ class AggregatorService:
                 self._expire()
                 next_expiry = time.monotonic() + EXPIRE_EVERY_S
             self.progress.tick()
-            try:
-                first = self._inbox.get(timeout=0.2)
-            except queue.Empty:
+            self._refresh_status()
+            # One message per sender per batch, senders in turn (aggregator/inbox.py).
+            raw = self._inbox.take(self.cfg.aggregator.max_batch * 4, timeout=0.2)
+            if not raw:
                 continue
-            raw = [first]
-            while len(raw) < self.cfg.aggregator.max_batch * 4:
-                try:
-                    raw.append(self._inbox.get_nowait())
-                except queue.Empty:
-                    break
-            self._taken(raw)
+            self._taken()
             try:
                 self._process(raw)
             except Exception:  # a bug must not kill the service silently

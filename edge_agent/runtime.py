@@ -222,6 +222,13 @@ class EdgeAgent:
                     if got is None:
                         break
                     reply = got[0].envelope
+                    if isinstance(reply, protocol.Error) and reply.reason == "rate_limited":
+                        # The aggregator already holds its quota of our messages (copies re-sent
+                        # while it was down): keep waiting; the timeout re-sends as usual.
+                        self.counters["rate_limited"] = self.counters.get("rate_limited", 0) + 1
+                        event(log, "reply.rate_limited", agent=self.agent_id, msg_id=env.msg_id,
+                              action="waiting for the queued copy's reply")
+                        continue
                     if isinstance(reply, protocol.Error) and reply.reason == "duplicate" and not asked_again:
                         # Two copies of one request (ours after a reconnect, paho's own) can
                         # meet in one aggregator batch: the second is answered "duplicate",

@@ -88,7 +88,9 @@ class Channel:
         except protocol.ProtocolError as e:
             # An envelope that decoded but does not belong here (agent_mismatch, wrong_topic)
             # is answered with its msg_id, so the sender can tell which message was refused.
-            raise Refused(e, topic, env.msg_id if env is not None else "", [message]) from None
+            msg_id = env.msg_id if env is not None else protocol.readable_msg_id(
+                message.payload, self.settings.max_message_bytes)
+            raise Refused(e, topic, msg_id, [message]) from None
         if not isinstance(env, protocol.Chunk):
             return Received(topic, env, [message])
         sender = topic.agent or "aggregator"

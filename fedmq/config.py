@@ -296,6 +296,12 @@ class AggregatorSettings:
     """Back-pressure: above this many received, unprocessed messages the aggregator stops reading from the broker (resumes at half)."""
     inbox_max_bytes: int = 64 * 1024 * 1024
     """Back-pressure: the same bound in payload bytes."""
+    status_every_s: float = 10.0
+    """The retained online status (epoch, counters) is re-published when the epoch moved, at most this often (0 = only at connect)."""
+    takeover_grace_s: float = 60.0
+    """An aggregator that sees another announce itself online on its fleet within this many seconds of its own start is the newcomer: it exits with a clear message instead of taking the MQTT session in turns with the running one (which serves on and logs a warning)."""
+    max_queued_per_agent: int = 4
+    """An agent's uploads waiting beyond this many are refused at once (`rate_limited`, acknowledged), so one agent's flood neither fills the inbox nor delays the others (who are served in turn, one message each per batch). An agent waits for each reply, so it has one. 0 = no quota."""
     pretrain_shared: bool = False
     """Pre-train one model on every cluster's pretrain pool first, then specialize each cluster from it (the same epochs at lr 0.01): the clusters then share a basin, so their parameter mixtures and blends with uploads are models too. false: each cluster from the same seeded init on its own pool."""
     pretrain_epochs: int = 0

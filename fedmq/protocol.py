@@ -775,6 +775,21 @@ def check_topic(topic: Topic, envelope: Envelope) -> None:
 # -------------------------------------------------------------------------------- chunking
 
 
+def readable_msg_id(payload: bytes, max_bytes: int) -> str:
+    """The msg_id of a payload that failed to decode, if it has a readable one ("" if not),
+    so that its refusal can name it in `in_reply_to` (the sender learns which message)."""
+    if len(payload) > max_bytes:
+        return ""
+    try:
+        doc = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        msg_id = doc.get("msg_id") if isinstance(doc, dict) else None
+    except Exception:
+        return ""
+    if isinstance(msg_id, str) and 0 < len(msg_id) <= 64 and re.fullmatch(Token, msg_id):
+        return msg_id
+    return ""
+
+
 def _msg_id_of(payload: bytes) -> str:
     try:
         msg_id = msgpack.unpackb(payload, raw=False)["msg_id"]

@@ -640,6 +640,8 @@ class MqttTransport:
         """Called as hook(transport, session_present) after every successful CONNACK."""
         self.on_disconnect_hooks: list[DisconnectHook] = []
         """Called as hook(transport, reason) whenever an established connection ends."""
+        self.yielded = False
+        """Set by `give_up()`: the connection is not re-established after it ends."""
 
         self._client: _GatedClient | None = None
         self._protocol: MQTTProtocolVersion | None = None
@@ -896,7 +898,7 @@ class MqttTransport:
                        properties: Properties | None) -> None:
         was_connected = self._connected.is_set()
         self._connected.clear()
-        if self.network is not None and self._ever_connected and not self._closed:
+        if self.network is not None and self._ever_connected and not self._closed and not self.yielded:
             # paho's own thread reconnects by itself; the shared loop does it on request
             self.network.reconnect_later(client, self.settings.reconnect_min_s, self.settings.reconnect_max_s)
         if not was_connected:
@@ -1067,6 +1069,11 @@ class MqttTransport:
         return client.ack(message.mid, message.qos) == MQTTErrorCode.MQTT_ERR_SUCCESS
 
     # -- shutdown ------------------------------------------------------------------------
+
+    def give_up(self) -> None:
+        """Stop reconnecting (any thread): the session belongs to someone else now. The
+        current connection, if any, is left to end; close() still releases everything."""
+        self.yielded = True
 
     def close(self, timeout: float = 5.0) -> None:
         """Wait up to `timeout` for unacknowledged publishes, then DISCONNECT (no will)."""

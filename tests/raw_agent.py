@@ -70,8 +70,9 @@ class RawAgent:
         self.epoch = reply.epoch
 
     def update_envelope(self, vector: np.ndarray, spec_hash: str, *, codec: str = "int8",
-                        msg_id: str | None = None) -> protocol.Update:
-        wire = codecs.encode(vector, codec, base=self.base, zstd=True)
+                        msg_id: str | None = None, delta: bool = True) -> protocol.Update:
+        """delta=False sends the whole vector: valid whatever reply the aggregator sent last."""
+        wire = codecs.encode(vector, codec, base=self.base if delta else None, zstd=True)
         return protocol.Update(agent=self.agent, msg_id=msg_id or protocol.new_msg_id(),
                                sent_at=protocol.now(), model=spec_hash, tau=self.epoch,
                                tensor=wire, n_samples=100)

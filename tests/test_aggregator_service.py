@@ -116,6 +116,9 @@ def test_bad_uploads_get_errors_and_change_nothing(service, mosquitto) -> None:
         cases.append(("wrong_model", protocol.encode(wrong_spec), wrong_spec.msg_id))
         future = protocol.Update(**{**ok.__dict__, "msg_id": protocol.new_msg_id(), "tau": 999})
         cases.append(("bad_tau", protocol.encode(future), future.msg_id))
+        readable = msgpack.unpackb(protocol.encode(protocol.Update(**{**ok.__dict__, "msg_id": protocol.new_msg_id()})))
+        readable["tau"] = -5  # decodes as msgpack, fails the envelope's rules: named in in_reply_to
+        cases.append(("bad_field", msgpack.packb(readable, use_bin_type=True), readable["msg_id"]))
         cases.append(("malformed", b"\x93not msgpack at all", ""))
         oversize = msgpack.packb({"v": 1, "type": "update", "pad": b"x" * (300 * 1024)})
         cases.append(("too_large", oversize, ""))
@@ -321,3 +324,116 @@ def test_a_message_that_breaks_the_strategy_is_refused_and_the_queue_moves_on(se
         assert service.engine.counters["applied.update"] == 1
     finally:
         a.close()
+
+
+def test_a_flooding_agent_neither_starves_nor_stales_another(service, mosquitto) -> None:
+    """car-2 fires 20 valid updates at once before each of car-1's (a 20x rate): car-1 is
+    answered every time, none of its updates is judged stale (staleness counts each agent at
+    most once), and car-2's excess beyond its queue quota is refused `rate_limited` at once.
+    The latency figures, with and without the flood, are in soak/flood_fairness.py."""
+    honest, flooder = RawAgent(mosquitto.port, FLEET, "car-1"), RawAgent(mosquitto.port, FLEET, "car-2")
+    seen: list[dict] = []
+    all_three = threading.Event()
+    record = service.progress.applied
+
+    def applied(batch: list[dict]) -> None:  # the worker reports a batch after sending its replies
+        seen.extend(batch)
+        if sum(a["agent"] == "car-1" for a in seen) >= 3:
+            all_three.set()
+        record(batch)
+
+    service.progress.applied = applied
+    try:
+        honest.join(SPEC.hash)
+        flooder.join(SPEC.hash)
+        for i in range(3):
+            # Whole vectors: each is valid although car-2 installs none of the replies.
+            flood = [flooder.update_envelope(flooder.base * (1 + 0.001 * j), SPEC.hash, delta=False)
+                     for j in range(20)]
+            for env in flood:
+                flooder.send(env)
+            up = honest.update_envelope(honest.base * (1.0 + 0.01 * (i + 1)), SPEC.hash)
+            honest.send(up)
+            reply = honest.expect(up.msg_id, timeout=120)
+            assert isinstance(reply, protocol.Model), reply
+            honest.install(reply)
+        assert all_three.wait(120)
+        mine = [a for a in seen if a["agent"] == "car-1"]
+        assert len(mine) == 3 and not any(a["stale"] for a in mine), mine
+        assert max(a["staleness"] for a in mine) <= 2  # 1 + car-2, however often it uploaded
+        assert service.counters["refused.rate_limited"] > 0
+        assert service.engine.counters["applied.update"] > 3  # car-2's were applied too, not refused as invalid
+    finally:
+        honest.close()
+        flooder.close()
+
+
+def test_retained_status_follows_the_epoch(service, mosquitto) -> None:
+    """The retained online status was published once at connect, so a device joining later read
+    that epoch; now it is re-published (at most every aggregator.status_every_s) when it moves."""
+    a = RawAgent(mosquitto.port, FLEET, "car-5")
+    watcher = RawAgent(mosquitto.port, FLEET, "watcher")
+    got = threading.Event()
+    try:
+        a.join(SPEC.hash)
+        up = a.update_envelope(a.base * 1.01, SPEC.hash)
+        a.send(up)
+        assert isinstance(a.expect(up.msg_id), protocol.Model)
+
+        def on_status(client, userdata, msg) -> None:
+            env = protocol.decode(msg.payload, max_bytes=1 << 20)
+            if env.state == "online" and env.epoch >= 1:
+                got.set()
+
+        watcher.client.message_callback_add(protocol.aggregator_status(FLEET), on_status)
+        watcher.client.subscribe(protocol.aggregator_status(FLEET), qos=1)
+        assert got.wait(120), "the retained status never showed the new epoch"
+    finally:
+        a.close()
+        watcher.close()
+
+
+def test_a_second_aggregator_on_the_fleet_stops_instead_of_taking_turns(mosquitto, pretrained, tmp_path) -> None:
+    """Both use the fleet's client id (as two `fedmq aggregator` runs would). The newcomer's
+    connect takes the session, the running one takes it back and says it is online; the
+    newcomer, meeting another aggregator within its first minute, stops with a clear reason
+    (and no offline status over the other's). The running one keeps serving."""
+    dirs = []
+    for name in ("running", "second"):
+        shutil.copytree(pretrained, tmp_path / name)
+        dirs.append(tmp_path / name)
+    # takeover_grace_s 0: the first plays one that has served for longer than the grace.
+    running = AggregatorService(make_cfg(mosquitto.url, dirs[0], **{"aggregator.takeover_grace_s": 0}),
+                                build_engine(make_cfg(mosquitto.url, dirs[0])))
+    second = AggregatorService(make_cfg(mosquitto.url, dirs[1]), build_engine(make_cfg(mosquitto.url, dirs[1])))
+    with running:
+        second.start()
+        try:
+            assert second.failed.wait(60), "the newcomer never stopped"
+            assert "another aggregator is online for fleet" in second.failure
+        finally:
+            second.stop()
+        a = RawAgent(mosquitto.port, FLEET, "car-7")
+        try:
+            a.join(SPEC.hash)  # answered: the running aggregator has its session back
+        finally:
+            a.close()
+        assert running.engine.counters["applied.join"] == 1 and not running.failed.is_set()
+
+
+def test_a_predecessors_queued_status_does_not_stop_a_restarted_aggregator(service) -> None:
+    """After kill -9 the persistent session may still hold the dead process's last online
+    status, delivered live to its successor: sent before this start, it is not another
+    aggregator. One sent after the start is."""
+    from fedmq.transport import Message
+
+    def status(sent_at: float) -> Message:
+        env = protocol.Status(agent="aggregator", msg_id=protocol.new_msg_id(), sent_at=sent_at, state="online",
+                              role="aggregator", algorithm="cdfl", epoch=3)
+        return Message(topic=protocol.aggregator_status(FLEET), payload=protocol.encode(env), qos=1,
+                       retain=False, mid=1)
+
+    service._aggregator_status(status(service._started_wall - 5))
+    assert not service.failed.is_set()
+    service._aggregator_status(status(protocol.now()))
+    assert service.failed.is_set() and "another aggregator is online" in service.failure

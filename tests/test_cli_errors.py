@@ -175,9 +175,23 @@ def test_snapshot_of_another_shape_and_a_damaged_journal_are_one_line_and_kept(t
     journal = bytearray(JOURNAL_MAGIC + _frame(dumps({"op": "join", "agent": "a", "msg_id": "m"})) * 2)
     journal[-3] ^= 4  # one flipped bit in the second record
     (state / "journal-1.log").write_bytes(bytes(journal))
-    before = {p.name: p.read_bytes() for p in state.iterdir()}
+    before = {p.name: p.read_bytes() for p in state.iterdir() if p.name != "lock"}  # lock: the pid
     assert_one_line(run(*argv), 1, "journal-1.log", "damaged at byte", "--accept-journal-loss")
-    assert {p.name: p.read_bytes() for p in state.iterdir()} == before
+    assert {p.name: p.read_bytes() for p in state.iterdir() if p.name != "lock"} == before
+
+
+def test_second_aggregator_on_one_state_dir_is_one_line(tmp_path) -> None:
+    """Two aggregators on one state dir would interleave their journals: the second stops."""
+    from aggregator.journal import StateDirLock
+
+    state = tmp_path / "agg"
+    state.mkdir()
+    held = StateDirLock(state)  # as a running aggregator holds it
+    try:
+        argv = ("aggregator", "--state-dir", str(state), "--broker", f"mqtt://127.0.0.1:{free_port()}")
+        assert_one_line(run(*argv), 1, str(state), "in use by another aggregator", str(os.getpid()))
+    finally:
+        held.release()
 
 
 def test_unwritable_state_dir_is_one_line(tmp_path) -> None:
