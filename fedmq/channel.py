@@ -53,6 +53,7 @@ class Channel:
             max_pending_bytes=s.max_pending_bytes,
             timeout_s=s.chunk_timeout_s,
             max_partials_per_sender=s.max_partials_per_sender,
+            max_chunks=s.max_chunks,
         )
         self._pieces: dict[tuple[str, str], list[Message]] = {}
         self.bytes_sent = 0

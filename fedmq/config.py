@@ -77,6 +77,8 @@ class ProtocolSettings:
     """A partial message older than this is dropped with a reason."""
     max_pending_bytes: int = 256 * 1024 * 1024
     """Memory bound for all partially reassembled messages together."""
+    max_chunks: int = 64
+    """Most pieces one chunked message may declare; more is refused at its first piece (too_large). Chunks are acknowledged only with their whole message, so more than the broker's in-flight window (64) could never complete; and a message of hundreds of tiny pieces is a cheap way to keep the receiver busy."""
     max_partials_per_sender: int = 2
     """Partial (chunked) messages one sender may have open at once; more are refused, so one flooding agent cannot take the others' share of max_pending_bytes."""
 

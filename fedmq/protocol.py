@@ -805,7 +805,9 @@ def split(
 ) -> list[bytes]:
     """`[payload]` if it fits in `chunk_bytes`, else the encoded `Chunk` envelopes that carry
     it, in order. `of` defaults to the msg_id inside `payload` (an encoded envelope). Each
-    chunk is at most `chunk_bytes + CHUNK_OVERHEAD_BYTES` bytes on the wire."""
+    chunk is at most `chunk_bytes + CHUNK_OVERHEAD_BYTES` bytes on the wire. (A receiver may
+    refuse more pieces than its `protocol.max_chunks`, 64 by default: the sender's
+    `chunk_bytes` must be at least its message size / 64.)"""
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     if len(payload) <= chunk_bytes:
@@ -883,8 +885,11 @@ class Reassembler:
         clock: Callable[[], float] = time.monotonic,
         remember_completed: int = 1024,
         max_partials_per_sender: int = 0,
+        max_chunks: int = 0,
     ) -> None:
         self.max_message_bytes = max_message_bytes
+        self.max_chunks = max_chunks
+        """Most pieces a message may declare (0 = MAX_CHUNKS only)."""
         self.max_partials_per_sender = max_partials_per_sender
         """0 = no per-sender limit (only max_pending_bytes)."""
         self.max_pending_bytes = max_pending_bytes
@@ -941,6 +946,10 @@ class Reassembler:
             self._drop(key)
             raise ProtocolError("too_large", f"message {chunk.of!r} declares {chunk.total_bytes} "
                                              f"bytes, over {self.max_message_bytes}")
+        if self.max_chunks and chunk.count > self.max_chunks:
+            self._drop(key)
+            raise ProtocolError("too_large", f"message {chunk.of!r} declares {chunk.count} pieces, over "
+                                             f"{self.max_chunks} (send larger pieces)")
         partial = self._partials.get(key)
         if partial is None:
             piece = _piece_bytes(chunk)

@@ -387,6 +387,19 @@ def test_reassembles_in_order_out_of_order_and_with_duplicates() -> None:
     assert r.pending_messages == 0
 
 
+def test_a_message_of_more_pieces_than_allowed_is_refused_at_its_first_piece() -> None:
+    """Hundreds of one-byte pieces kept a receiver busy for nothing (issue #16); more than the
+    broker's in-flight window could never complete anyway (chunks are acked with the whole)."""
+    chunks = _chunks(os.urandom(640), 1)
+    r = _reassembler(max_chunks=64)
+    with pytest.raises(ProtocolError) as info:
+        r.add(chunks[0], "car-1")
+    assert info.value.reason == "too_large" and "640 pieces, over 64" in str(info.value)
+    assert r.pending_messages == 0 and r.pending_bytes == 0
+    fits = _chunks(os.urandom(640), 10)  # 64 pieces: accepted
+    assert [r.add(c, "car-1") for c in fits][-1] is not None
+
+
 def test_two_senders_with_the_same_msg_id_do_not_mix() -> None:
     a, b = os.urandom(3_000), os.urandom(3_000)
     ca, cb = _chunks(a, 1_000, agent="a", of="m"), _chunks(b, 1_000, agent="b", of="m")
