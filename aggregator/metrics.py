@@ -135,7 +135,7 @@ class ServiceCollector(Collector):
 class AggregatorMetrics:
     """The metrics of one `AggregatorService`; `serve(port)` starts the /metrics endpoint.
 
-        metrics = AggregatorMetrics(service)   # attaches itself: service.metrics
+        metrics = AggregatorMetrics(service)   # observes each batch of the service
         port = metrics.serve(9100, "0.0.0.0")
     """
 
@@ -158,7 +158,7 @@ class AggregatorMetrics:
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self._time_strategy()
-        service.metrics = self
+        service.batch_observers.append(self.observe_batch)
 
     def _time_strategy(self) -> None:
         """Wrap the strategy's `update_many` (the live path only; journal replay uses `apply`),

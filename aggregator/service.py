@@ -25,7 +25,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aggregator.engine import Engine, Inbound
 from aggregator.inbox import FairInbox
@@ -36,9 +36,6 @@ from fedmq.config import Config, LogSettings
 from fedmq.logs import PROGRESS, event, get_logger
 from fedmq.onnx_export import INPUT_NAME, OUTPUT_NAME, fleet_graph
 from fedmq.transport import Message, MqttTransport, NetworkLoop, Will, default_network
-
-if TYPE_CHECKING:
-    from aggregator.metrics import AggregatorMetrics
 
 log = get_logger("aggregator")
 
@@ -138,8 +135,9 @@ class AggregatorService:
         self.counters: Counter[str] = Counter()
         self.presence: dict[str, str] = {}
         """agent -> online/offline, from the agents' retained status and last wills."""
-        self.metrics: AggregatorMetrics | None = None
-        """Set by `AggregatorMetrics(service)`; told about each finished batch."""
+        self.batch_observers: list[Callable[[list[protocol.Envelope], float], None]] = []
+        """Called with each finished batch's envelopes and seconds (metrics; aggregator/metrics.py
+        adds itself, so the service knows nothing of Prometheus)."""
         self._inbox_lock = threading.Lock()
         self.graph: bytes | None = None
         """The fleet's ONNX graph (no weights), made at start; None if the export failed."""
@@ -411,8 +409,10 @@ class AggregatorService:
             for m in b.messages:
                 self.transport.ack(m)
         self.progress.applied(self.engine.applied)
-        if self.metrics is not None:
-            self.metrics.observe_batch([b.envelope for b in batch], time.perf_counter() - started)
+        if self.batch_observers:
+            envelopes, seconds = [b.envelope for b in batch], time.perf_counter() - started
+            for observe in self.batch_observers:
+                observe(envelopes, seconds)
         try:
             self.engine.snapshot_if_due()
         except JournalError as e:

@@ -155,10 +155,6 @@ class Strategy(ABC):
         """Apply queued uploads in order; strategies with costly estimation batch it."""
         return [self.apply(u) for u in uploads]
 
-    def tick(self, now: float) -> list[Reply]:
-        """Time passes (round deadlines for synchronous strategies); asynchronous: nothing."""
-        return []
-
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume exactly (tensors allowed)."""

@@ -186,10 +186,6 @@ class DeviceAgent:
     # ------------------------------------------------------------------ lifecycle
 
     @property
-    def installed_vector(self) -> torch.Tensor | None:
-        return self.state.vector
-
-    @property
     def tau(self) -> int:
         return self.state.tau
 

@@ -545,10 +545,6 @@ def parse_overrides(items: list[str] | None) -> dict[str, str]:
     return out
 
 
-def to_dict(cfg: Config) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
-
-
 # Flags every role shares; each maps onto a dotted config key.
 COMMON_FLAGS: dict[str, str] = {
     "broker": "broker.url",

@@ -201,15 +201,6 @@ def model_spec(name: str) -> ModelSpec:
     return _SPEC_CACHE[name]
 
 
-def spec_by_hash(spec_hash: str) -> ModelSpec | None:
-    """The zoo spec with this hash, or None (an unknown spec on the wire)."""
-    for name in ZOO:
-        s = model_spec(name)
-        if s.hash == spec_hash:
-            return s
-    return None
-
-
 def to_vector(model: nn.Module) -> torch.Tensor:
     """All parameters, in named_parameters order, as one detached float32 CPU vector."""
     return torch.cat([p.detach().reshape(-1).float().cpu() for p in model.parameters()])
@@ -228,7 +219,3 @@ def load_vector(model: nn.Module, vector: torch.Tensor) -> nn.Module:
             p.copy_(vector[offset : offset + n].view_as(p).to(p.dtype))
             offset += n
     return model
-
-
-def model_from_vector(name: str, vector: torch.Tensor) -> nn.Module:
-    return load_vector(build_model(name), vector)

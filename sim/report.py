@@ -25,17 +25,10 @@ from typing import Any
 
 import numpy as np
 
+from sim.figures import figure_legend, method_color, pyplot, save_figure
+
 METHOD_ORDER = ("cdfl", "fedsoft-async", "fedasync", "local")
 METHOD_NAMES = {"cdfl": "CDFL", "fedsoft-async": "FedSoft-Async", "fedasync": "FedAsync", "local": "Local"}
-METHOD_COLORS = {"cdfl": "tab:blue", "fedsoft-async": "tab:orange", "fedasync": "tab:purple", "local": "tab:gray",
-                 "catafed": "tab:green", "fedavg": "tab:red", "fedprox": "tab:brown"}
-"""One colour per method in every figure (sim report, sim rounds, the demo)."""
-
-
-def method_color(method: str) -> str:
-    return METHOD_COLORS.get(method, "black")
-
-
 def load_runs(out: Path) -> list[dict[str, Any]]:
     runs = []
     for p in sorted((out / "runs").glob("*/summary.json")):
@@ -109,37 +102,6 @@ def tables(runs: list[dict[str, Any]]) -> str:
                     f"{_ms([r['staleness_mean'] for r in g], 1)} | {sum(r['updates'] for r in g)} |")
         out.append("")
     return "\n".join(out)
-
-
-def pyplot() -> Any:
-    """matplotlib's pyplot on the Agg backend: figures are files, no display is needed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(fig: Any, path: Path) -> Path:
-    """Lay out, write (110 dpi, trimmed to what is drawn, legends included) and close one figure."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
-
-
-def figure_legend(fig: Any, axes: Any) -> None:
-    """One legend for the whole figure, below the plots, so it never covers data."""
-    seen: dict[str, Any] = {}
-    for ax in np.ravel(axes):
-        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
-            seen.setdefault(label, handle)
-    if seen:
-        fig.legend(list(seen.values()), list(seen), loc="upper center", bbox_to_anchor=(0.5, 0.0),
-                   ncol=min(len(seen), 4), fontsize=8, frameon=False)
 
 
 def _updates(run: dict[str, Any]) -> list[dict[str, str]]:

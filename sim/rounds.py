@@ -318,7 +318,7 @@ def load_results(path: Path) -> tuple[list[SimRun], float, dict]:
 
 
 def plot(runs: list[SimRun], path: Path) -> None:
-    from sim.report import figure_legend, method_color, pyplot, save_figure
+    from sim.figures import figure_legend, method_color, pyplot, save_figure
 
     fig, (ax1, ax2) = pyplot().subplots(1, 2, figsize=(11, 4))
     for r in runs:

@@ -67,7 +67,7 @@ def test_scraped_counters_match_what_was_sent(mosquitto, pretrained, tmp_path) -
                              "aggregator.accuracy_every": 0})
     service = AggregatorService(cfg, build_engine(cfg))
     metrics = AggregatorMetrics(service)
-    assert service.metrics is metrics
+    assert metrics.observe_batch in service.batch_observers
     agent = stranger = None
     with service:
         port = metrics.serve(0)
