@@ -359,12 +359,12 @@ class Engine:
         if reply.kind == "clusters":
             # All K models, each whole: the agent's next upload is a whole vector too.
             for vec in reply.vectors:
-                tensors.append(codecs.encode(vec, c.name, zstd=c.zstd, **self._codec_params()))
+                tensors.append(codecs.encode(vec, c.name, zstd=c.zstd, **c.encoder_params()))
             record.base = None
         else:
             (vec,) = reply.vectors
             base = record.base.numpy() if (c.delta and record.base is not None and not whole) else None
-            wire = codecs.encode(vec, c.name, base=base, zstd=c.zstd, **self._codec_params())
+            wire = codecs.encode(vec, c.name, base=base, zstd=c.zstd, **c.encoder_params())
             tensors.append(wire)
             # The agent will hold exactly what it decodes, lossy codec or not.
             record.base = torch.from_numpy(codecs.decode(wire, base=base).copy())
@@ -377,14 +377,6 @@ class Engine:
         record.recent.append(in_reply_to)
         record.high_water = max(record.high_water, in_reply_to)
         return env
-
-    def _codec_params(self) -> dict[str, Any]:
-        c = self.cfg.codec
-        if c.name == "int8":
-            return {"block": c.int8_block}
-        if c.name == "topk":
-            return {"ratio": c.topk_ratio}
-        return {}
 
 
 def _decode_sketch(env: protocol.Update) -> np.ndarray | None:

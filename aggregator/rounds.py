@@ -247,9 +247,7 @@ class RoundService:
         plan = self.strategy.open_round()
         sizes = {a: self.strategy.agents[a].size for a in plan.selected}
         c = self.cfg.codec
-        params = {"block": c.int8_block} if c.name == "int8" else (
-            {"ratio": c.topk_ratio} if c.name == "topk" else {})
-        wire = codecs.encode(self.strategy.vector.numpy(), c.name, zstd=c.zstd, **params)
+        wire = codecs.encode(self.strategy.vector.numpy(), c.name, zstd=c.zstd, **c.encoder_params())
         self._base = codecs.decode(wire, max_n=self.spec.numel)  # what every invitee will hold
         self._round_bytes_up = 0
         sent_before = self.channel.bytes_sent

@@ -225,10 +225,8 @@ class RoundAgent:
         c = self.cfg.codec
         tensor: dict[str, Any] | None = None
         if work.finished and work.vector is not None:
-            params: dict[str, Any] = {"block": c.int8_block} if c.name == "int8" else (
-                {"ratio": c.topk_ratio} if c.name == "topk" else {})
             tensor = codecs.encode(work.vector.detach().cpu().numpy(), c.name,
-                                   base=base if c.delta else None, zstd=c.zstd, **params)
+                                   base=base if c.delta else None, zstd=c.zstd, **c.encoder_params())
         r = work.result
         metrics = {"epochs": float(r.epochs_done), "train_s": float(r.seconds),
                    "eps_s": float(self.learner.uploads.eps), "shard_index": float(work.shard_index)}

@@ -22,7 +22,6 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -315,9 +314,7 @@ class EdgeAgent:
             raise AgentError("not_joined", "join before uploading")
         c = self.cfg.codec
         base = self.installed.vector.numpy() if (c.delta and self.installed.kind != "clusters") else None
-        params: dict[str, Any] = {"block": c.int8_block} if c.name == "int8" else (
-            {"ratio": c.topk_ratio} if c.name == "topk" else {})
-        wire = codecs.encode(vector.detach().cpu().numpy(), c.name, base=base, zstd=c.zstd, **params)
+        wire = codecs.encode(vector.detach().cpu().numpy(), c.name, base=base, zstd=c.zstd, **c.encoder_params())
         summary = None
         if inputs is not None and self.cfg.agent.send_sketch and self.algorithm == "cdfl":
             summary = sketch.data_sketch(inputs).astype("<f2").tobytes()

@@ -88,7 +88,7 @@ class CodecSettings:
     """How model vectors are compressed on the wire (uplink and downlink)."""
 
     name: str = "int8"
-    """fp32, fp16, int8 (blockwise scale) or topk (with sender-side error feedback)."""
+    """fp32, fp16, int8 (blockwise scale) or topk (largest entries only; no sender wires error feedback in yet, see docs/codecs.md)."""
     zstd: bool = True
     """Follow the codec with zstd."""
     delta: bool = True
@@ -96,7 +96,15 @@ class CodecSettings:
     int8_block: int = 256
     """Values per int8 block; each block carries one fp32 scale."""
     topk_ratio: float = 0.05
-    """Share of entries topk sends (the rest stays in the sender's error feedback)."""
+    """Share of entries topk sends; the rest of each vector is not sent."""
+
+    def encoder_params(self) -> dict[str, Any]:
+        """The keyword arguments `codecs.encode` takes for this codec (one mapping for every sender)."""
+        if self.name == "int8":
+            return {"block": self.int8_block}
+        if self.name == "topk":
+            return {"ratio": self.topk_ratio}
+        return {}
 
 
 @dataclass
