@@ -18,6 +18,10 @@ of the error only: a model that gets better is no reason to upload.
   the class for why: river's forgetting factor makes false alarms on long streams).
 - `ADWIN`: adaptive windowing (Bifet & Gavalda 2007) with river's cut test, kept exact:
   the window is a bit list of at most `max_window` values (see the class).
+- `DDM`: Gama et al.'s drift detection method, with a warning zone.
+
+All are `DriftDetector`s (drift and warning flags, lazy restart after a drift, saved state
+with its `kind`), registered in `DETECTORS` by name.
 
 `DriftMonitor` wraps one detector and decides when the agent should train and upload:
 after drift (or a manual trigger), but not more often than `min_interval_s`.
@@ -26,35 +30,77 @@ after drift (or a manual trigger), but not more often than `min_interval_s`.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections import deque
-from typing import Any, Protocol
+from typing import Any, ClassVar
 
 import numpy as np
 
 
-class DriftDetector(Protocol):
-    """What the monitor needs from a detector (all three below fit)."""
+class DriftDetector(ABC):
+    """river's shape: `update(x)`, then read `drift_detected` (and `warning_detected`, the
+    zone before a drift where a detector has one). A drift is acted on by the caller; the
+    detector restarts lazily at the next `update` (`_after_drift`). Subclasses implement
+    `_update` (setting the flags), `reset`, `_state` and `_load`; `kind` names them in the
+    registry (`DETECTORS`) and in saved states, `binary` says whether `x` is read as a bit.
+    """
 
-    def update(self, x: float) -> None: ...
+    kind: ClassVar[str]
+    binary: ClassVar[bool] = False
+    """True: `x` >= 0.5 is an error, else correct; False: `x` is a value in [0, 1]."""
+
+    def __init__(self) -> None:
+        self._drift = False
+        self._warning = False
 
     @property
-    def drift_detected(self) -> bool: ...
+    def drift_detected(self) -> bool:
+        return self._drift
 
-    def reset(self) -> None: ...
+    @property
+    def warning_detected(self) -> bool:
+        return self._warning
 
-    def set_reference(self, accuracy: float | None) -> None: ...
+    def update(self, x: float) -> None:
+        if self._drift:
+            self._after_drift()
+        self._drift = self._warning = False
+        self._update(float(x))
 
-    def state_dict(self) -> dict[str, Any]: ...
+    @abstractmethod
+    def _update(self, x: float) -> None: ...
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def _after_drift(self) -> None:
+        """What a drift costs the statistics (default: everything); runs at the next update."""
+        self.reset()
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Forget every statistic and flag."""
+
+    def set_reference(self, accuracy: float | None) -> None:
+        """A new model is installed; the statistics described the old one (`accuracy`, its
+        accuracy on local data, is used by detectors that compare against a reference)."""
+        self.reset()
+
+    @abstractmethod
+    def _state(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def _load(self, state: dict[str, Any]) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, **self._state(), "drift": self._drift, "warning": self._warning}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("kind") != self.kind:
+            raise ValueError(f"state of a {state.get('kind')!r} detector cannot load into {self.kind!r}")
+        self._load(state)
+        self._drift = bool(state["drift"])
+        self._warning = bool(state.get("warning", False))
 
 
-def _check_kind(state: dict[str, Any], kind: str) -> None:
-    if state.get("kind") != kind:
-        raise ValueError(f"state of a {state.get('kind')!r} detector cannot load into {kind!r}")
-
-
-class ThresholdDetector:
+class ThresholdDetector(DriftDetector):
     """Drift when accuracy over the last `window` bits < reference - `delta` (window full).
 
     The reference is the accuracy the installed model is expected to have on this device:
@@ -66,8 +112,10 @@ class ThresholdDetector:
     """
 
     kind = "threshold"
+    binary = True
 
     def __init__(self, window: int = 200, delta: float = 0.1, reference: float | None = None) -> None:
+        super().__init__()
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         if not 0.0 <= delta <= 1.0:
@@ -77,19 +125,19 @@ class ThresholdDetector:
         self.reference: float | None = reference
         self._bits: deque[int] = deque(maxlen=window)
         self._errors = 0
-        self._drift = False
 
-    def update(self, x: float) -> None:
+    def _after_drift(self) -> None:
+        """One alarm per drift: judge a fresh window next, against the same reference."""
+        self._bits.clear()
+        self._errors = 0
+
+    def _update(self, x: float) -> None:
         """`x` is the error of one prediction (1 - correct); values >= 0.5 count as wrong."""
         bit = 1 if x >= 0.5 else 0
-        if self._drift:  # one alarm per drift: judge a fresh window next (river resets lazily too)
-            self._bits.clear()
-            self._errors = 0
         if len(self._bits) == self.window:
             self._errors -= self._bits[0]
         self._bits.append(bit)
         self._errors += bit
-        self._drift = False
         if len(self._bits) < self.window:
             return
         acc = self.window_accuracy
@@ -102,10 +150,6 @@ class ThresholdDetector:
     def window_accuracy(self) -> float | None:
         return None if not self._bits else 1.0 - self._errors / len(self._bits)
 
-    @property
-    def drift_detected(self) -> bool:
-        return self._drift
-
     def set_reference(self, accuracy: float | None) -> None:
         """New model installed: new reference, and an empty window (old bits judged the old model)."""
         self.reference = accuracy
@@ -116,21 +160,19 @@ class ThresholdDetector:
     def reset(self) -> None:
         self.set_reference(None)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "window": self.window, "delta": self.delta,
-                "reference": self.reference, "bits": bytes(self._bits), "drift": self._drift}
+    def _state(self) -> dict[str, Any]:
+        return {"window": self.window, "delta": self.delta, "reference": self.reference,
+                "bits": bytes(self._bits)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        _check_kind(state, self.kind)
+    def _load(self, state: dict[str, Any]) -> None:
         self.window = int(state["window"])
         self.delta = float(state["delta"])
         self.reference = None if state["reference"] is None else float(state["reference"])
         self._bits = deque(bytes(state["bits"]), maxlen=self.window)
         self._errors = sum(self._bits)
-        self._drift = bool(state["drift"])
 
 
-class PageHinkley:
+class PageHinkley(DriftDetector):
     """Page-Hinkley test for an increase of the mean, as river (>= 0.15) defines it, mode "up".
 
     Per value x: the running mean m_n of all values since the last reset (plain mean),
@@ -156,6 +198,7 @@ class PageHinkley:
                  alpha: float = 1.0) -> None:
         if min_instances < 1 or threshold <= 0 or not 0 < alpha <= 1:
             raise ValueError("PageHinkley needs min_instances >= 1, threshold > 0, 0 < alpha <= 1")
+        super().__init__()
         self.min_instances = min_instances
         self.delta = delta
         self.threshold = threshold
@@ -167,34 +210,21 @@ class PageHinkley:
         self.mean = 0.0
         self.sum = 0.0
         self.min_sum = math.inf
-        self._drift = False
+        self._drift = self._warning = False
 
-    def update(self, x: float) -> None:
-        x = float(x)
-        if self._drift:
-            self.reset()
+    def _update(self, x: float) -> None:
         self.n += 1
         self.mean += (x - self.mean) / self.n
         self.sum = self.alpha * self.sum + (x - self.mean) - self.delta
         self.min_sum = min(self.min_sum, self.sum)
         self._drift = self.n >= self.min_instances and self.sum - self.min_sum > self.threshold
 
-    @property
-    def drift_detected(self) -> bool:
-        return self._drift
+    def _state(self) -> dict[str, Any]:
+        return {"min_instances": self.min_instances, "delta": self.delta, "threshold": self.threshold,
+                "alpha": self.alpha, "n": self.n, "mean": self.mean, "sum": self.sum,
+                "min_sum": None if math.isinf(self.min_sum) else self.min_sum}
 
-    def set_reference(self, accuracy: float | None) -> None:
-        """New model installed: the old statistics described the old model."""
-        self.reset()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "min_instances": self.min_instances, "delta": self.delta,
-                "threshold": self.threshold, "alpha": self.alpha, "n": self.n, "mean": self.mean,
-                "sum": self.sum, "min_sum": None if math.isinf(self.min_sum) else self.min_sum,
-                "drift": self._drift}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        _check_kind(state, self.kind)
+    def _load(self, state: dict[str, Any]) -> None:
         self.min_instances = int(state["min_instances"])
         self.delta = float(state["delta"])
         self.threshold = float(state["threshold"])
@@ -203,10 +233,9 @@ class PageHinkley:
         self.mean = float(state["mean"])
         self.sum = float(state["sum"])
         self.min_sum = math.inf if state["min_sum"] is None else float(state["min_sum"])
-        self._drift = bool(state["drift"])
 
 
-class ADWIN:
+class ADWIN(DriftDetector):
     """Adaptive windowing (Bifet & Gavalda 2007), exact and bounded.
 
     The window holds the last values (at most `max_window`; the oldest fall out). Every
@@ -236,6 +265,7 @@ class ADWIN:
             raise ValueError(f"direction must be 'up' or 'both', got {direction!r}")
         if clock < 1 or max_window < 2 * min_window_length or min_window_length < 1:
             raise ValueError("ADWIN needs clock >= 1, min_window_length >= 1, max_window >= 2*min_window_length")
+        super().__init__()
         self.delta = delta
         self.clock = clock
         self.max_window = max_window
@@ -247,7 +277,7 @@ class ADWIN:
     def reset(self) -> None:
         self._values: deque[float] = deque(maxlen=self.max_window)
         self._ticks = 0
-        self._drift = False
+        self._drift = self._warning = False
         self.detections = 0
 
     @property
@@ -258,10 +288,12 @@ class ADWIN:
     def estimation(self) -> float:
         return float(np.mean(self._values)) if self._values else 0.0
 
-    def update(self, x: float) -> None:
-        self._values.append(float(x))
+    def _after_drift(self) -> None:
+        """Nothing to forget: the cut already dropped the data from before the change."""
+
+    def _update(self, x: float) -> None:
+        self._values.append(x)
         self._ticks += 1
-        self._drift = False
         if self._ticks % self.clock or len(self._values) < max(self.grace_period, 2 * self.min_window_length):
             return
         self._drift = self._cut()
@@ -302,38 +334,87 @@ class ADWIN:
             for _ in range(n - keep):
                 self._values.popleft()
 
-    @property
-    def drift_detected(self) -> bool:
-        return self._drift
-
-    def set_reference(self, accuracy: float | None) -> None:
-        """New model installed: the window described the old model."""
-        self.reset()
-
-    def state_dict(self) -> dict[str, Any]:
+    def _state(self) -> dict[str, Any]:
         bits = all(v in (0.0, 1.0) for v in self._values)
         values: bytes | list[float] = bytes(int(v) for v in self._values) if bits else list(self._values)
-        return {"kind": self.kind, "delta": self.delta, "clock": self.clock, "max_window": self.max_window,
+        return {"delta": self.delta, "clock": self.clock, "max_window": self.max_window,
                 "min_window_length": self.min_window_length, "grace_period": self.grace_period,
                 "direction": self.direction, "values": values, "ticks": self._ticks,
-                "drift": self._drift, "detections": self.detections}
+                "detections": self.detections}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        _check_kind(state, self.kind)
+    def _load(self, state: dict[str, Any]) -> None:
         self.__init__(float(state["delta"]), int(state["clock"]), int(state["max_window"]),  # type: ignore[misc]
                       int(state["min_window_length"]), int(state["grace_period"]), str(state["direction"]))
         raw = state["values"]
         self._values.extend(float(v) for v in (raw if not isinstance(raw, bytes) else list(raw)))
         self._ticks = int(state["ticks"])
-        self._drift = bool(state["drift"])
         self.detections = int(state["detections"])
 
 
-DETECTORS: dict[str, type] = {"threshold": ThresholdDetector, "page_hinkley": PageHinkley, "adwin": ADWIN}
+class DDM(DriftDetector):
+    """Drift Detection Method (Gama et al. 2004) on the error bits, as river defines it.
+
+    p = the error rate since the last reset, s = sqrt(p (1 - p) / n). After `warm_start`
+    bits the smallest p + s seen is kept as (p_min, s_min); warning when
+    p + s > p_min + `warning_threshold` s_min, drift when p + s > p_min + `drift_threshold`
+    s_min; after a drift it starts afresh. It is here as the proof that a new detector is
+    small on the base class: its mean over everything since the last reset reacts slowly
+    after a long quiet stream (the agent resets it at each model install, which keeps
+    streams short).
+    """
+
+    kind = "ddm"
+    binary = True
+
+    def __init__(self, warm_start: int = 30, warning_threshold: float = 2.0, drift_threshold: float = 3.0) -> None:
+        if warm_start < 1 or not 0 < warning_threshold <= drift_threshold:
+            raise ValueError("DDM needs warm_start >= 1 and 0 < warning_threshold <= drift_threshold")
+        super().__init__()
+        self.warm_start = warm_start
+        self.warning_threshold = warning_threshold
+        self.drift_threshold = drift_threshold
+        self.reset()
+
+    def reset(self) -> None:
+        self.n = 0
+        self.errors = 0
+        self.p_min = math.inf
+        self.s_min = math.inf
+        self._drift = self._warning = False
+
+    def _update(self, x: float) -> None:
+        self.n += 1
+        self.errors += x >= 0.5
+        p = self.errors / self.n
+        s = math.sqrt(p * (1.0 - p) / self.n)
+        if self.n <= self.warm_start:
+            return
+        if p + s <= self.p_min + self.s_min:
+            self.p_min, self.s_min = p, s
+        self._drift = p + s > self.p_min + self.drift_threshold * self.s_min
+        self._warning = not self._drift and p + s > self.p_min + self.warning_threshold * self.s_min
+
+    def _state(self) -> dict[str, Any]:
+        finite = not math.isinf(self.p_min)
+        return {"warm_start": self.warm_start, "warning_threshold": self.warning_threshold,
+                "drift_threshold": self.drift_threshold, "n": self.n, "errors": self.errors,
+                "p_min": self.p_min if finite else None, "s_min": self.s_min if finite else None}
+
+    def _load(self, state: dict[str, Any]) -> None:
+        self.__init__(int(state["warm_start"]), float(state["warning_threshold"]),  # type: ignore[misc]
+                      float(state["drift_threshold"]))
+        self.n, self.errors = int(state["n"]), int(state["errors"])
+        if state["p_min"] is not None:
+            self.p_min, self.s_min = float(state["p_min"]), float(state["s_min"])
+
+
+DETECTORS: dict[str, type[DriftDetector]] = {cls.kind: cls for cls in (ThresholdDetector, PageHinkley, ADWIN, DDM)}
+"""Every drift detector by name: the config, make_detector, saved states and the contract
+tests (tests/test_drift.py) all read this."""
 
 
 def make_detector(name: str, **kwargs: Any) -> DriftDetector:
-    """A detector by name ("threshold", "page_hinkley", "adwin") with its knobs as kwargs."""
+    """A detector by name (a key of DETECTORS) with its knobs as kwargs."""
     try:
         cls = DETECTORS[name]
     except KeyError:

@@ -343,7 +343,7 @@ class AgentSettings:
     state_dir: str = "state/agent"
     """Model, tau, pending upload, detector state and counters (agent_state.msgpack) and model.onnx; a restart resumes from here."""
     detector: str = "threshold"
-    """Drift detector: threshold, page_hinkley or adwin (docs/edge_agent.md)."""
+    """Drift detector: threshold, page_hinkley, adwin or ddm (edge_agent/drift.py DETECTORS; docs/edge_agent.md)."""
     detector_knobs: list[str] = field(default_factory=list)
     """The detector's knobs as name=value items, e.g. window=100,delta=0.15 (numbers only)."""
     min_update_interval_s: float = 60.0

@@ -8,6 +8,7 @@ import pytest
 
 from edge_agent.drift import (
     ADWIN,
+    DETECTORS,
     DriftMonitor,
     PageHinkley,
     ThresholdDetector,
@@ -15,7 +16,10 @@ from edge_agent.drift import (
     make_detector,
 )
 
-DETECTORS = ["threshold", "page_hinkley", "adwin"]
+QUIET_AND_QUICK = [name for name in DETECTORS if name != "ddm"]
+"""Detectors fit to be the agent's: no false alarm in 10,000 stationary bits, a drop caught
+within DELAY_BOUND. DDM is not (its mean over everything since the reset reacts slowly and
+its early minimum makes false alarms: measured below); it is the small-detector example."""
 DELAY_BOUND = 300
 
 
@@ -30,7 +34,7 @@ def fresh(name: str):
     return detector
 
 
-@pytest.mark.parametrize("name", DETECTORS)
+@pytest.mark.parametrize("name", QUIET_AND_QUICK)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_no_false_alarm_then_bounded_delay(name: str, seed: int) -> None:
     rng = np.random.default_rng(seed)
@@ -74,6 +78,56 @@ def test_state_dict_round_trip_continues_identically(name: str) -> None:
 def test_state_of_another_kind_is_refused() -> None:
     with pytest.raises(ValueError, match="cannot load"):
         PageHinkley().load_state_dict(ADWIN().state_dict())
+
+
+@pytest.mark.parametrize("name", list(DETECTORS))
+def test_every_registered_detector_keeps_the_contract(name: str) -> None:
+    """The base class's promises, for each detector in the registry: named by its kind, flags
+    off at the start, drift raised on a drop and dropped at the next update, warning never
+    together with drift, reset and set_reference clear the flags, and the saved state names
+    the kind and comes back through detector_from_state."""
+    detector = make_detector(name)
+    assert detector.kind == name and isinstance(detector.binary, bool)
+    assert not detector.drift_detected and not detector.warning_detected
+    rng = np.random.default_rng(11)
+    fired_at = None
+    for i, x in enumerate(np.concatenate([errors(rng, 0.95, 400), errors(rng, 0.3, 600)])):
+        detector.update(x)
+        assert not (detector.drift_detected and detector.warning_detected)
+        if detector.drift_detected and i >= 400:
+            fired_at = i
+            break
+    assert fired_at is not None, f"{name} never saw 0.95 -> 0.3"
+    detector.update(0.0)
+    assert not detector.drift_detected  # one alarm per drift
+    state = detector.state_dict()
+    assert state["kind"] == name and detector_from_state(state).state_dict() == state
+    for clear in (detector.reset, lambda: detector.set_reference(0.9)):
+        detector.update(1.0)
+        clear()
+        assert not detector.drift_detected and not detector.warning_detected
+
+
+def test_ddm_warns_before_it_drifts_on_a_short_stream() -> None:
+    """1,000 bits at 0.9 (the agent resets at each install, so streams are this short) then
+    0.6: caught within DELAY_BOUND, the warning zone first. Measured with seeds 0-5: first
+    warning after 1-54 bits, drift after 52-95; false alarms in the 1,000 quiet bits for 3
+    of 6 seeds (why it is not in QUIET_AND_QUICK)."""
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        detector = make_detector("ddm")
+        for x in errors(rng, 0.9, 1000):
+            detector.update(x)
+        warned = drifted = None
+        for i, x in enumerate(errors(rng, 0.6, 2 * DELAY_BOUND)):
+            detector.update(x)
+            if detector.warning_detected and warned is None:
+                warned = i
+            if detector.drift_detected:
+                drifted = i
+                break
+        assert drifted is not None and drifted < DELAY_BOUND, (seed, drifted)
+        assert warned is not None and warned < drifted, (seed, warned, drifted)
 
 
 def test_threshold_self_calibrates_without_reference() -> None:
