@@ -79,6 +79,8 @@ class Credentials:
     monitor_user: str | None = None
     monitor_password: str | None = None
     hostnames: list[str] = field(default_factory=list)
+    fleets: list[str] = field(default_factory=list)
+    """Fleets the ACL grants (empty: any fleet, `+`)."""
     revoked: list[str] = field(default_factory=list)  # users dropped by this run
     ca_created: bool = False
     server_cert_created: bool = False
@@ -175,37 +177,34 @@ def render_passwd(users: dict[str, str]) -> str:
 # --------------------------------------------------------------------------- ACL
 
 
-def render_acl(aggregator_user: str, monitor_user: str | None = None) -> str:
+def render_acl(aggregator_user: str, monitor_user: str | None = None, fleets: Sequence[str] = ()) -> str:
     """The ACL for wire protocol v1. Pattern lines (%u) bind every agent to its own subtree,
-    so the file does not change when agents come and go (only passwd does)."""
+    so the file does not change when agents come and go (only passwd does). With `fleets`,
+    every rule names them instead of `+`: an agent then owns two topics that keep a retained
+    message (its up and status topics in each fleet), not one pair per fleet id it invents."""
+    scopes = list(fleets) or ["+"]
+    where = "in any fleet" if not fleets else f"in fleet{'s' if len(scopes) > 1 else ''} {', '.join(scopes)} only"
     lines = [
         "# fedmq wire protocol v1 ACL, written by `fedmq creds`. Anonymous clients get nothing",
         "# (and prod.conf refuses them anyway). Anything not granted here is denied.",
         "#",
-        "# Every authenticated user: its own agent subtree, in any fleet. %u must fill a whole",
+        f"# Every authenticated user: its own agent subtree, {where}. %u must fill a whole",
         "# topic level; usernames are checked to be one level (no / + # %) when made.",
-        "pattern write fedmq/+/agents/%u/up",
-        "pattern write fedmq/+/agents/%u/status",
-        "pattern read fedmq/+/agents/%u/down",
-        "pattern read fedmq/+/aggregator/status",
-        "pattern read fedmq/+/model/onnx",
-        "",
-        "# The aggregator reads every uplink and status, writes every downlink and its status.",
-        f"user {aggregator_user}",
-        "topic read fedmq/+/agents/+/up",
-        "topic read fedmq/+/agents/+/status",
-        "topic write fedmq/+/agents/+/down",
-        "topic readwrite fedmq/+/aggregator/status",
-        "topic readwrite fedmq/+/model/onnx",
     ]
+    for f in scopes:
+        lines += [f"pattern write fedmq/{f}/agents/%u/up", f"pattern write fedmq/{f}/agents/%u/status",
+                  f"pattern read fedmq/{f}/agents/%u/down", f"pattern read fedmq/{f}/aggregator/status",
+                  f"pattern read fedmq/{f}/model/onnx"]
+    lines += ["", "# The aggregator reads every uplink and status, writes every downlink and its status.",
+              f"user {aggregator_user}"]
+    for f in scopes:
+        lines += [f"topic read fedmq/{f}/agents/+/up", f"topic read fedmq/{f}/agents/+/status",
+                  f"topic write fedmq/{f}/agents/+/down", f"topic readwrite fedmq/{f}/aggregator/status",
+                  f"topic readwrite fedmq/{f}/model/onnx"]
     if monitor_user:
-        lines += [
-            "",
-            "# Dashboards: status topics only, read only.",
-            f"user {monitor_user}",
-            "topic read fedmq/+/agents/+/status",
-            "topic read fedmq/+/aggregator/status",
-        ]
+        lines += ["", "# Dashboards: status topics only, read only.", f"user {monitor_user}"]
+        for f in scopes:
+            lines += [f"topic read fedmq/{f}/agents/+/status", f"topic read fedmq/{f}/aggregator/status"]
     return "\n".join(lines) + "\n"
 
 
@@ -360,7 +359,7 @@ def _mkdir(path: Path, mode: int, gid: int | None = None) -> None:
 def _write_broker_files(creds: Credentials, gid: int | None) -> None:
     secret_mode = 0o640 if gid is not None else 0o600
     _write(creds.passwd, render_passwd(creds.users()), secret_mode, gid)
-    _write(creds.acl, render_acl(creds.aggregator_user, creds.monitor_user), 0o644, gid)
+    _write(creds.acl, render_acl(creds.aggregator_user, creds.monitor_user, creds.fleets), 0o644, gid)
 
 
 def _write_credentials_json(creds: Credentials) -> None:
@@ -368,6 +367,7 @@ def _write_credentials_json(creds: Credentials) -> None:
         "version": 1,
         "ca_cert": str(creds.ca_cert.relative_to(creds.out_dir)),
         "hostnames": creds.hostnames,
+        "fleets": creds.fleets,
         "aggregator": {"username": creds.aggregator_user, "password": creds.aggregator_password},
         "monitor": (
             {"username": creds.monitor_user, "password": creds.monitor_password}
@@ -395,6 +395,7 @@ def load_credentials(out_dir: str | os.PathLike[str]) -> Credentials:
         monitor_user=monitor.get("username"),
         monitor_password=monitor.get("password"),
         hostnames=list(doc.get("hostnames", [])),
+        fleets=list(doc.get("fleets", [])),
     )
 
 
@@ -410,11 +411,13 @@ def make_credentials(
     hostnames: Sequence[str] = ("localhost",),
     group: str | int | None = None,
     force: bool = False,
+    fleets: Sequence[str] | None = None,
 ) -> Credentials:
     """Create or update the CA, server cert, passwd, acl and credentials.json under `out_dir`.
 
     Existing CA, server cert (while its names match and it is not near expiry) and passwords
     of users still listed are kept unless `force`; users no longer listed lose access.
+    `fleets` scopes the ACL to those fleet ids (None: as the previous run, else any fleet).
     """
     out = Path(out_dir)
     agent_list = list(dict.fromkeys(validate_username(a.strip()) for a in agents if a.strip()))
@@ -430,6 +433,9 @@ def make_credentials(
     if clash:
         raise CredentialsError(f"agent name(s) {sorted(clash)} are taken by the service users")
     gid = resolve_group(group)
+    for f in fleets or ():
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", f) or f in (".", ".."):
+            raise CredentialsError(f"bad fleet id {f!r}: use [A-Za-z0-9_.-], 1-64 characters")
 
     previous: Credentials | None = None
     if not force and (out / "private" / "credentials.json").exists():
@@ -444,6 +450,7 @@ def make_credentials(
         monitor_user=monitor_user,
         monitor_password=(old_users.get(monitor_user) or generate_password()) if monitor_user else None,
         hostnames=all_server_names(hostnames),
+        fleets=list(dict.fromkeys(fleets)) if fleets is not None else (previous.fleets if previous else []),
     )
     creds.revoked = sorted(set(old_users) - set(creds.users()))
 
@@ -536,6 +543,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group", default=None,
                         help="group (name or gid) that may read passwd and server.key; default: "
                              "the local 'mosquitto' group if any; 1883 for the eclipse-mosquitto image")
+    parser.add_argument("--fleet", action="append", default=None, metavar="FLEET",
+                        help="grant topics of this fleet only (repeatable; default: any fleet id). "
+                             "Bounds what an agent can keep retained on the broker to its own two "
+                             "topics per fleet; a re-run without it keeps the previous choice")
     parser.add_argument("--rotate", metavar="USER", help="only give USER a new password")
     parser.add_argument("--force", action="store_true", help="new CA, server cert and passwords")
 
@@ -557,12 +568,14 @@ def run(args: argparse.Namespace) -> int:
         creds = make_credentials(
             args.out, agents, aggregator_user=args.aggregator_user,
             monitor_user=args.monitor_user, hostnames=hostnames, group=args.group, force=args.force,
+            fleets=args.fleet,
         )
     except (CredentialsError, OSError) as e:
         print(f"fedmq creds: {e}", file=sys.stderr)
         return 2
     print(f"{len(creds.agents)} agents, users {creds.aggregator_user}"
-          + (f", {creds.monitor_user}" if creds.monitor_user else ""))
+          + (f", {creds.monitor_user}" if creds.monitor_user else "")
+          + f"; fleets: {', '.join(creds.fleets) or 'any'}")
     print(f"CA: {'new' if creds.ca_created else 'kept'} ({creds.ca_cert}); server cert: "
           f"{'new' if creds.server_cert_created else 'kept'} for {', '.join(creds.hostnames)}")
     if creds.revoked:

@@ -370,6 +370,34 @@ def test_hash_matches_mosquitto_passwd(tmp_path):
     assert mosquitto_hash("s3cret", salt=salt) == hashed
 
 
+@needs_mosquitto
+def test_fleet_scoped_acl_keeps_an_agent_to_its_own_fleet(tmp_path):
+    """`fedmq creds --fleet f1`: every rule names f1, so an agent cannot store retained
+    messages under other fleet ids (issue #16: 5 x 90 MiB under invented fleets). An
+    observer that may read everything (added to the ACL for this test only) sees what the
+    broker kept: the message in f1, not the one in f2."""
+    creds = make_credentials(tmp_path / "creds", ["a1"], monitor_user="observer", fleets=["f1"])
+    acl = creds.acl.read_text()
+    assert "fedmq/+/" not in acl and "pattern write fedmq/f1/agents/%u/status" in acl
+    assert load_credentials(creds.out_dir).fleets == ["f1"]
+    creds.acl.write_text(acl + "topic read fedmq/#\n")  # the observer's extra right, this test only
+    with MosquittoBroker.from_file(PROD_CONF, path_map=creds.path_map(), workdir=tmp_path / "b") as broker:
+        a1 = Peer("a1", creds.ca_cert, "a1", creds.agents["a1"])
+        observer = Peer("observer", creds.ca_cert, "observer", creds.users()["observer"])
+        try:
+            assert not a1.connect(broker.port).is_failure
+            a1.publish("fedmq/f2/agents/a1/status", b"elsewhere", retain=True)
+            a1.publish("fedmq/f1/agents/a1/status", b"home", retain=True)  # the probe, sent after
+            assert not observer.connect(broker.port).is_failure
+            observer.subscribe("fedmq/#")  # retained messages come with the SUBACK
+            observer.wait_for(("fedmq/f1/agents/a1/status", b"home"))
+            time.sleep(GRACE_S)
+            assert ("fedmq/f2/agents/a1/status", b"elsewhere") not in observer.messages
+        finally:
+            a1.close()
+            observer.close()
+
+
 def test_files_modes_and_layout(creds):
     mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
     assert mode(creds.ca_key) == 0o600
