@@ -46,6 +46,7 @@ soak: venv mosquitto
 	$(PY) -m soak.fuzz_uplink --messages 50000
 	$(PY) -m soak.load_burst --agents 1000
 	$(PY) -m soak.broker_window
+	$(PY) -m soak.flood_fairness
 
 lint: venv
 	$(VENV)/bin/ruff check .
