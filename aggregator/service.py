@@ -327,15 +327,11 @@ class AggregatorService:
         limit = self.cfg.protocol.max_message_bytes
         if env.msg_id in {protocol.readable_msg_id(m.payload, limit) for m in self._inbox.waiting(_sender_of(message.topic))}:
             return False  # another copy of a waiting message (re-sent while we were down): no new work
-        with self._inbox_lock:
-            self.counters["refused.rate_limited"] += 1
         detail = (f"{self._inbox.max_per_sender} messages from {topic.agent} are already waiting; "
                   f"send the next one after a reply")
-        event(log, "uplink.refused", agent=topic.agent, reason="rate_limited", msg_id=env.msg_id)
-        err = protocol.Error(agent=topic.agent, msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
-                             reason="rate_limited", detail=detail, in_reply_to=env.msg_id)
-        self.channel.send(protocol.downlink(self.fleet, topic.agent), err)
-        self.transport.ack(message)
+        # The worker's refusal path (count, log, Error reply, ack); only this thread counts
+        # refused.rate_limited, so sharing the counter with the worker is safe.
+        self._refuse(Refused(protocol.ProtocolError("rate_limited", detail), topic, env.msg_id, [message]))
         return True
 
     def _taken(self) -> None:
