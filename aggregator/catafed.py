@@ -35,6 +35,7 @@ from fedmq.config import CataFedSettings
 
 RATES = ("samples", "throughput")
 WEIGHTS = ("samples", "uniform")
+SELECTIONS = ("pf", "random")
 
 
 def kmeans_1d(values: Sequence[float], k: int) -> list[int]:
@@ -127,6 +128,8 @@ class RoundResult:
     base: torch.Tensor | None = None
     """The model the agent started from (W_t as it decoded it); None means W_t itself."""
     metrics: dict[str, float] = field(default_factory=dict)
+    latency_s: float | None = None
+    """Seconds from the invite to this report as the server measured them (None: unknown)."""
 
 
 @dataclass
@@ -193,6 +196,9 @@ class RoundStrategy:
             raise ValueError(f"catafed.weights must be one of {WEIGHTS}, got {settings.weights!r}")
         if settings.rate not in RATES:
             raise ValueError(f"catafed.rate must be one of {RATES}, got {settings.rate!r}")
+        if settings.selection not in SELECTIONS:
+            raise ValueError(f"catafed.selection must be one of {SELECTIONS}, "
+                             f"got {settings.selection!r}")
         if settings.groups < 1 or settings.per_group < 1 or settings.pf_window < 1:
             raise ValueError("catafed.groups, per_group and pf_window must be >= 1")
         self.settings = settings
@@ -340,6 +346,7 @@ class CataFed(RoundStrategy):
         super().__init__(settings, initial, seed=seed)
         self._stale_groups = True
         self.reclusterings = 0
+        self.rng = np.random.default_rng([seed, 0xCA7A])  # catafed.selection = random only
 
     def sizes_changed(self) -> None:
         self._stale_groups = True
@@ -380,6 +387,16 @@ class CataFed(RoundStrategy):
         if self._stale_groups or any(self.agents[a].group >= self.settings.groups
                                      for a in self.pool()):
             self.recluster()
+        if self.settings.selection == "random":  # the ablation without PF
+            groups: dict[int, list[str]] = {}
+            for a in self.pool():
+                groups.setdefault(self.agents[a].group, []).append(a)
+            if not groups:
+                return RoundPlan(self.round, [], None, {})
+            g = sorted(groups)[int(self.rng.integers(len(groups)))]
+            n = min(self.settings.per_group, len(groups[g]))
+            picked = sorted(self.rng.choice(groups[g], size=n, replace=False).tolist())
+            return RoundPlan(self.round, picked, g, {})
         cands = self.candidates()
         prios = {g: sum(self.priority(self.agents[a]) for a in members)
                  for g, members in cands.items()}

@@ -21,13 +21,12 @@ import signal
 import sys
 import threading
 
+from fedmq.algorithms import ASYNC_SERVER, ROUNDS
 from fedmq.config import add_config_arguments, config_from_args, dry_run_json
 from fedmq.errors import RuntimeFailure
 from fedmq.logs import mask_secrets, setup_logging
 
-ASYNC_ALGORITHMS = ("cdfl", "fedsoft-async", "fedasync")
-ROUND_ALGORITHMS = ("catafed", "fedavg", "fedprox")
-ALGORITHMS = ASYNC_ALGORITHMS + ROUND_ALGORITHMS
+ALGORITHMS = ASYNC_SERVER + ROUNDS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     # Fail in a second, not after minutes of loading data and pre-training.
     Journal(cfg.aggregator.state_dir).check_writable()
     StateDirLock(cfg.aggregator.state_dir)  # held until this process exits
-    if cfg.aggregator.algorithm in ROUND_ALGORITHMS:
+    if cfg.aggregator.algorithm in ROUNDS:
         return _run_rounds(cfg, stop)
     check_reachable(cfg.broker.url)
     from aggregator.bootstrap import build_engine
@@ -99,8 +98,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_rounds(cfg, stop: threading.Event) -> int:
-    """CATA-Fed / FedAvg / FedProx: synchronous deadline rounds (aggregator/rounds.py)."""
-    from aggregator.fedavg import make_strategy, min_agents
+    """CATA-Fed / FedAvg / FedProx / TiFL: synchronous deadline rounds (aggregator/rounds.py)."""
+    from aggregator.round_algorithms import make_strategy, min_agents
     from aggregator.rounds import RoundRecord, RoundService
     from fedmq.config import CataFedSettings
     from fedmq.data import load_dataset
@@ -121,7 +120,7 @@ def _run_rounds(cfg, stop: threading.Event) -> int:
                         download=cfg.data.download)
     strategy = make_strategy(algorithm, cfg.catafed,
                              to_vector(build_model(model_name, seed=cfg.seed)), seed=cfg.seed,
-                             fedavg=cfg.fedavg)
+                             fedavg=cfg.fedavg, tifl=cfg.tifl)
     check_reachable(cfg.broker.url)  # after every settings check (those are usage errors)
 
     def report(r: RoundRecord) -> None:
@@ -141,9 +140,9 @@ def _run_rounds(cfg, stop: threading.Event) -> int:
 
 
 def _warn_catafed_only(given, defaults) -> None:
-    """FedAvg/FedProx read [fedavg]: say so when a CATA-Fed-only knob was changed for them."""
+    """FedAvg/FedProx/TiFL read [fedavg]: say so when a CATA-Fed-only knob was changed for them."""
     for key, new in (("per_group", "clients_per_round"), ("epochs", "epochs"),
                      ("batch_size", "batch_size"), ("lr", "lr")):
         if getattr(given, key) != getattr(defaults, key):
-            print(f"fedmq aggregator: catafed.{key} applies to CATA-Fed only; FedAvg/FedProx "
+            print(f"fedmq aggregator: catafed.{key} applies to CATA-Fed only; FedAvg/FedProx/TiFL "
                   f"read fedavg.{new}", file=sys.stderr)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from aggregator.catafed import CataFed, RoundPlan, RoundStrategy
+from aggregator.catafed import RoundPlan, RoundStrategy
 from fedmq.config import CataFedSettings, FedAvgSettings
 
 
@@ -47,32 +47,3 @@ class FedProx(FedAvgDeadline):
     """FedProx (Li et al.): FedAvg's server; agents add the proximal term and send partial work."""
 
     name = "fedprox"
-
-
-STRATEGIES: dict[str, type[RoundStrategy]] = {"catafed": CataFed, "fedavg": FedAvgDeadline,
-                                              "fedprox": FedProx}
-"""Algorithm name -> round strategy, for the service and the simulator."""
-
-
-def make_strategy(algorithm: str, settings: CataFedSettings, initial: torch.Tensor, *,
-                  seed: int = 0, fedavg: FedAvgSettings | None = None) -> RoundStrategy:
-    """The round strategy called `algorithm` (catafed, fedavg or fedprox); `fedavg` holds the
-    baselines' own settings (None: CATA-Fed's N, see the module docstring)."""
-    try:
-        cls = STRATEGIES[algorithm]
-    except KeyError:
-        raise ValueError(f"round algorithm must be one of {', '.join(STRATEGIES)}, "
-                         f"got {algorithm!r}") from None
-    if issubclass(cls, FedAvgDeadline):
-        return cls(settings, initial, seed=seed, fedavg=fedavg)
-    return cls(settings, initial, seed=seed)
-
-
-def min_agents(algorithm: str, settings: CataFedSettings, fedavg: FedAvgSettings) -> int:
-    """Agents to wait for before round 1: catafed.min_agents, or (0) those one round invites."""
-    if settings.min_agents < 0:
-        raise ValueError(f"catafed.min_agents must be >= 0, got {settings.min_agents}")
-    if settings.min_agents:
-        return settings.min_agents
-    return settings.per_group if algorithm == "catafed" else fedavg.clients_per_round
-

@@ -92,6 +92,7 @@ class RoundService:
         self.counters: Counter[str] = Counter()
         self.records: list[RoundRecord] = []
         self._base: np.ndarray | None = None
+        self._invited_at = 0.0
         self._round_bytes_up = 0
         self.transport = MqttTransport(
             self.client_id, cfg.broker, clean_start=False,
@@ -216,7 +217,8 @@ class RoundService:
                 return
             vector = torch.from_numpy(np.ascontiguousarray(decoded))
         result = RoundResult(agent, env.round, env.finished, env.n_samples, env.shard_size,
-                             vector, torch.from_numpy(self._base.copy()), dict(env.metrics))
+                             vector, torch.from_numpy(self._base.copy()), dict(env.metrics),
+                             time.monotonic() - self._invited_at)
         if self.strategy.accept(result):
             self.counters["reports.finished" if env.finished else "reports.straggler"] += 1
         else:
@@ -257,7 +259,8 @@ class RoundService:
                 round=plan.round, deadline_s=s.deadline_s, model=self.spec.hash, tensor=wire,
                 epoch=plan.round)
             self.channel.send(protocol.downlink(self.fleet, agent), invite)
-        cutoff = time.monotonic() + s.deadline_s + s.grace_s
+        self._invited_at = time.monotonic()
+        cutoff = self._invited_at + s.deadline_s + s.grace_s
         if plan.selected:
             self.pump(cutoff, stop=lambda: (s.close_early and self.strategy.all_reported())
                       or (stop is not None and stop.is_set()))

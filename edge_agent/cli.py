@@ -26,22 +26,21 @@ import sys
 import threading
 import zlib
 
+from fedmq.algorithms import ASYNC_AGENT, ROUNDS
 from fedmq.config import add_config_arguments, config_from_args, dry_run_json
 from fedmq.logs import event, get_logger, mask_secrets, setup_logging
 
 log = get_logger("agent")
 
-ASYNC_ALGORITHMS = ("cdfl", "fedsoft-async", "local")
-ROUND_ALGORITHMS = ("catafed", "fedavg", "fedprox")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p, ("broker", "fleet", "ca_file", "cert_file", "key_file", "dataset",
                              "data_dir", "download", "model", "seed", "log_level"))
     p.add_argument("--id", dest="agent_id", metavar="ID", help="agent id (required; config agent.id)")
-    p.add_argument("--algorithm", choices=ASYNC_ALGORITHMS + ROUND_ALGORITHMS,
+    p.add_argument("--algorithm", choices=ASYNC_AGENT + ROUNDS,
                    help="cdfl (default), fedsoft-async, local (never talks to a server), or the "
-                        "deadline rounds catafed, fedavg, fedprox")
+                        "deadline rounds catafed, fedavg, fedprox, tifl")
     p.add_argument("--profile", choices=("car", "phone", "device"), help="device profile (default device)")
     p.add_argument("--state-dir", metavar="DIR", help="durable state (default state/agent)")
     p.add_argument("--clusters", type=int, metavar="K", help="rotation clusters of the dataset source (default 3)")
@@ -65,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     if not cfg.agent.id:
         print("fedmq agent: --id (or agent.id) is required", file=sys.stderr)
         return 2
-    if cfg.agent.algorithm in ROUND_ALGORITHMS:
+    if cfg.agent.algorithm in ROUNDS:
         return _run_rounds(cfg)
     from edge_agent.device import DeviceAgent, make_source
     from edge_agent.profiles import get_profile

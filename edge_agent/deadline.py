@@ -32,10 +32,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from fedmq.algorithms import DEADLINE_MODE
 from fedmq.config import CataFedSettings
-from fedmq.training import fit
+from fedmq.training import evaluate, fit
 
 MODES = ("catafed", "fedavg", "fedprox")
+"""How an agent trains against the deadline (module docstring); see fedmq.algorithms.DEADLINE_MODE."""
+RESIZE = ("halve", "fit")
 
 
 # ----------------------------------------------------------------------------- time
@@ -122,6 +125,16 @@ class Shards:
             return False
         self.u += 1
         return True
+
+    def shrink_to(self, samples: int) -> int:
+        """Halve until a shard holds at most `samples` (at least once, never below min_shard);
+        the number of halvings done."""
+        done = 0
+        while self.halve():
+            done += 1
+            if self.size <= samples:
+                break
+        return done
 
     def index(self, rounds_done: int) -> int:
         return rounds_done % self.count
@@ -274,6 +287,8 @@ class RoundWork:
     shard_used: int
     shard_index: int
     result: DeadlineResult
+    local_accuracy: float | None = None
+    """TiFL: accuracy of the received model on the agent's own data (None: not scored)."""
 
 
 RunnerFactory = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], EpochRunner]
@@ -281,15 +296,28 @@ RunnerFactory = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], Ep
 
 
 class DeadlineLearner:
-    """One agent's side of deadline rounds, without I/O: data, shards, eps_i, training."""
+    """One agent's side of deadline rounds, without I/O: data, shards, eps_i, training.
+
+    `algorithm` is a round algorithm (fedmq/algorithms.py); it trains in its DEADLINE_MODE.
+    CATA-Fed's ablation switches (`catafed.deadline_aware`, `catafed.partition`) and its
+    `resize` rule act here. With `model_name`, a TiFL agent also scores the model it received
+    on its own data (TiFL's per-tier accuracy comes from these scores).
+    """
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, settings: CataFedSettings, *,
-                 algorithm: str = "catafed", seed: int = 0, epochs: int | None = None) -> None:
-        if algorithm not in MODES:
-            raise ValueError(f"algorithm must be one of {MODES}, got {algorithm!r}")
+                 algorithm: str = "catafed", seed: int = 0, epochs: int | None = None,
+                 model_name: str | None = None) -> None:
+        if algorithm not in DEADLINE_MODE:
+            raise ValueError(f"algorithm must be one of {', '.join(DEADLINE_MODE)}, got {algorithm!r}")
+        if settings.resize not in RESIZE:
+            raise ValueError(f"catafed.resize must be one of {RESIZE}, got {settings.resize!r}")
         self.x, self.y = x, y
         self.settings = settings
         self.algorithm = algorithm
+        self.mode = DEADLINE_MODE[algorithm]
+        if algorithm == "catafed" and not settings.deadline_aware:
+            self.mode = "fedavg"  # trains all its epochs; it still notices it was late
+        self.model_name = model_name
         self.epochs = settings.epochs if epochs is None else epochs  # baselines: fedavg.epochs
         self.shards = Shards(int(x.shape[0]), settings.min_shard, seed)
         self.uploads = UploadTimer.from_settings(settings)
@@ -313,12 +341,25 @@ class DeadlineLearner:
             x, y = self.x[idx], self.y[idx]
         else:
             j, x, y = 0, self.x, self.y
-        anchor = start if self.algorithm == "fedprox" else None
+        score = None
+        if self.algorithm == "tifl" and self.model_name:
+            score = evaluate(self.model_name, start, self.x, self.y)[0]
+        anchor = start if self.mode == "fedprox" else None
         result = train_to_deadline(start, make_runner(x, y, anchor), epochs=self.epochs,
-                                   time_left=time_left, mode=self.algorithm)
+                                   time_left=time_left, mode=self.mode)
         self.rounds_done += 1
-        if self.algorithm == "catafed" and not result.finished and self.shards.halve():
-            self.halvings += 1
+        missed = not result.finished or (self.mode != self.algorithm and time_left() < 0)
+        if self.algorithm == "catafed" and missed and self.settings.partition:
+            self._shrink(result)
         n_used = int(x.shape[0]) if result.finished else 0
         return RoundWork(result.finished, result.vector, n_used, self.shard_size,
-                         int(x.shape[0]), j, result)
+                         int(x.shape[0]), j, result, score)
+
+    def _shrink(self, result: DeadlineResult) -> None:
+        """A missed deadline: halve (the paper), or shrink to what the measured speed fits."""
+        if self.settings.resize == "fit" and result.samples_seen > 0 and result.seconds > 0:
+            speed = result.samples_seen / result.seconds
+            budget = self.budget_s(self.settings.deadline_s)
+            self.halvings += self.shards.shrink_to(max(1, int(0.8 * speed * budget)))
+        elif self.shards.halve():
+            self.halvings += 1

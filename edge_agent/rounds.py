@@ -71,10 +71,10 @@ class RoundAgent:
             c = cfg.catafed
             self.learner = DeadlineLearner(x, y, c, algorithm=algorithm, seed=seed)
             self.train = TrainSettings(self.model_name, c.lr, c.batch_size, 0.0, seed)
-        else:
+        else:  # FedAvg, FedProx and TiFL agents train with [fedavg]
             f = cfg.fedavg
             self.learner = DeadlineLearner(x, y, cfg.catafed, algorithm=algorithm, seed=seed,
-                                           epochs=f.epochs)
+                                           epochs=f.epochs, model_name=self.model_name)
             self.train = TrainSettings(self.model_name, f.lr, f.batch_size,
                                        f.prox_mu if algorithm == "fedprox" else 0.0, seed,
                                        f.momentum)
@@ -232,6 +232,8 @@ class RoundAgent:
                    "eps_s": float(self.learner.uploads.eps), "shard_index": float(work.shard_index)}
         if r.seconds > 0 and r.samples_seen > 0:
             metrics["samples_per_s"] = r.samples_seen / r.seconds
+        if work.local_accuracy is not None:
+            metrics["accuracy"] = float(work.local_accuracy)
         report = protocol.Report(
             agent=self.agent_id, msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
             round=invite.round, finished=work.finished, n_samples=work.n_samples,

@@ -260,6 +260,14 @@ class CataFedSettings:
     """eps_i = eps_factor x the mean of the agent's measured upload times (safety margin)."""
     eps_min_s: float = 0.05
     """Floor of eps_i."""
+    selection: str = "pf"
+    """Which group is invited: pf (the paper's proportional-fair priority sum) or random (a group uniformly at random, its members at random: the ablation without PF)."""
+    deadline_aware: bool = True
+    """Agents soft-stop and run the watchdog at T - eps_i (the paper); false: they train all epochs and a late report is dropped (the ablation without deadline-aware training)."""
+    partition: bool = True
+    """A straggler splits its data into shards (the paper); false: it keeps all its data (the ablation without straggler partitioning)."""
+    resize: str = "halve"
+    """How a straggler shrinks its shard: halve (the paper: one halving per missed deadline) or fit (beyond the paper: from the throughput it measured in the cut epoch, as many halvings at once as an epoch needs to fit T - eps_i)."""
 
 
 @dataclass
@@ -286,6 +294,20 @@ class FedAvgSettings:
                    batch_size=catafed.batch_size, lr=catafed.lr)
 
 
+@dataclass
+class TiflSettings:
+    """TiFL (Chai et al., HPDC 2020), a deadline baseline (`--algorithm tifl`): agents profiled into tiers by their measured response latency, one tier invited per round with credit-limited, accuracy-driven probabilities. Agents train as FedAvg's do ([fedavg]: N, epochs, lr); deadline and rounds are [catafed]'s. See docs/catafed.md."""
+
+    tiers: int = 3
+    """m, the number of latency tiers (1-D k-means over the agents' measured response latencies)."""
+    interval: int = 5
+    """I, rounds between updates of the tier probabilities from the tiers' accuracies (adaptive selection)."""
+    credits: int = 0
+    """Times each tier may be chosen over the run (0 = ceil(catafed.rounds / tiers), the paper's even split)."""
+    adaptive: bool = True
+    """Adaptive tier selection (lower tier accuracy, higher probability); false: uniform over tiers with credits (TiFL's static policy)."""
+
+
 MOVED_KEYS: dict[str, str] = {"catafed.prox_mu": "fedavg.prox_mu"}
 """Keys that moved to another section: setting the old one is an error naming the new one."""
 
@@ -295,7 +317,7 @@ class AggregatorSettings:
     """The aggregator service: algorithm, state, batching, input guards."""
 
     algorithm: str = "cdfl"
-    """cdfl, fedsoft-async or fedasync (asynchronous); catafed, fedavg or fedprox (deadline rounds, see [catafed] and [fedavg])."""
+    """cdfl, fedsoft-async or fedasync (asynchronous); catafed, fedavg, fedprox or tifl (deadline rounds, see [catafed], [fedavg] and [tifl])."""
     state_dir: str = "state/aggregator"
     """Snapshots and the write-ahead journal; restart from here resumes."""
     accept_journal_loss: bool = False
@@ -337,7 +359,7 @@ class AgentSettings:
     id: str = ""
     """Agent id (also its MQTT client id suffix and topic level); required to run an agent."""
     algorithm: str = "cdfl"
-    """cdfl, fedsoft-async (the agent downloads all K models and estimates alpha), local (never talks to a server), or catafed, fedavg, fedprox (deadline rounds, docs/catafed.md)."""
+    """cdfl, fedsoft-async (the agent downloads all K models and estimates alpha), local (never talks to a server), or catafed, fedavg, fedprox, tifl (deadline rounds, docs/catafed.md)."""
     profile: str = "device"
     """Device profile: car, phone or device (always online); it gates uploads and drives the dataset source's mixture."""
     state_dir: str = "state/agent"
@@ -440,6 +462,7 @@ class Config:
     cdfl: CDFLSettings = field(default_factory=CDFLSettings)
     catafed: CataFedSettings = field(default_factory=CataFedSettings)
     fedavg: FedAvgSettings = field(default_factory=FedAvgSettings)
+    tifl: TiflSettings = field(default_factory=TiflSettings)
     aggregator: AggregatorSettings = field(default_factory=AggregatorSettings)
     agent: AgentSettings = field(default_factory=AgentSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
@@ -584,7 +607,7 @@ def add_config_arguments(parser: Any, flags: tuple[str, ...] = ("broker", "fleet
         "log_level": ("LEVEL", "debug, info, progress, warning or error (default auto: progress for agent and aggregator)"),
         "device": ("DEV", "auto (default), cpu or cuda"),
         "data_dir": ("DIR", "dataset root in torchvision's layout (default: $FEDMQ_DATA_DIR or ~/.cache/fedmq/data)"),
-        "dataset": ("NAME", "digits (offline, default), mnist, fashionmnist, cifar10, cifar100, svhn, usps, folder:NAME"),
+        "dataset": ("NAME", "digits (offline, default), synthetic (offline, generated), mnist, fashionmnist, cifar10, cifar100, svhn, usps, folder:NAME"),
         "model": ("NAME", "model zoo name, or auto (default)"),
         "seed": ("N", "random seed (default 0)"),
     }

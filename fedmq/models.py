@@ -134,6 +134,7 @@ ZOO: dict[str, ZooEntry] = {
 
 DEFAULT_MODEL_FOR_DATASET = {
     "digits": "digits-cnn",
+    "synthetic": "digits-cnn",
     "digits-domains": "cnn28",
     "mnist": "cnn28",
     "fashionmnist": "cnn28",

@@ -49,6 +49,7 @@ from fedmq.sketch import data_sketch
 from sim.fleet import RunSpec, configure, kl_divergence, make_schedule
 from sim.scenarios import build_clusters, draw_cycle
 from sim.seeds import int_list, seed_list
+from sim.stats import paired_interval
 
 log = get_logger("sim")
 
@@ -390,19 +391,6 @@ def summarize(results: Sequence[VariantResult]) -> list[dict[str, Any]]:
                 diffs = [getattr(own[c.seed], attr) - getattr(c, attr) for c in ctl if c.seed in own]
                 row[f"{gain}_gain_{short}"], row[f"{gain}_gain_{short}_ci"] = paired_interval(diffs)
     return rows
-
-
-def paired_interval(diffs: Sequence[float]) -> tuple[float, float]:
-    """Mean of per-seed paired differences and the half-width of its 95 % t interval (0 for one seed)."""
-    d = [x for x in diffs if not math.isnan(x)]
-    if not d:
-        return math.nan, math.nan
-    if len(d) == 1:
-        return float(d[0]), 0.0
-    from scipy.stats import t
-
-    half = float(t.ppf(0.975, len(d) - 1)) * float(np.std(d, ddof=1)) / math.sqrt(len(d))
-    return float(np.mean(d)), half
 
 
 GAINS = [("fed_gain_received", "fed gain received (pp)"), ("fed_gain_cluster", "fed gain cluster (pp)"),

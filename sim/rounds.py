@@ -1,28 +1,35 @@
-"""CATA-Fed vs FedAvg(deadline) vs FedProx on heterogeneous fleets, on a simulated clock.
+"""CATA-Fed vs FedAvg(deadline) vs FedProx vs TiFL on heterogeneous fleets, on a simulated clock.
 
-    python -m sim.rounds --seeds 0,1,2,3,4 --rounds 100 --target 0.9 --out docs/results_catafed
+    python -m sim.rounds --seeds 10 --until 600 --target 0.9 --out docs/results_catafed/digits-a0.3-s30
 
-The server strategies (aggregator/catafed.py, aggregator/fedavg.py) and the agents' deadline
-logic (edge_agent/deadline.py: soft stop, watchdog, eps_i, shards) are the ones the MQTT
-services run; only the wire and the clock are replaced. Training is real (torch, on
-non-IID digits), time is simulated: an epoch of n samples takes n / speed_i seconds on
-device i, a message of b bytes b / bandwidth_i seconds. So a 20 s deadline costs
-milliseconds of wall time. Tensors still go through the codecs (int8 + zstd), so agents
-train from what they would have decoded and bytes are counted as on the wire. The real-time
-path (RoundService and RoundAgent over Mosquitto) is tests/test_rounds_mqtt.py.
+The server strategies (aggregator/round_algorithms.py) and the agents' deadline logic
+(edge_agent/deadline.py: soft stop, watchdog, eps_i, shards) are the ones the MQTT services
+run; only the wire and the clock are replaced. Training is real (torch, on non-IID splits of
+`--dataset`), time is simulated: an epoch of n samples takes n / speed_i seconds on device i,
+a message of b bytes b / bandwidth_i seconds. So a 20 s deadline costs milliseconds of wall
+time. Tensors still go through the codecs (int8 + zstd), so agents train from what they
+would have decoded and bytes are counted as on the wire. sim/rounds_live.py runs the same
+fleets as RoundService and RoundAgents over Mosquitto on the wall clock.
+
+Runs go on until `--until` simulated seconds (or `--rounds`); the time to the target is read
+off each run's accuracy trajectory, and the final accuracy is the mean of the last five
+rounds' test accuracy at the same simulated time for every algorithm. Every comparison is
+paired by seed: seed s is the same fleet (devices, data, presence draws) for all algorithms.
 
 Fleet model (`FleetSpec`): device speeds log-normal around a median; a share of devices is
 slow (speed x slow_factor); bandwidth log-normal; per round an online device goes offline
 with probability dropout_p (if it was invited, it goes silent mid-round) and an offline one
 comes back with probability return_p. Data: n_i uniform in [min, max] samples with label
-proportions ~ Dirichlet(label_alpha) (non-IID), drawn from the digits train split.
+proportions ~ Dirichlet(label_alpha) (non-IID), drawn from the dataset's train split.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -30,17 +37,25 @@ import numpy as np
 import torch
 
 from aggregator.catafed import RoundResult
-from aggregator.fedavg import STRATEGIES, make_strategy
-from edge_agent.deadline import DeadlineLearner, EpochOutcome, TrainSettings, Watchdog
+from aggregator.round_algorithms import STRATEGIES, make_strategy
+from edge_agent.deadline import DeadlineLearner, EpochOutcome, TrainSettings, Watchdog, epoch_seed
 from fedmq import codecs
-from fedmq.config import CataFedSettings, FedAvgSettings
-from fedmq.data import load_dataset
+from fedmq.config import (
+    CataFedSettings,
+    ConfigError,
+    FedAvgSettings,
+    TiflSettings,
+    load_config,
+)
+from fedmq.data import Dataset, load_dataset
 from fedmq.errors import ArgumentParser, UsageError, run_main
-from fedmq.models import build_model, to_vector
+from fedmq.models import build_model, resolve_model_name, to_vector
 from fedmq.training import evaluate, fit
-from sim.seeds import int_list
+from sim.seeds import seed_list
+from sim.stats import paired_interval, t_half_width
 
-MODEL = "digits-cnn"
+FINAL_ROUNDS = 5
+"""The final accuracy is the mean test accuracy of this many last rounds (one is noisy)."""
 
 
 @dataclass
@@ -59,7 +74,52 @@ class FleetSpec:
     return_p: float = 0.3
     min_samples: int = 80
     max_samples: int = 400
-    label_alpha: float = 0.5
+    label_alpha: float = 0.3
+
+
+@dataclass
+class Variant:
+    """One column of a comparison: a round algorithm with config overrides, under a label."""
+
+    label: str
+    algorithm: str
+    overrides: dict[str, str] = field(default_factory=dict)
+
+    def settings(self, base: dict[str, str]) -> tuple[CataFedSettings, FedAvgSettings, TiflSettings]:
+        """[catafed], [fedavg] (like CATA-Fed's N, E, batch, lr unless set) and [tifl]."""
+        keys = {**base, **self.overrides}
+        cfg = load_config(overrides={k: v for k, v in keys.items() if not k.startswith("fedavg.")})
+        cfg.fedavg = FedAvgSettings.like(cfg.catafed)
+        cfg = load_config(overrides={k: v for k, v in keys.items() if k.startswith("fedavg.")},
+                          base=cfg)
+        return cfg.catafed, cfg.fedavg, cfg.tifl
+
+
+def parse_variants(text: str) -> list[Variant]:
+    """`catafed,fedavg,nopf=catafed:catafed.selection=random` -> variants (labels unique)."""
+    out: list[Variant] = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        label, eq, rest = item.partition("=")
+        if not eq:
+            label, rest = item, item
+        alg, *keys = rest.split(":")
+        if alg not in STRATEGIES:
+            raise UsageError(f"--algorithms: unknown algorithm {alg!r} in {item!r}; use one of "
+                             f"{', '.join(STRATEGIES)} (or LABEL=ALG:section.key=value:...)")
+        overrides = {}
+        for kv in keys:
+            k, sep, v = kv.partition("=")
+            if not sep or "." not in k:
+                raise UsageError(f"--algorithms: {kv!r} in {item!r} is not section.key=value")
+            overrides[k] = v
+        if any(v.label == label for v in out):
+            raise UsageError(f"--algorithms: label {label!r} given twice")
+        out.append(Variant(label, alg, overrides))
+    if not out:
+        raise UsageError("--algorithms: give at least one algorithm")
+    return out
 
 
 class SimClock:
@@ -75,33 +135,28 @@ class SimClock:
         self.t += max(dt, 0.0)
 
 
-@dataclass
-class SimDevice:
-    agent: str
-    speed: float
-    bandwidth: float
-    slow: bool
-    learner: DeadlineLearner
-    online: bool = True
-
-
 class SimEpochRunner:
     """An epoch of n samples takes n / speed on the device's clock; cut at the time left.
 
     A cut epoch trains nothing for CATA-Fed (its result is thrown away); for FedProx it
-    trains on the share of the (shuffled) samples that fit, as the real one would.
+    trains on the share of the (shuffled) samples that fit, as the real one would. Batches
+    are shuffled anew per round and epoch, as on a real agent.
     """
 
     def __init__(self, train: TrainSettings, x: torch.Tensor, y: torch.Tensor, speed: float,
-                 clock: SimClock, anchor: torch.Tensor | None, partial: bool) -> None:
+                 clock: SimClock, anchor: torch.Tensor | None, partial: bool,
+                 round_id: int = 0) -> None:
         self.train, self.x, self.y = train, x, y
         self.speed, self.clock, self.anchor, self.partial = speed, clock, anchor, partial
+        self.round_id = round_id
 
     def _fit(self, start: torch.Tensor, x: torch.Tensor, y: torch.Tensor, epoch: int) -> torch.Tensor:
         anchors = [(self.anchor, self.train.prox_mu)] if self.anchor is not None \
             and self.train.prox_mu > 0 else []
-        return fit(MODEL, start, x, y, anchors=anchors, epochs=1, batch_size=self.train.batch_size,
-                   lr=self.train.lr, seed=self.train.seed * 1000 + epoch).vector
+        return fit(self.train.model_name, start, x, y, anchors=anchors, epochs=1,
+                   batch_size=self.train.batch_size, lr=self.train.lr,
+                   momentum=self.train.momentum,
+                   seed=epoch_seed(self.train.seed, self.round_id, epoch)).vector
 
     def __call__(self, start: torch.Tensor, epoch: int, left: float) -> EpochOutcome:
         n = int(self.x.shape[0])
@@ -118,11 +173,20 @@ class SimEpochRunner:
         return EpochOutcome(start, left, False, done)
 
 
-def non_iid_fleet(spec: FleetSpec, settings: CataFedSettings, algorithm: str,
-                  seed: int) -> list[SimDevice]:
+@dataclass
+class SimDevice:
+    agent: str
+    speed: float
+    bandwidth: float
+    slow: bool
+    x: torch.Tensor
+    y: torch.Tensor
+    online: bool = True
+
+
+def non_iid_fleet(spec: FleetSpec, train: Dataset, seed: int) -> list[SimDevice]:
     """The same devices and data for every algorithm given the seed."""
     rng = np.random.default_rng([seed, 0xF1EE7])
-    train = load_dataset("digits")
     by_label = [np.flatnonzero(train.y.numpy() == c) for c in range(train.num_classes)]
     slow = np.zeros(spec.agents, dtype=bool)
     slow[rng.permutation(spec.agents)[: int(round(spec.slow_share * spec.agents))]] = True
@@ -132,15 +196,14 @@ def non_iid_fleet(spec: FleetSpec, settings: CataFedSettings, algorithm: str,
         props = rng.dirichlet([spec.label_alpha] * train.num_classes)
         counts = rng.multinomial(n, props)
         idx = np.concatenate([rng.choice(by_label[c], size=k, replace=True)
-                              for c, k in enumerate(counts) if k > 0])
+                              for c, k in enumerate(counts) if k > 0 and len(by_label[c])])
         idx = idx[rng.permutation(len(idx))]
         speed = float(spec.speed_median * rng.lognormal(0.0, spec.speed_sigma))
         if slow[i]:
             speed *= spec.slow_factor
         bw = float(spec.bandwidth_median * rng.lognormal(0.0, spec.bandwidth_sigma))
-        x, y = train.x[idx], train.y[idx]
-        learner = DeadlineLearner(x, y, settings, algorithm=algorithm, seed=seed * 1000 + i)
-        devices.append(SimDevice(f"dev-{i:03d}", speed, bw, bool(slow[i]), learner))
+        t = torch.from_numpy(idx)
+        devices.append(SimDevice(f"dev-{i:03d}", speed, bw, bool(slow[i]), train.x[t], train.y[t]))
     return devices
 
 
@@ -161,6 +224,7 @@ class SimRound:
 @dataclass
 class SimRun:
     algorithm: str
+    """The variant's label (the algorithm's name unless the variant has one)."""
     seed: int
     rounds: list[SimRound] = field(default_factory=list)
     compute_s: float = 0.0
@@ -170,36 +234,77 @@ class SimRun:
     time_to_target_s: float | None = None
     rounds_to_target: int | None = None
     wall_s: float = 0.0
+    strategy: str = ""
+    """The round algorithm that ran (catafed, fedavg, fedprox, tifl)."""
 
     @property
     def final_accuracy(self) -> float:
-        return self.rounds[-1].accuracy if self.rounds else float("nan")
+        """Mean test accuracy of the last FINAL_ROUNDS rounds."""
+        if not self.rounds:
+            return float("nan")
+        return statistics.fmean(r.accuracy for r in self.rounds[-FINAL_ROUNDS:])
 
     def totals(self) -> dict[str, int]:
         return {k: sum(getattr(r, k) for r in self.rounds)
                 for k in ("selected", "finished", "stragglers", "dropouts", "late")}
 
 
+@dataclass
+class Task:
+    """What a simulated run needs: everything picklable, for worker processes."""
+
+    variant: Variant
+    spec: FleetSpec
+    base: dict[str, str]
+    seed: int
+    rounds: int
+    until_s: float
+    target: float
+    dataset: str = "digits"
+    data_dir: str | None = None
+    model: str = "auto"
+    codec: str = "int8"
+
+
 def run_fleet(algorithm: str, spec: FleetSpec, settings: CataFedSettings, *, seed: int = 0,
-              rounds: int | None = None, target: float | None = None,
-              codec: str = "int8") -> SimRun:
-    """One algorithm on one seeded fleet, until `rounds` or the target accuracy."""
+              rounds: int | None = None, target: float | None = None, until_s: float = math.inf,
+              codec: str = "int8", dataset: str = "digits", data_dir: str | None = None,
+              model: str = "auto", fedavg: FedAvgSettings | None = None,
+              tifl: TiflSettings | None = None, label: str | None = None) -> SimRun:
+    """One algorithm on one seeded fleet, for `rounds` rounds or until `until_s` simulated s.
+
+    The time to `target` is when the test accuracy first reaches it; the run goes on."""
     t_wall = time.perf_counter()
     rounds = settings.rounds if rounds is None else rounds
     target = settings.target_accuracy if target is None else target
+    fedavg = fedavg or FedAvgSettings.like(settings)
+    model_name = resolve_model_name(model, dataset)
     rng = np.random.default_rng([seed, 0xD20F])  # presence events: same for every algorithm
-    test = load_dataset("digits", train=False)
-    devices = {d.agent: d for d in non_iid_fleet(spec, settings, algorithm, seed)}
-    strategy = make_strategy(algorithm, settings, to_vector(build_model(MODEL, seed=seed)),
-                             seed=seed)
-    for d in devices.values():
-        strategy.register(d.agent, d.learner.shard_size)
-    train = TrainSettings(MODEL, settings.lr, settings.batch_size,
-                          FedAvgSettings().prox_mu if algorithm == "fedprox" else 0.0, seed)
+    train_set = load_dataset(dataset, data_dir=data_dir)
+    test = load_dataset(dataset, data_dir=data_dir, train=False)
+    fleet = non_iid_fleet(spec, train_set, seed)
+    devices = {d.agent: d for d in fleet}
+    learners = {d.agent: DeadlineLearner(
+        d.x, d.y, settings, algorithm=algorithm, seed=seed * 1000 + i,
+        epochs=None if algorithm == "catafed" else fedavg.epochs, model_name=model_name)
+        for i, d in enumerate(fleet)}
+    strategy = make_strategy(algorithm, settings, to_vector(build_model(model_name, seed=seed)),
+                             seed=seed, fedavg=fedavg, tifl=tifl)
+    for a, learner in learners.items():
+        strategy.register(a, learner.shard_size)
+    if algorithm == "catafed":
+        train = TrainSettings(model_name, settings.lr, settings.batch_size, 0.0, seed)
+    else:
+        train = TrainSettings(model_name, fedavg.lr, fedavg.batch_size,
+                              fedavg.prox_mu if algorithm == "fedprox" else 0.0, seed,
+                              fedavg.momentum)
+    partial = learners[fleet[0].agent].mode == "fedprox"
     clock = SimClock()
-    run = SimRun(algorithm, seed)
+    run = SimRun(label or algorithm, seed, strategy=algorithm)
     cutoff = settings.deadline_s + settings.grace_s
     for _ in range(rounds):
+        if clock() >= until_s:
+            break
         # Presence changes between rounds; invited devices that drop go silent mid-round.
         going = {a for a, d in devices.items() if d.online and rng.random() < spec.dropout_p}
         for a, d in devices.items():
@@ -214,15 +319,15 @@ def run_fleet(algorithm: str, spec: FleetSpec, settings: CataFedSettings, *, see
         arrivals: list[float] = []
         late = 0
         for a in plan.selected:
-            d = devices[a]
+            d, learner = devices[a], learners[a]
             run.bytes_down += down_bytes
             if a in going:
                 continue  # silent: the server learns at the cut-off
             local = SimClock()
-            dog = Watchdog(d.learner.budget_s(settings.deadline_s), local, 0.0)
-            work = d.learner.run_round(
-                base, lambda x, y, anchor, d=d, local=local: SimEpochRunner(
-                    train, x, y, d.speed, local, anchor, partial=algorithm == "fedprox"),
+            dog = Watchdog(learner.budget_s(settings.deadline_s), local, 0.0)
+            work = learner.run_round(
+                base, lambda x, y, anchor, d=d, local=local, r=plan.round: SimEpochRunner(
+                    train, x, y, d.speed, local, anchor, partial=partial, round_id=r),
                 dog.left)
             run.compute_s += local()
             if work.finished and work.vector is not None:
@@ -233,7 +338,7 @@ def run_fleet(algorithm: str, spec: FleetSpec, settings: CataFedSettings, *, see
                 up_bytes, vector = 64, None
             run.bytes_up += up_bytes
             upload_s = up_bytes / d.bandwidth
-            d.learner.uploads.record(upload_s)
+            learner.uploads.record(upload_s)
             arrival = down_bytes / d.bandwidth + local() + upload_s
             if arrival > cutoff:
                 late += 1
@@ -241,8 +346,9 @@ def run_fleet(algorithm: str, spec: FleetSpec, settings: CataFedSettings, *, see
                 continue
             run.wasted_s += work.result.wasted_s
             arrivals.append(arrival)
+            metrics = {} if work.local_accuracy is None else {"accuracy": work.local_accuracy}
             strategy.accept(RoundResult(a, plan.round, work.finished, work.n_samples,
-                                        work.shard_size, vector, base, {}))
+                                        work.shard_size, vector, base, metrics, arrival))
         if not plan.selected:
             round_s = settings.deadline_s  # nobody to invite: wait a deadline
         elif settings.close_early and strategy.all_reported():
@@ -254,18 +360,30 @@ def run_fleet(algorithm: str, spec: FleetSpec, settings: CataFedSettings, *, see
             devices[a].online = False
             strategy.set_online(a, False)
         clock.advance(round_s)
-        acc, _ = evaluate(MODEL, strategy.vector, test.x, test.y)
+        acc, _ = evaluate(model_name, strategy.vector, test.x, test.y)
         run.rounds.append(SimRound(outcome.round, clock(), acc, len(plan.selected),
                                    len(outcome.finished), len(outcome.stragglers),
                                    len(outcome.dropouts) - late, late, round_s))
         if target and acc >= target and run.time_to_target_s is None:
             run.time_to_target_s, run.rounds_to_target = clock(), outcome.round + 1
-            break
     run.wall_s = time.perf_counter() - t_wall
     return run
 
 
+def run_task(task: Task) -> SimRun:
+    torch.set_num_threads(1)
+    catafed, fedavg, tifl = task.variant.settings(task.base)
+    return run_fleet(task.variant.algorithm, task.spec, catafed, seed=task.seed,
+                     rounds=task.rounds, target=task.target, until_s=task.until_s,
+                     codec=task.codec, dataset=task.dataset, data_dir=task.data_dir,
+                     model=task.model, fedavg=fedavg, tifl=tifl, label=task.variant.label)
+
+
 # ----------------------------------------------------------------------------- report
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
 
 
 def summary_rows(runs: list[SimRun]) -> list[dict]:
@@ -274,38 +392,101 @@ def summary_rows(runs: list[SimRun]) -> list[dict]:
         mine = [r for r in runs if r.algorithm == alg]
         reached = [r.time_to_target_s for r in mine if r.time_to_target_s is not None]
         tot = [r.totals() for r in mine]
+        n_rounds = max(sum(len(r.rounds) for r in mine), 1)
+        finals = [r.final_accuracy for r in mine]
         rows.append({
             "algorithm": alg,
             "runs": len(mine),
             "reached": len(reached),
-            "time_to_target_s": statistics.fmean(reached) if reached else None,
+            "time_to_target_s": _mean(reached),
+            "time_to_target_ci": t_half_width(reached) if reached else None,
             "time_to_target_each": [r.time_to_target_s for r in mine],
             "rounds_to_target": [r.rounds_to_target for r in mine],
-            "final_accuracy": statistics.fmean(r.final_accuracy for r in mine),
+            "final_accuracy": statistics.fmean(finals),
+            "final_accuracy_ci": t_half_width(finals),
             "wasted_share": sum(r.wasted_s for r in mine) / max(sum(r.compute_s for r in mine), 1e-9),
-            "stragglers_per_round": sum(t["stragglers"] for t in tot) / sum(len(r.rounds) for r in mine),
-            "late_per_round": sum(t["late"] for t in tot) / sum(len(r.rounds) for r in mine),
-            "dropouts_per_round": sum(t["dropouts"] for t in tot) / sum(len(r.rounds) for r in mine),
-            "finished_per_round": sum(t["finished"] for t in tot) / sum(len(r.rounds) for r in mine),
+            "stragglers_per_round": sum(t["stragglers"] for t in tot) / n_rounds,
+            "late_per_round": sum(t["late"] for t in tot) / n_rounds,
+            "dropouts_per_round": sum(t["dropouts"] for t in tot) / n_rounds,
+            "finished_per_round": sum(t["finished"] for t in tot) / n_rounds,
             "mean_round_s": statistics.fmean(x.round_s for r in mine for x in r.rounds),
-            "kB_up_per_round": sum(r.bytes_up for r in mine) / 1e3 / sum(len(r.rounds) for r in mine),
+            "kB_up_per_round": sum(r.bytes_up for r in mine) / 1e3 / n_rounds,
         })
     return rows
 
 
+def paired_rows(runs: list[SimRun], reference: str) -> list[dict]:
+    """`reference` against every other variant, paired by seed (the same fleet).
+
+    Time to target: over the seeds where both reached it (n); ratio = mean of the reference's
+    times / mean of the other's over those seeds. Final accuracy: over all common seeds."""
+    by = {(r.algorithm, r.seed): r for r in runs}
+    ref_seeds = sorted(s for (a, s) in by if a == reference)
+    out = []
+    for other in dict.fromkeys(r.algorithm for r in runs):
+        if other == reference:
+            continue
+        common = [s for s in ref_seeds if (other, s) in by]
+        both = [s for s in common if by[(reference, s)].time_to_target_s is not None
+                and by[(other, s)].time_to_target_s is not None]
+        dt = [by[(reference, s)].time_to_target_s - by[(other, s)].time_to_target_s for s in both]
+        mt, ht = paired_interval(dt)
+        ratio = (statistics.fmean(by[(reference, s)].time_to_target_s for s in both)
+                 / statistics.fmean(by[(other, s)].time_to_target_s for s in both)) if both else None
+        da = [by[(reference, s)].final_accuracy - by[(other, s)].final_accuracy for s in common]
+        ma, ha = paired_interval(da)
+        out.append({"reference": reference, "other": other, "seeds": len(common), "paired": len(both),
+                    "dt_s": mt, "dt_ci": ht, "ratio": ratio,
+                    "faster": sum(1 for d in dt if d < 0),
+                    "only_reference_reached": sum(1 for s in common if by[(reference, s)].time_to_target_s
+                                                  is not None and by[(other, s)].time_to_target_s is None),
+                    "only_other_reached": sum(1 for s in common if by[(reference, s)].time_to_target_s
+                                              is None and by[(other, s)].time_to_target_s is not None),
+                    "dacc_pp": 100 * ma, "dacc_ci_pp": 100 * ha})
+    return out
+
+
+def _pm(mean: float | None, half: float | None, fmt: str) -> str:
+    if mean is None or (isinstance(mean, float) and math.isnan(mean)):
+        return "-"
+    if half is None or math.isnan(half):
+        return format(mean, fmt)
+    return f"{format(mean, fmt)} ± {format(half, fmt)}"
+
+
 def markdown_table(rows: list[dict], target: float) -> str:
-    head = (f"| algorithm | reached target | sim time to {target:.2f} (mean) | per seed | final acc | "
-            "wasted work | finished / stragglers / late / dropouts per round | mean round |\n"
-            "|---|---|---|---|---|---|---|---|\n")
+    head = (f"| algorithm | reached target | sim time to {target:.2f} (mean ± 95 % CI) | per seed | "
+            "final acc (mean ± 95 % CI) | wasted work | finished / stragglers / late / dropouts "
+            "per round | mean round |\n|---|---|---|---|---|---|---|---|\n")
     lines = []
     for r in rows:
-        ttt = f"{r['time_to_target_s']:.0f} s" if r["time_to_target_s"] is not None else "-"
+        ttt = _pm(r["time_to_target_s"], r.get("time_to_target_ci"), ".0f")
+        ttt = ttt + " s" if ttt != "-" else ttt
         each = ", ".join("-" if v is None else f"{v:.0f}" for v in r["time_to_target_each"])
         lines.append(f"| {r['algorithm']} | {r['reached']}/{r['runs']} | {ttt} | {each} | "
-                     f"{r['final_accuracy']:.3f} | {100 * r['wasted_share']:.1f} % | "
+                     f"{_pm(r['final_accuracy'], r.get('final_accuracy_ci'), '.3f')} | "
+                     f"{100 * r['wasted_share']:.1f} % | "
                      f"{r['finished_per_round']:.2f} / {r['stragglers_per_round']:.2f} / "
                      f"{r['late_per_round']:.2f} / {r['dropouts_per_round']:.2f} | "
                      f"{r['mean_round_s']:.1f} s |")
+    return head + "\n".join(lines) + "\n"
+
+
+def paired_table(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    head = ("| comparison | fleets (both reached) | time to target: paired diff (95 % CI) | ratio | "
+            "faster on | final acc: paired diff (95 % CI) |\n|---|---|---|---|---|---|\n")
+    lines = []
+    for r in rows:
+        dt = "-" if r["paired"] == 0 else f"{r['dt_s']:+.1f} s ({r['dt_s'] - r['dt_ci']:+.1f} to {r['dt_s'] + r['dt_ci']:+.1f})"
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        extra = ""
+        if r["only_reference_reached"] or r["only_other_reached"]:
+            extra = f"; only one reached: {r['reference']} {r['only_reference_reached']}, {r['other']} {r['only_other_reached']}"
+        lines.append(f"| {r['reference']} - {r['other']} | {r['seeds']} ({r['paired']}) | {dt} | {ratio} | "
+                     f"{r['faster']}/{r['paired']}{extra} | {r['dacc_pp']:+.2f} pp "
+                     f"({r['dacc_pp'] - r['dacc_ci_pp']:+.2f} to {r['dacc_pp'] + r['dacc_ci_pp']:+.2f}) |")
     return head + "\n".join(lines) + "\n"
 
 
@@ -317,80 +498,167 @@ def load_results(path: Path) -> tuple[list[SimRun], float, dict]:
     return runs, float(data["settings"]["target_accuracy"]), data
 
 
-def plot(runs: list[SimRun], path: Path) -> None:
+def curve(run: SimRun, grid: np.ndarray) -> np.ndarray:
+    """The run's test accuracy at each grid time (the last evaluation before it; nan before the
+    first round closed and after the run ended)."""
+    times = np.array([r.time_s for r in run.rounds])
+    accs = np.array([r.accuracy for r in run.rounds])
+    idx = np.searchsorted(times, grid, side="right") - 1
+    out = np.where(idx >= 0, accs[np.clip(idx, 0, None)], np.nan)
+    out[grid > times[-1]] = np.nan if len(times) else out[grid > 0]
+    return out
+
+
+def plot(runs: list[SimRun], path: Path, target: float | None = None) -> None:
+    """Mean test accuracy over simulated time per variant with its 95 % band over seeds, and
+    each seed's time to the target."""
     from sim.figures import figure_legend, method_color, pyplot, save_figure
 
-    fig, (ax1, ax2) = pyplot().subplots(1, 2, figsize=(11, 4))
-    for r in runs:
-        c = method_color(r.algorithm)
-        label = r.algorithm if r.seed == min(x.seed for x in runs if x.algorithm == r.algorithm) else None
-        ax1.plot([x.round + 1 for x in r.rounds], [x.accuracy for x in r.rounds], color=c,
-                 alpha=0.7, label=label)
-        ax2.plot([x.time_s for x in r.rounds], [x.accuracy for x in r.rounds], color=c, alpha=0.7,
-                 label=label)
-    ax1.set(xlabel="round", ylabel="test accuracy", title="accuracy over rounds")
-    ax2.set(xlabel="simulated time (s)", ylabel="test accuracy", title="accuracy over time")
+    labels = list(dict.fromkeys(r.algorithm for r in runs))
+    colors = {lab: method_color(lab) for lab in labels}
+    spare = iter(["tab:olive", "tab:cyan", "tab:pink", "tab:gray", "gold", "navy", "teal", "black"])
+    for lab in labels:
+        if colors[lab] == "black":
+            colors[lab] = next(spare, "black")
+    end = min(max(x.rounds[-1].time_s for x in runs if x.algorithm == lab) for lab in labels)
+    grid = np.linspace(0.0, end, 200)
+    fig, (ax1, ax2) = pyplot().subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
+    for j, lab in enumerate(labels):
+        mine = [r for r in runs if r.algorithm == lab]
+        ys = np.array([curve(r, grid) for r in mine])
+        with np.errstate(all="ignore"):
+            mean = np.nanmean(ys, axis=0)
+            half = np.array([t_half_width([v for v in col if not np.isnan(v)]) for col in ys.T])
+        ax1.plot(grid, mean, color=colors[lab], label=lab)
+        if len(mine) > 1:
+            ax1.fill_between(grid, mean - half, mean + half, color=colors[lab], alpha=0.2, lw=0)
+        each = [r.time_to_target_s for r in mine if r.time_to_target_s is not None]
+        ax2.plot(each, [j] * len(each), ".", color=colors[lab], ms=6)
+        if each:
+            ax2.plot([statistics.fmean(each)], [j], "|", color="k", ms=14)
+    if target:
+        ax1.axhline(target, color="k", lw=0.8, ls=":")
+    ax1.set(xlabel="simulated time (s)", ylabel="test accuracy",
+            title="accuracy over time (mean, 95 % band over fleets)")
+    ax2.set_yticks(range(len(labels)), labels)
+    ax2.set(xlabel="simulated s to target", title="time to target per fleet (|: mean)")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
-    figure_legend(fig, (ax1, ax2))
+    figure_legend(fig, (ax1,))
     save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m sim.rounds") -> int:
     p = ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("--algorithms", default="catafed,fedavg,fedprox")
-    p.add_argument("--seeds", default="0", help="comma-separated fleet seeds (default 0)")
+    p.add_argument("--algorithms", default="catafed,fedavg,fedprox,tifl",
+                   help="comma list of catafed, fedavg, fedprox, tifl, or LABEL=ALG:section.key=value:... "
+                        "variants (e.g. no-pf=catafed:catafed.selection=random); default all four")
+    p.add_argument("--reference", default="",
+                   help="the variant every other one is paired against (default: the first)")
+    p.add_argument("--seeds", default="0",
+                   help="fleet seeds: a comma list (0,1,2) or a count N (seeds 0..N-1); default 0")
+    p.add_argument("--dataset", default="digits",
+                   help="digits (default, offline), synthetic, or any fedmq dataset (mnist, ... with --data-dir)")
+    p.add_argument("--data-dir", default=None, metavar="DIR", help="dataset root (torchvision layout)")
+    p.add_argument("--model", default="auto", help="model zoo name, or auto (default: fits the dataset)")
     p.add_argument("--agents", type=int, default=FleetSpec.agents)
     p.add_argument("--slow-share", type=float, default=FleetSpec.slow_share)
     p.add_argument("--slow-factor", type=float, default=FleetSpec.slow_factor)
+    p.add_argument("--label-alpha", type=float, default=FleetSpec.label_alpha,
+                   help="Dirichlet concentration of each agent's label mix (smaller: more non-IID)")
     p.add_argument("--dropout-p", type=float, default=FleetSpec.dropout_p)
     p.add_argument("--return-p", type=float, default=FleetSpec.return_p)
-    p.add_argument("--rounds", type=int, default=80)
+    p.add_argument("--rounds", type=int, default=80, help="most rounds per run (default 80)")
+    p.add_argument("--until", type=float, default=math.inf, metavar="S",
+                   help="stop each run at this simulated time (same for every algorithm)")
     p.add_argument("--target", type=float, default=0.85)
     p.add_argument("--deadline", type=float, default=20.0, help="T in simulated seconds")
     p.add_argument("--grace", type=float, default=2.0)
     p.add_argument("--groups", type=int, default=3)
     p.add_argument("--per-group", type=int, default=5)
     p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config key for every variant, e.g. --set catafed.pf_initial=100 (repeatable)")
+    p.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     p.add_argument("--out", default="", help="directory for results.json, table.md, accuracy.png")
     p.add_argument("--dry-run", action="store_true", help="check the flags, print the plan and exit")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     spec = FleetSpec(agents=a.agents, slow_share=a.slow_share, slow_factor=a.slow_factor,
-                     dropout_p=a.dropout_p, return_p=a.return_p)
-    settings = CataFedSettings(groups=a.groups, per_group=a.per_group, deadline_s=a.deadline,
-                               grace_s=a.grace, epochs=a.epochs, rounds=a.rounds,
-                               target_accuracy=a.target)
+                     dropout_p=a.dropout_p, return_p=a.return_p, label_alpha=a.label_alpha)
+    base = {"catafed.groups": str(a.groups), "catafed.per_group": str(a.per_group),
+            "catafed.deadline_s": str(a.deadline), "catafed.grace_s": str(a.grace),
+            "catafed.epochs": str(a.epochs), "catafed.rounds": str(a.rounds),
+            "catafed.target_accuracy": str(a.target)}
+    for item in a.set:
+        k, sep, v = item.partition("=")
+        if not sep or "." not in k:
+            raise UsageError(f"--set expects section.key=value, got {item!r}")
+        base[k.strip()] = v.strip()
+    variants = parse_variants(a.algorithms)
+    seeds = seed_list(a.seeds, 0)
+    reference = a.reference or variants[0].label
+    if reference not in {v.label for v in variants}:
+        raise UsageError(f"--reference {reference!r} is not one of the variants")
+    try:
+        settings = {v.label: v.settings(base) for v in variants}
+        for v in variants:  # a bad value is a usage error now, not a traceback in a worker
+            make_strategy(v.algorithm, settings[v.label][0], torch.zeros(1), fedavg=settings[v.label][1],
+                          tifl=settings[v.label][2])
+        model_name = resolve_model_name(a.model, a.dataset)
+        train = load_dataset(a.dataset, data_dir=a.data_dir)
+    except (ConfigError, ValueError) as e:
+        raise UsageError(str(e)) from None
     if a.dry_run:
-        print(f"{a.algorithms} x seeds {a.seeds}: {spec}, {settings}; output {a.out or '-'} "
+        print(f"{', '.join(v.label for v in variants)} x seeds {seeds} on {a.dataset} ({train!r}, "
+              f"{model_name}): {spec}, until {a.until} s / {a.rounds} rounds; output {a.out or '-'} "
               "(dry run: nothing run)")
         return 0
-    runs = []
-    seeds = int_list(a.seeds, "--seeds")
-    algorithms = [x.strip() for x in a.algorithms.split(",") if x.strip()]
-    for alg in algorithms:
-        if alg not in STRATEGIES:
-            raise UsageError(f"--algorithms: unknown algorithm {alg!r}; use one of {', '.join(STRATEGIES)}")
-    for seed in seeds:
-        for alg in algorithms:
-            run = run_fleet(alg, spec, settings, seed=seed)
-            runs.append(run)
-            print(f"{alg:8s} seed {seed}: {len(run.rounds)} rounds, sim {run.rounds[-1].time_s:.0f} s, "
-                  f"acc {run.final_accuracy:.3f}, target at "
-                  f"{'-' if run.time_to_target_s is None else f'{run.time_to_target_s:.0f} s'} "
-                  f"(wall {run.wall_s:.1f} s)", flush=True)
+    if a.jobs < 1:
+        raise UsageError(f"--jobs must be >= 1, got {a.jobs}")
+    tasks = [Task(v, spec, base, seed, a.rounds, a.until, a.target, a.dataset, a.data_dir, a.model)
+             for seed in seeds for v in variants]
+    runs: list[SimRun] = []
+    done = 0
+
+    def show(run: SimRun) -> None:
+        nonlocal done
+        done += 1
+        ttt = "-" if run.time_to_target_s is None else f"{run.time_to_target_s:.0f} s"
+        print(f"[{done}/{len(tasks)}] {run.algorithm:10s} seed {run.seed}: {len(run.rounds)} rounds, "
+              f"sim {run.rounds[-1].time_s:.0f} s, final acc {run.final_accuracy:.3f}, target at {ttt} "
+              f"(wall {run.wall_s:.1f} s)", flush=True)
+
+    if a.jobs == 1:
+        for t in tasks:
+            runs.append(run_task(t))
+            show(runs[-1])
+    else:
+        import multiprocessing
+
+        with ProcessPoolExecutor(a.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            for run in pool.map(run_task, tasks):
+                runs.append(run)
+                show(run)
+    order = {v.label: i for i, v in enumerate(variants)}
+    runs.sort(key=lambda r: (order[r.algorithm], r.seed))
     rows = summary_rows(runs)
-    table = markdown_table(rows, a.target)
+    pairs = paired_rows(runs, reference)
+    table = markdown_table(rows, a.target) + "\n" + paired_table(pairs)
     print(table)
     if a.out:
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "table.md").write_text(table)
+        settings_json = asdict(settings[variants[0].label][0])
         (out / "results.json").write_text(json.dumps(
-            {"fleet": asdict(spec), "settings": asdict(settings), "summary": rows,
+            {"fleet": asdict(spec), "settings": settings_json, "dataset": a.dataset,
+             "model": model_name, "until_s": None if math.isinf(a.until) else a.until,
+             "reference": reference,
+             "variants": [asdict(v) for v in variants], "summary": rows, "paired": pairs,
              "runs": [{**{k: v for k, v in asdict(r).items() if k != "rounds"},
                        "rounds": [asdict(x) for x in r.rounds]} for r in runs]}, indent=1))
-        plot(runs, out / "accuracy.png")
+        plot(runs, out / "accuracy.png", a.target)
         print(f"wrote {out}/table.md, results.json, accuracy.png")
     return 0
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from aggregator.catafed import CataFed, RoundResult, aggregate, kmeans_1d
-from aggregator.fedavg import FedAvgDeadline, FedProx, make_strategy
+from aggregator.fedavg import FedAvgDeadline, FedProx
+from aggregator.round_algorithms import make_strategy
 from fedmq.config import CataFedSettings
 
 W0 = torch.ones(4)

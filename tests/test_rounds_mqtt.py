@@ -21,6 +21,7 @@ import torch
 from aggregator.catafed import CataFed
 from aggregator.fedavg import FedAvgDeadline
 from aggregator.rounds import RoundService
+from aggregator.tifl import TiFL
 from edge_agent.rounds import RoundAgent
 from fedmq import codecs, protocol
 from fedmq.channel import Channel
@@ -142,6 +143,36 @@ def test_fedavg_drops_a_late_update_and_keeps_the_agent(mosquitto) -> None:
             wait_until(lambda: "wrong_algorithm" in wrong.errors, "the refusal of the wrong algorithm")
         finally:
             for a in (on_time, late, wrong):
+                a.stop()
+
+
+def test_tifl_profiles_over_the_wire_and_stops_inviting_the_late_agent(mosquitto) -> None:
+    # Cut-off at 5 s; "late" needs 8 s (80 ms per sample). Round 1 profiles both (N = 2):
+    # "fast" reports with a latency the server measured and its score of the model it got;
+    # "late" misses the cut-off, so it is beyond T_max and round 2 invites "fast" alone.
+    cfg = make_cfg(mosquitto.url, **{"catafed.deadline_s": 4.0, "catafed.grace_s": 1.0,
+                                     "fedavg.clients_per_round": 2, "tifl.tiers": 2})
+    start = to_vector(build_model(MODEL, seed=0))
+    fit(MODEL, start, *data(0, 32))  # torch's first call (seconds when loaded) is no round's
+    strategy = TiFL(cfg.catafed, start, fedavg=cfg.fedavg, tifl=cfg.tifl)
+    service = RoundService(cfg, strategy, model_name=MODEL)
+    fast = RoundAgent(cfg, "fast", *data(0, 100), algorithm="tifl")
+    late = RoundAgent(cfg, "late", *data(100, 200), algorithm="tifl", extra_s_per_sample=0.08)
+    with service:
+        try:
+            for a in (fast, late):
+                a.start()
+            assert service.wait_for_pool(2, WAIT_S)
+            first = service.run_round()
+            assert sorted(first.selected) == ["fast", "late"] and first.group is None
+            assert first.finished == ["fast"] and first.dropouts == ["late"]
+            assert 0 < strategy.latency["fast"] < 5.0 and strategy.latency["late"] == float("inf")
+            # its score is of the int8 model it decoded: within a few of 100 predictions of W_0's
+            assert abs(strategy.score["fast"] - evaluate(MODEL, start, *data(0, 100))[0]) <= 0.03
+            second = service.run_round()
+            assert second.selected == ["fast"] and second.group == 0
+        finally:
+            for a in (fast, late):
                 a.stop()
 
 

@@ -1,0 +1,21 @@
+"""Algorithm names, in one place for the CLIs, the simulator and the reports.
+
+The aggregator maps each server name to its strategy class (aggregator/bootstrap.py for the
+asynchronous ones, aggregator/round_algorithms.py for deadline rounds); tests check that both maps
+cover exactly these names. The kernel holds only names so that aggregator/ and edge_agent/
+can share them without importing each other.
+"""
+
+from __future__ import annotations
+
+ASYNC_SERVER: tuple[str, ...] = ("cdfl", "fedsoft-async", "fedasync")
+"""Asynchronous server algorithms (an upload is answered when it arrives)."""
+ASYNC_AGENT: tuple[str, ...] = ("cdfl", "fedsoft-async", "local")
+"""What an asynchronous edge agent runs (local: never talks to a server)."""
+ROUNDS: tuple[str, ...] = ("catafed", "fedavg", "fedprox", "tifl")
+"""Deadline-round algorithms: the same name on the aggregator and on its agents."""
+
+DEADLINE_MODE: dict[str, str] = {"catafed": "catafed", "fedavg": "fedavg", "fedprox": "fedprox",
+                                 "tifl": "fedavg"}
+"""How a round agent trains against the deadline (edge_agent/deadline.py): TiFL's agents
+train as FedAvg's (all epochs; the server drops a late report); only selection differs."""
