@@ -12,7 +12,9 @@ cannot be written, `handle` raises `JournalError` and the caller must `recover()
 durable state) before retrying: in-memory effects of the failed batch are discarded.
 
 Replay applies the journal's records through `Strategy.apply` with the alpha that was used,
-then re-derives each agent's base (the model it holds) the way the live path did.
+then re-derives each agent's base (the model it holds) the way the live path did. A record
+keeps everything an `Upload` carries (vector, tau, samples, the agent's alpha, its data
+sketch as sent; the base is re-derived), so a strategy reading any of it replays exactly.
 """
 
 from __future__ import annotations
@@ -159,9 +161,12 @@ class Engine:
             reply = self.strategy.join(agent, rec.get("n_samples", 0))
         else:
             known = self.agents.get(agent)  # its base: the reply it had, as when it was live
+            sketch_bytes = rec.get("sketch")  # journaled as on the wire: the live Upload's exactly
             upload = Upload(agent=agent, vector=rec["vector"], tau=rec["tau"],
                             n_samples=rec["n_samples"], alpha=rec.get("upload_alpha"),
-                            msg_id=rec["msg_id"], base=known.base if known is not None else None)
+                            msg_id=rec["msg_id"], base=known.base if known is not None else None,
+                            sketch=None if sketch_bytes is None else
+                            np.frombuffer(sketch_bytes, dtype="<f2").astype(np.float32))
             reply = self.strategy.apply(upload, rec.get("alpha"), sent=rec.get("sent"))
             if rec.get("dist") is not None:
                 self.accepted_norms.append(rec["dist"])
@@ -249,6 +254,7 @@ class Engine:
                                 "vector": upload.vector, "alpha": reply.alpha,
                                 "upload_alpha": upload.alpha,
                                 "dist": dists.get((env.agent, env.msg_id)),
+                                "sketch": env.sketch,
                                 **({"sent": reply.vectors[0]} if keep_sent and len(reply.vectors) == 1 else {})})
                 info = reply.info
                 applied.append({"agent": env.agent, "epoch": reply.epoch, "tau": env.tau,

@@ -215,9 +215,11 @@ def test_replay_reuses_the_journaled_reply_instead_of_training_it_again(tmp_path
     rule moves the clusters by v - base: replay must see the same base as the live engine."""
     from aggregator.bootstrap import build_engine
     from aggregator.engine import Inbound
-    from fedmq import codecs, protocol
+    from fedmq import codecs, protocol, sketch
     from fedmq.config import load_config
+    from fedmq.data import load_dataset
     from fedmq.models import model_spec
+    from fedmq.sketch import data_sketch
 
     spec = model_spec("digits-cnn")
     # Speed only: small server sets; the defaults start the aggregator in test_documented_commands.
@@ -235,21 +237,30 @@ def test_replay_reuses_the_journaled_reply_instead_of_training_it_again(tmp_path
     (reply,) = live.handle([Inbound("car-1", join)])
     base = codecs.decode(reply.tensors[0])
     rng = np.random.default_rng(0)
-    for _ in range(3):
+    sketches = []
+    for i in range(3):
         v = base + rng.normal(0, 0.01, spec.numel).astype(np.float32)
+        sk = data_sketch(load_dataset("digits").x[i * 50:(i + 1) * 50]).astype("<f2").tobytes()
+        sketches.append(sk)
         up = protocol.Update(agent="car-1", msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
                              model=spec.hash, tau=reply.epoch, n_samples=100,
-                             tensor=codecs.encode(v, "int8", base=base))
+                             tensor=codecs.encode(v, "int8", base=base), sketch=sk,
+                             sketch_method=sketch.METHOD)
         (reply,) = live.handle([Inbound("car-1", up)])
         base = codecs.decode(reply.tensors[0], base=base)
     live.journal.close()
 
     restarted = build_engine(cfg)
-    calls = []
+    calls, replayed = [], []
     personalize = restarted.strategy.personalizer.personalize
     restarted.strategy.personalizer.personalize = lambda req: calls.append(1) or personalize(req)
+    apply = restarted.strategy.apply
+    restarted.strategy.apply = lambda u, *a, **k: replayed.append(u) or apply(u, *a, **k)
     assert restarted.recover() == 4
     assert calls == []  # nothing trained again
+    # every field of the live Upload comes back, the data sketch included (a strategy that
+    # read it would otherwise compute something else after a crash)
+    assert [u.sketch.astype("<f2").tobytes() for u in replayed] == sketches
     a, b = live.agents["car-1"], restarted.agents["car-1"]
     assert torch.equal(a.base, b.base) and np.array_equal(b.base.numpy(), base)
     ra, rb = protocol.decode(a.last_reply, 1 << 24), protocol.decode(b.last_reply, 1 << 24)
