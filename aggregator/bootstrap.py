@@ -10,6 +10,7 @@ evaluates on exactly the same samples.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -20,6 +21,7 @@ from aggregator.fedasync import FedAsync
 from aggregator.fedsoft_async import FedSoftAsync
 from aggregator.journal import Journal
 from aggregator.strategy import Strategy
+from fedmq.algorithms import ASYNC_SERVER
 from fedmq.config import Config
 from fedmq.data import RotatedClusters, clusters_from_settings
 from fedmq.logs import event, get_logger
@@ -82,18 +84,28 @@ def pretrain_clusters(cfg: Config, clusters: RotatedClusters, model_name: str) -
     return vectors
 
 
+ASYNC_STRATEGIES: dict[str, Callable[..., Strategy]] = {
+    "cdfl": lambda cfg, spec, clusters, proxies, device: CDFL.from_settings(
+        spec, clusters, proxies, cfg.cdfl, device=device, seed=cfg.seed),
+    "fedsoft-async": lambda cfg, spec, clusters, proxies, device: FedSoftAsync.from_settings(
+        spec, clusters, cfg.cdfl),
+    # One global model: start from the mean of the pre-trained cluster models.
+    "fedasync": lambda cfg, spec, clusters, proxies, device: FedAsync.from_settings(
+        spec, torch.stack(clusters).mean(0), cfg.cdfl),
+}
+"""Asynchronous algorithm name -> builder(cfg, spec, cluster vectors, proxy sets, device)."""
+assert tuple(ASYNC_STRATEGIES) == ASYNC_SERVER, "fedmq/algorithms.py ASYNC_SERVER and this map must agree"
+
+
 def make_strategy(cfg: Config, spec: ModelSpec, clusters: list[torch.Tensor],
                   proxies: list[tuple[torch.Tensor, torch.Tensor]], device: str = "cpu") -> Strategy:
     """The strategy named by `aggregator.algorithm`, with its knobs from the config."""
     algorithm = cfg.aggregator.algorithm
-    if algorithm == "cdfl":
-        return CDFL.from_settings(spec, clusters, proxies, cfg.cdfl, device=device, seed=cfg.seed)
-    if algorithm == "fedsoft-async":
-        return FedSoftAsync.from_settings(spec, clusters, cfg.cdfl)
-    if algorithm == "fedasync":
-        # One global model: start from the mean of the pre-trained cluster models.
-        return FedAsync.from_settings(spec, torch.stack(clusters).mean(0), cfg.cdfl)
-    raise ValueError(f"unknown algorithm {algorithm!r}; use cdfl, fedsoft-async or fedasync")
+    try:
+        build = ASYNC_STRATEGIES[algorithm]
+    except KeyError:
+        raise ValueError(f"unknown algorithm {algorithm!r}; use {', '.join(ASYNC_STRATEGIES)}") from None
+    return build(cfg, spec, clusters, proxies, device)
 
 
 def build_engine(cfg: Config, *, clusters: RotatedClusters | None = None) -> Engine:

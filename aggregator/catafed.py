@@ -216,7 +216,8 @@ class RoundStrategy:
         """An agent joined (or re-joined) with `size` samples per round; it is online."""
         info = self.agents.get(agent)
         if info is None:
-            self.agents[agent] = AgentInfo(agent, int(size), avg=self.settings.pf_initial)
+            start = self.settings.pf_initial if self.settings.pf_initial > 0 else float(size)
+            self.agents[agent] = AgentInfo(agent, int(size), avg=start)
         else:
             self.set_size(agent, size)
             self.set_online(agent, True)

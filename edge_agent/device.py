@@ -50,13 +50,14 @@ from edge_agent.sources import DatasetSource, DataSource, DirectorySource, Local
 from edge_agent.state import AgentState, PendingUpload
 from edge_agent.trainer import estimate_alpha_argmin, evaluate, train_fedsoft, train_local
 from fedmq import protocol
+from fedmq.algorithms import ASYNC_AGENT
 from fedmq.config import AgentSettings, Config
 from fedmq.logs import PROGRESS, event, get_logger
 from fedmq.models import build_model, model_spec, resolve_model_name, to_vector
 
 log = get_logger("agent")
 
-ALGORITHMS = ("cdfl", "fedsoft-async", "local")
+ALGORITHMS = ASYNC_AGENT
 RESYNC_REASONS = REJOIN_REASONS | {"bad_tau"}
 """Error replies after which the agent drops its pending upload and joins again."""
 MODEL_FILE = "model.onnx"

@@ -1,8 +1,9 @@
 """Algorithm names, in one place for the CLIs, the simulator and the reports.
 
-The aggregator maps each server name to its strategy class (aggregator/bootstrap.py for the
-asynchronous ones, aggregator/round_algorithms.py for deadline rounds); tests check that both maps
-cover exactly these names. The kernel holds only names so that aggregator/ and edge_agent/
+The aggregator maps each server name to its strategy (aggregator/bootstrap.py
+ASYNC_STRATEGIES for the asynchronous ones, aggregator/round_algorithms.py STRATEGIES for
+deadline rounds); both assert at import that they cover exactly these names. The CLIs' choices,
+the agent's checks and the simulator's methods derive from these tuples. The kernel holds only names so that aggregator/ and edge_agent/
 can share them without importing each other.
 """
 

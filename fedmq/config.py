@@ -243,7 +243,7 @@ class CataFedSettings:
     pf_window: float = 10.0
     """t_c of the PF average: A_i := (1 - 1/t_c) A_i + (1/t_c) r_i [i was invited], every round."""
     pf_initial: float = 1.0
-    """A_i of an agent never invited (small: newcomers get a high priority r_i / A_i)."""
+    """A_i of an agent never invited; 0 = its own r_i at joining (every newcomer starts at priority 1). Small values give newcomers a high priority r_i / A_i."""
     weights: str = "samples"
     """psi_i: samples (proportional to the samples an agent trained on) or uniform; normalized over finishers."""
     min_shard: int = 32

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedmq.algorithms import ASYNC_AGENT
 from fedmq.config import Config, add_config_arguments, config_from_args, load_config
 from fedmq.errors import ArgumentParser, run_main
 from fedmq.logs import event, get_logger, setup_logging
@@ -53,7 +54,7 @@ from sim.stats import paired_interval
 
 log = get_logger("sim")
 
-METHODS = ("cdfl", "fedsoft-async", "local")
+METHODS = ASYNC_AGENT  # what an agent runs: the variants replay agents, not servers
 
 
 @dataclass(frozen=True)

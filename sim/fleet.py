@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedmq.algorithms import ASYNC_SERVER
 from fedmq.config import Config
 from fedmq.logs import event, get_logger
 from fedmq.transport import NetworkLoop, use_network
@@ -46,9 +47,8 @@ from sim.scenarios import Scenario, apply_defaults, build_clusters, draw_cycle, 
 
 log = get_logger("sim")
 
-METHODS: dict[str, str] = {"cdfl": "cdfl", "fedsoft-async": "fedsoft-async", "fedasync": "fedasync",
-                           "local": ""}
-"""Simulator method -> aggregator algorithm ('' = no server)."""
+METHODS: dict[str, str] = {**{name: name for name in ASYNC_SERVER}, "local": ""}
+"""Simulator method -> aggregator algorithm ('' = no server): every asynchronous one, and local."""
 
 
 @dataclass

@@ -205,8 +205,8 @@ def is_rounds_dir(out: Path) -> bool:
 
 
 def rounds_report(out: Path, fig_dir: Path) -> tuple[str, list[Path]]:
-    """CATA-Fed / FedAvg / FedProx deadline rounds: sim.rounds' own table and plot, plus costs."""
-    from sim.rounds import load_results, markdown_table, plot, summary_rows
+    """CATA-Fed / FedAvg / FedProx / TiFL deadline rounds: sim.rounds' own tables and plot, plus costs."""
+    from sim.rounds import load_results, markdown_table, paired_table, plot, summary_rows
 
     runs, target, data = load_results(out / ROUNDS_RESULTS)
     rows = summary_rows(runs)
@@ -218,11 +218,11 @@ def rounds_report(out: Path, fig_dir: Path) -> tuple[str, list[Path]]:
         f"dropout p = {fleet['dropout_p']}, return p = {fleet['return_p']}; deadline T = "
         f"{settings['deadline_s']} s + grace {settings['grace_s']} s, P = {settings['groups']} groups "
         f"of N = {settings['per_group']}, {settings['epochs']} local epochs, at most "
-        f"{settings['rounds']} rounds (simulated clock).", "",
-        markdown_table(rows, target)])
+        f"{settings['rounds']} rounds (simulated clock), dataset {data.get('dataset', 'digits')}.", "",
+        markdown_table(rows, target), paired_table(data.get("paired", []))])
     fig_dir.mkdir(parents=True, exist_ok=True)
     accuracy = fig_dir / "rounds_accuracy.png"
-    plot(runs, accuracy)
+    plot(runs, accuracy, target)
     cost = fig_dir / "rounds_cost.png"
     _rounds_cost_figure(rows, target, cost)
     return text, [accuracy, cost]

@@ -29,6 +29,7 @@ import json
 import math
 import statistics
 import time
+import warnings
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -501,11 +502,13 @@ def load_results(path: Path) -> tuple[list[SimRun], float, dict]:
 def curve(run: SimRun, grid: np.ndarray) -> np.ndarray:
     """The run's test accuracy at each grid time (the last evaluation before it; nan before the
     first round closed and after the run ended)."""
+    if not run.rounds:
+        return np.full(len(grid), np.nan)
     times = np.array([r.time_s for r in run.rounds])
     accs = np.array([r.accuracy for r in run.rounds])
     idx = np.searchsorted(times, grid, side="right") - 1
     out = np.where(idx >= 0, accs[np.clip(idx, 0, None)], np.nan)
-    out[grid > times[-1]] = np.nan if len(times) else out[grid > 0]
+    out[grid > times[-1]] = np.nan
     return out
 
 
@@ -526,7 +529,8 @@ def plot(runs: list[SimRun], path: Path, target: float | None = None) -> None:
     for j, lab in enumerate(labels):
         mine = [r for r in runs if r.algorithm == lab]
         ys = np.array([curve(r, grid) for r in mine])
-        with np.errstate(all="ignore"):
+        with warnings.catch_warnings():  # grid points before any fleet's first round: nan
+            warnings.simplefilter("ignore", RuntimeWarning)
             mean = np.nanmean(ys, axis=0)
             half = np.array([t_half_width([v for v in col if not np.isnan(v)]) for col in ys.T])
         ax1.plot(grid, mean, color=colors[lab], label=lab)
@@ -554,9 +558,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m sim.rounds") -> i
                    help="comma list of catafed, fedavg, fedprox, tifl, or LABEL=ALG:section.key=value:... "
                         "variants (e.g. no-pf=catafed:catafed.selection=random); default all four")
     p.add_argument("--reference", default="",
-                   help="the variant every other one is paired against (default: the first)")
-    p.add_argument("--seeds", default="0",
-                   help="fleet seeds: a comma list (0,1,2) or a count N (seeds 0..N-1); default 0")
+                   help="comma list of the variants every other one is paired against (default: the first)")
+    p.add_argument("--seeds", default="1",
+                   help="fleet seeds: a comma list (0,1,2) or a count N (seeds 0..N-1); default 1 (seed 0)")
     p.add_argument("--dataset", default="digits",
                    help="digits (default, offline), synthetic, or any fedmq dataset (mnist, ... with --data-dir)")
     p.add_argument("--data-dir", default=None, metavar="DIR", help="dataset root (torchvision layout)")
@@ -597,14 +601,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m sim.rounds") -> i
         base[k.strip()] = v.strip()
     variants = parse_variants(a.algorithms)
     seeds = seed_list(a.seeds, 0)
-    reference = a.reference or variants[0].label
-    if reference not in {v.label for v in variants}:
-        raise UsageError(f"--reference {reference!r} is not one of the variants")
+    references = [x.strip() for x in (a.reference or variants[0].label).split(",") if x.strip()]
+    for reference in references:
+        if reference not in {v.label for v in variants}:
+            raise UsageError(f"--reference {reference!r} is not one of the variants")
     try:
         settings = {v.label: v.settings(base) for v in variants}
         for v in variants:  # a bad value is a usage error now, not a traceback in a worker
             make_strategy(v.algorithm, settings[v.label][0], torch.zeros(1), fedavg=settings[v.label][1],
                           tifl=settings[v.label][2])
+            DeadlineLearner(torch.zeros(1, 1, 1, 1), torch.zeros(1, dtype=torch.int64),
+                            settings[v.label][0], algorithm=v.algorithm)
         model_name = resolve_model_name(a.model, a.dataset)
         train = load_dataset(a.dataset, data_dir=a.data_dir)
     except (ConfigError, ValueError) as e:
@@ -643,7 +650,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m sim.rounds") -> i
     order = {v.label: i for i, v in enumerate(variants)}
     runs.sort(key=lambda r: (order[r.algorithm], r.seed))
     rows = summary_rows(runs)
-    pairs = paired_rows(runs, reference)
+    pairs = [p for ref in references for p in paired_rows(runs, ref)
+             if not (p["other"] in references and references.index(p["other"]) < references.index(ref))]
     table = markdown_table(rows, a.target) + "\n" + paired_table(pairs)
     print(table)
     if a.out:
@@ -654,7 +662,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m sim.rounds") -> i
         (out / "results.json").write_text(json.dumps(
             {"fleet": asdict(spec), "settings": settings_json, "dataset": a.dataset,
              "model": model_name, "until_s": None if math.isinf(a.until) else a.until,
-             "reference": reference,
+             "reference": references,
              "variants": [asdict(v) for v in variants], "summary": rows, "paired": pairs,
              "runs": [{**{k: v for k, v in asdict(r).items() if k != "rounds"},
                        "rounds": [asdict(x) for x in r.rounds]} for r in runs]}, indent=1))

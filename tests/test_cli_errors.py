@@ -83,11 +83,18 @@ def test_config_file_with_a_typo_is_one_line_and_exit_2(tmp_path) -> None:
     ("sim.ablation", ("--variant", "x=nope", "--out", "OUT"), ("variant", "nope")),
     ("sim.rounds", ("--seeds", ","), ("python -m sim.rounds", "--seeds")),
     ("sim.rounds", ("--algorithms", "fedavg,fedsgd"), ("fedsgd", "catafed")),
+    ("sim.rounds", ("--set", "catafed.resize=quarter"), ("catafed.resize", "quarter")),
+    ("sim.rounds_sweep", ("--slow-shares", "0,x", "--out", "OUT"), ("--slow-shares", "'0,x'")),
     ("bench", ("nosuch",), ("python -m bench", "nosuch", "codecs")),
 ])
 def test_python_m_entry_points_are_one_line_and_exit_2(module, argv, names, tmp_path) -> None:
     argv = tuple(str(tmp_path / "out") if a == "OUT" else a for a in argv)
     assert_one_line(run(*argv, module=module), 2, *names)
+
+
+def test_experiment_without_its_dataset_is_one_line_and_exit_1(tmp_path) -> None:
+    done = run("--dataset", "mnist", "--data-dir", str(tmp_path), "--dry-run", module="sim.rounds")
+    assert_one_line(done, 1, "python -m sim.rounds", "mnist", "not found", str(tmp_path))
 
 
 def test_seed_lists_parse_the_same_everywhere() -> None:

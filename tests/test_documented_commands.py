@@ -86,7 +86,7 @@ RULES: list[Rule] = [
     Rule(r"^fedmq sim report ", "run", proof="report:"),
     Rule(r"^fedmq demo$", "run", proof="Table 1", timeout=900),
     Rule(r"^fedmq sim run .*--out out/$", "run", proof="report:", timeout=900),
-    Rule(r"^fedmq sim rounds --seeds 0,1,2 --out out-rounds/", "run", proof="wrote", timeout=900),
+    Rule(r"^fedmq sim rounds --seeds 3 --until 300 --out out-rounds/", "run", proof="wrote", timeout=900),
     Rule(r"^fedmq fleet status --broker mqtt://127\.0\.0\.1:1883 --fleet garage$", "run",
          proof="fleet garage:", broker=True),
     Rule(r"^fedmq fleet status --fleet garage --json$", "run", proof='"fleet": "garage"', broker=True),
