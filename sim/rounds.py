@@ -25,6 +25,7 @@ proportions ~ Dirichlet(label_alpha) (non-IID), drawn from the dataset's train s
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import statistics
@@ -220,6 +221,8 @@ class SimRound:
     dropouts: int
     late: int
     round_s: float
+    invited: list[str] = field(default_factory=list)
+    """Who was invited (the live twin compares its invitees with these)."""
 
 
 @dataclass
@@ -364,7 +367,8 @@ def run_fleet(algorithm: str, spec: FleetSpec, settings: CataFedSettings, *, see
         acc, _ = evaluate(model_name, strategy.vector, test.x, test.y)
         run.rounds.append(SimRound(outcome.round, clock(), acc, len(plan.selected),
                                    len(outcome.finished), len(outcome.stragglers),
-                                   len(outcome.dropouts) - late, late, round_s))
+                                   len(outcome.dropouts) - late, late, round_s,
+                                   list(plan.selected)))
         if target and acc >= target and run.time_to_target_s is None:
             run.time_to_target_s, run.rounds_to_target = clock(), outcome.round + 1
     run.wall_s = time.perf_counter() - t_wall
@@ -523,7 +527,7 @@ def plot(runs: list[SimRun], path: Path, target: float | None = None) -> None:
     for lab in labels:
         if colors[lab] == "black":
             colors[lab] = next(spare, "black")
-    end = min(max(x.rounds[-1].time_s for x in runs if x.algorithm == lab) for lab in labels)
+    end = min(x.rounds[-1].time_s for x in runs if x.rounds)  # where every run still has data
     grid = np.linspace(0.0, end, 200)
     fig, (ax1, ax2) = pyplot().subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
     for j, lab in enumerate(labels):
@@ -534,8 +538,9 @@ def plot(runs: list[SimRun], path: Path, target: float | None = None) -> None:
             mean = np.nanmean(ys, axis=0)
             half = np.array([t_half_width([v for v in col if not np.isnan(v)]) for col in ys.T])
         ax1.plot(grid, mean, color=colors[lab], label=lab)
-        if len(mine) > 1:
-            ax1.fill_between(grid, mean - half, mean + half, color=colors[lab], alpha=0.2, lw=0)
+        if len(mine) >= 3:  # with two fleets a t interval is wider than the axis
+            ax1.fill_between(grid, np.clip(mean - half, 0, 1), np.clip(mean + half, 0, 1),
+                             color=colors[lab], alpha=0.2, lw=0)
         each = [r.time_to_target_s for r in mine if r.time_to_target_s is not None]
         ax2.plot(each, [j] * len(each), ".", color=colors[lab], ms=6)
         if each:
@@ -550,6 +555,36 @@ def plot(runs: list[SimRun], path: Path, target: float | None = None) -> None:
         ax.grid(alpha=0.3)
     figure_legend(fig, (ax1,))
     save_figure(fig, path)
+
+
+def round_overrides(a: argparse.Namespace) -> dict[str, str]:
+    """The config keys every variant shares: the round's flags, then each --set."""
+    base = {"catafed.groups": str(a.groups), "catafed.per_group": str(a.per_group),
+            "catafed.deadline_s": str(a.deadline), "catafed.grace_s": str(a.grace),
+            "catafed.epochs": str(a.epochs), "catafed.rounds": str(a.rounds),
+            "catafed.target_accuracy": str(a.target)}
+    for item in a.set:
+        k, sep, v = item.partition("=")
+        if not sep or "." not in k:
+            raise UsageError(f"--set expects section.key=value, got {item!r}")
+        base[k.strip()] = v.strip()
+    return base
+
+
+def checked_settings(variants: list[Variant], base: dict[str, str]
+                     ) -> dict[str, tuple[CataFedSettings, FedAvgSettings, TiflSettings]]:
+    """Each variant's settings, built once on both sides (server strategy, agent learner) so
+    that a bad value is a one-line usage error before anything runs."""
+    try:
+        out = {v.label: v.settings(base) for v in variants}
+        for v in variants:
+            catafed, fedavg, tifl = out[v.label]
+            make_strategy(v.algorithm, catafed, torch.zeros(1), fedavg=fedavg, tifl=tifl)
+            DeadlineLearner(torch.zeros(1, 1, 1, 1), torch.zeros(1, dtype=torch.int64), catafed,
+                            algorithm=v.algorithm)
+    except (ConfigError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    return out
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m sim.rounds") -> int:
@@ -590,32 +625,16 @@ def main(argv: list[str] | None = None, prog: str = "python -m sim.rounds") -> i
     torch.set_num_threads(1)
     spec = FleetSpec(agents=a.agents, slow_share=a.slow_share, slow_factor=a.slow_factor,
                      dropout_p=a.dropout_p, return_p=a.return_p, label_alpha=a.label_alpha)
-    base = {"catafed.groups": str(a.groups), "catafed.per_group": str(a.per_group),
-            "catafed.deadline_s": str(a.deadline), "catafed.grace_s": str(a.grace),
-            "catafed.epochs": str(a.epochs), "catafed.rounds": str(a.rounds),
-            "catafed.target_accuracy": str(a.target)}
-    for item in a.set:
-        k, sep, v = item.partition("=")
-        if not sep or "." not in k:
-            raise UsageError(f"--set expects section.key=value, got {item!r}")
-        base[k.strip()] = v.strip()
+    base = round_overrides(a)
     variants = parse_variants(a.algorithms)
     seeds = seed_list(a.seeds, 0)
     references = [x.strip() for x in (a.reference or variants[0].label).split(",") if x.strip()]
     for reference in references:
         if reference not in {v.label for v in variants}:
             raise UsageError(f"--reference {reference!r} is not one of the variants")
-    try:
-        settings = {v.label: v.settings(base) for v in variants}
-        for v in variants:  # a bad value is a usage error now, not a traceback in a worker
-            make_strategy(v.algorithm, settings[v.label][0], torch.zeros(1), fedavg=settings[v.label][1],
-                          tifl=settings[v.label][2])
-            DeadlineLearner(torch.zeros(1, 1, 1, 1), torch.zeros(1, dtype=torch.int64),
-                            settings[v.label][0], algorithm=v.algorithm)
-        model_name = resolve_model_name(a.model, a.dataset)
-        train = load_dataset(a.dataset, data_dir=a.data_dir)
-    except (ConfigError, ValueError) as e:
-        raise UsageError(str(e)) from None
+    settings = checked_settings(variants, base)  # not a traceback in a worker later
+    model_name = resolve_model_name(a.model, a.dataset)
+    train = load_dataset(a.dataset, data_dir=a.data_dir)
     if a.dry_run:
         print(f"{', '.join(v.label for v in variants)} x seeds {seeds} on {a.dataset} ({train!r}, "
               f"{model_name}): {spec}, until {a.until} s / {a.rounds} rounds; output {a.out or '-'} "

@@ -113,6 +113,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m sim.rounds_sweep"
     p.add_argument("--dry-run", action="store_true",
                    help="print and check the sim.rounds command lines, run nothing")
     a = p.parse_args(argv)
+    if "--dry-run" in extra:  # also after `--` (a wrapper that appends it must not run the grid)
+        extra = [x for x in extra if x != "--dry-run"]
+        a.dry_run = True
     settings = [(alpha, slow) for alpha in _floats(a.alphas, "--alphas")
                 for slow in _floats(a.slow_shares, "--slow-shares")]
     out = Path(a.out)
