@@ -18,6 +18,7 @@ from aggregator.cdfl import CDFL
 from aggregator.engine import Engine
 from aggregator.evaluator import ProxyEvaluator
 from aggregator.fedasync import FedAsync
+from aggregator.fedbuff import FedBuff
 from aggregator.fedsoft_async import FedSoftAsync
 from aggregator.journal import Journal
 from aggregator.strategy import Strategy
@@ -92,6 +93,8 @@ ASYNC_STRATEGIES: dict[str, Callable[..., Strategy]] = {
     # One global model: start from the mean of the pre-trained cluster models.
     "fedasync": lambda cfg, spec, clusters, proxies, device: FedAsync.from_settings(
         spec, torch.stack(clusters).mean(0), cfg.cdfl),
+    "fedbuff": lambda cfg, spec, clusters, proxies, device: FedBuff.from_settings(
+        spec, torch.stack(clusters).mean(0), cfg.fedbuff),
 }
 """Asynchronous algorithm name -> builder(cfg, spec, cluster vectors, proxy sets, device)."""
 assert tuple(ASYNC_STRATEGIES) == ASYNC_SERVER, "fedmq/algorithms.py ASYNC_SERVER and this map must agree"

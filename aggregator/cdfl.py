@@ -63,6 +63,9 @@ def update_weights(alpha: Sequence[float], rule: str = "alpha", power: float = 2
 class SoftClusters(Strategy):
     """K cluster vectors with staleness-gated, alpha-weighted asynchronous updates."""
 
+    def server_models(self) -> Tensor:
+        return self.clusters
+
     def __init__(self, spec: ModelSpec, clusters: Tensor | Sequence[Tensor], *, tau0: int = 0,
                  beta0: float = 0.025, hinge_a: float = 10.0, hinge_b: float = 5.0,
                  update_rule: str = "alpha", update_power: float = 2.0, server_lr: float = 1.0,

@@ -177,11 +177,11 @@ class Engine:
         """Recompute `cluster_accuracy` when the models moved by `every_epochs` since."""
         if self.evaluator is None or self.strategy.epoch - self._accuracy_epoch < every_epochs:
             return
-        clusters = getattr(self.strategy, "clusters", None)
-        if clusters is None:  # one global model (FedAsync): its accuracy on each proxy set
-            acc = self.evaluator.accuracies(self.strategy.model[None])[0]
+        models = self.strategy.server_models()
+        if len(models) == 1:  # one global model (FedAsync, FedBuff): its accuracy on each proxy set
+            acc = self.evaluator.accuracies(models)[0]
         else:
-            acc = torch.diagonal(self.evaluator.accuracies(clusters))
+            acc = torch.diagonal(self.evaluator.accuracies(models))
         self.cluster_accuracy = [float(a) for a in acc]
         self._accuracy_epoch = self.strategy.epoch
 

@@ -11,26 +11,23 @@ from typing import Any
 
 from torch import Tensor
 
-from aggregator.strategy import Reply, Strategy, Upload, UploadLedger, check_vector, hinge_staleness
+from aggregator.strategy import GlobalModelStrategy, Reply, Upload, check_vector, hinge_staleness
 from fedmq.config import CDFLSettings
 from fedmq.models import ModelSpec
 
 
-class FedAsync(Strategy):
+class FedAsync(GlobalModelStrategy):
     name = "fedasync"
 
     def __init__(self, spec: ModelSpec, initial: Tensor, *, mixing: float = 0.6,
                  hinge_a: float = 10.0, hinge_b: float = 5.0, staleness_cap: int = 1) -> None:
-        super().__init__()
         if not 0.0 <= mixing <= 1.0:
             raise ValueError(f"mixing (fedasync_alpha) must be in [0, 1], got {mixing}")
-        self.spec = spec
-        self.model = check_vector(initial, spec.numel, "initial model").clone()
+        super().__init__(spec, initial, staleness_cap)
         self.mixing = float(mixing)
         self.hinge_a = float(hinge_a)
         self.hinge_b = float(hinge_b)
         self.last_epoch: dict[str, int] = {}
-        self.ledger = UploadLedger(staleness_cap)
 
     @classmethod
     def from_settings(cls, spec: ModelSpec, initial: Tensor, settings: CDFLSettings) -> FedAsync:
@@ -39,12 +36,7 @@ class FedAsync(Strategy):
 
     def _reply(self, agent: str, info: dict[str, Any]) -> Reply:
         self.last_epoch[agent] = self.epoch
-        return Reply(agent=agent, epoch=self.epoch, vectors=[self.model.clone()], kind="global",
-                     alpha=None, info=info)
-
-    def join(self, agent: str, n_samples: int = 0) -> Reply:
-        self.counters["joins"] += 1
-        return self._reply(agent, {"join": True})
+        return super()._reply(agent, info)
 
     def apply(self, upload: Upload, alpha: list[float] | None = None, sent: Tensor | None = None) -> Reply:
         vector = check_vector(upload.vector, self.spec.numel, f"upload from {upload.agent}")
@@ -64,9 +56,7 @@ class FedAsync(Strategy):
                 "counters": dict(self.counters), "ledger": self.ledger.state_dict()}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
-        if d.get("algorithm") != self.name or d.get("spec") != self.spec.hash:
-            raise ValueError(f"state for {d.get('algorithm')!r}/{d.get('spec')} does not fit "
-                             f"{self.name}/{self.spec.hash}")
+        self._check_state(d)
         self.model = check_vector(d["model"], self.spec.numel, "state model").clone()
         self.epoch = int(d["epoch"])
         self.last_epoch = {str(a): int(e) for a, e in d["last_epoch"].items()}

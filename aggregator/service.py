@@ -214,7 +214,6 @@ class AggregatorService:
         if state == "online":
             self._status_epoch, self._status_at = self.engine.strategy.epoch, time.monotonic()
         spec, c = self.engine.spec, self.cfg.codec
-        clusters = getattr(self.engine.strategy, "clusters", None)
         graph: dict[str, bool | int | float | str] = {}
         if self.graph is not None:
             graph = {"topic": protocol.model_graph(self.fleet), "format": "onnx",
@@ -229,7 +228,7 @@ class AggregatorService:
                               counters={k: v for k, v in self.engine.counters.items()},
                               model=spec.hash, model_name=spec.arch,
                               model_spec=spec.canonical_json,
-                              clusters=len(clusters) if clusters is not None else 1,
+                              clusters=len(self.engine.strategy.server_models()),
                               codec={"name": c.name, "zstd": c.zstd, "delta": c.delta,
                                      "int8_block": c.int8_block, "topk_ratio": c.topk_ratio},
                               graph=graph)

@@ -156,8 +156,39 @@ class Strategy(ABC):
         return [self.apply(u) for u in uploads]
 
     @abstractmethod
+    def server_models(self) -> Tensor:
+        """The models the server holds, (M, P): the K cluster models, or (1, P) for one global
+        model. Accuracy metrics, the status and the simulator read these, never attributes."""
+
+    @abstractmethod
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume exactly (tensors allowed)."""
 
     @abstractmethod
     def load_state_dict(self, d: dict[str, Any]) -> None: ...
+
+
+class GlobalModelStrategy(Strategy):
+    """One global model that every reply carries (FedAsync, FedBuff): what they share."""
+
+    def __init__(self, spec: Any, initial: Tensor, staleness_cap: int = 1) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = check_vector(initial, spec.numel, "initial model").clone()
+        self.ledger = UploadLedger(staleness_cap)
+
+    def server_models(self) -> Tensor:
+        return self.model[None]
+
+    def _reply(self, agent: str, info: dict[str, Any]) -> Reply:
+        return Reply(agent=agent, epoch=self.epoch, vectors=[self.model.clone()], kind="global",
+                     alpha=None, info=info)
+
+    def join(self, agent: str, n_samples: int = 0) -> Reply:
+        self.counters["joins"] += 1
+        return self._reply(agent, {"join": True})
+
+    def _check_state(self, d: dict[str, Any]) -> None:
+        if d.get("algorithm") != self.name or d.get("spec") != self.spec.hash:
+            raise ValueError(f"state for {d.get('algorithm')!r}/{d.get('spec')} does not fit "
+                             f"{self.name}/{self.spec.hash}")

@@ -9,7 +9,7 @@ can share them without importing each other.
 
 from __future__ import annotations
 
-ASYNC_SERVER: tuple[str, ...] = ("cdfl", "fedsoft-async", "fedasync")
+ASYNC_SERVER: tuple[str, ...] = ("cdfl", "fedsoft-async", "fedasync", "fedbuff")
 """Asynchronous server algorithms (an upload is answered when it arrives)."""
 ASYNC_AGENT: tuple[str, ...] = ("cdfl", "fedsoft-async", "local")
 """What an asynchronous edge agent runs (local: never talks to a server)."""
@@ -20,3 +20,8 @@ DEADLINE_MODE: dict[str, str] = {"catafed": "catafed", "fedavg": "fedavg", "fedp
                                  "tifl": "fedavg"}
 """How a round agent trains against the deadline (edge_agent/deadline.py): TiFL's agents
 train as FedAvg's (all epochs; the server drops a late report); only selection differs."""
+
+DISPLAY: dict[str, str] = {"cdfl": "CDFL", "fedsoft-async": "FedSoft-Async", "fedasync": "FedAsync",
+                           "fedbuff": "FedBuff", "local": "Local", "catafed": "CATA-Fed",
+                           "fedavg": "FedAvg", "fedprox": "FedProx", "tifl": "TiFL"}
+"""How reports and figures name each algorithm (an unknown name is shown as it is)."""

@@ -295,6 +295,20 @@ class FedAvgSettings:
 
 
 @dataclass
+class FedBuffSettings:
+    """FedBuff (Nguyen et al., AISTATS 2022), an asynchronous baseline (`--algorithm fedbuff`): client deltas are buffered, each weighted by (1 + staleness)^-e, and their mean is applied every buffer_size uploads. The aggregator's pre-training and server data are [cdfl]'s and [data]'s. See aggregator/fedbuff.py."""
+
+    buffer_size: int = 10
+    """K, uploads buffered before the global model moves (the paper's K = 10)."""
+    server_lr: float = 1.0
+    """eta_g, the server step on the buffer's mean delta."""
+    staleness_exponent: float = 0.5
+    """e in s(d) = (1 + d)^-e (the paper's 1/sqrt(1 + d))."""
+    staleness_cap: int = 1
+    """How often one agent's uploads count towards another's staleness (as cdfl.staleness_cap; 0: every upload, the paper's count)."""
+
+
+@dataclass
 class TiflSettings:
     """TiFL (Chai et al., HPDC 2020), a deadline baseline (`--algorithm tifl`): agents profiled into tiers by their measured response latency, one tier invited per round with credit-limited, accuracy-driven probabilities. Agents train as FedAvg's do ([fedavg]: N, epochs, lr); deadline and rounds are [catafed]'s. See docs/catafed.md."""
 
@@ -317,7 +331,7 @@ class AggregatorSettings:
     """The aggregator service: algorithm, state, batching, input guards."""
 
     algorithm: str = "cdfl"
-    """cdfl, fedsoft-async or fedasync (asynchronous); catafed, fedavg, fedprox or tifl (deadline rounds, see [catafed], [fedavg] and [tifl])."""
+    """cdfl, fedsoft-async, fedasync or fedbuff (asynchronous); catafed, fedavg, fedprox or tifl (deadline rounds, see [catafed], [fedavg] and [tifl])."""
     state_dir: str = "state/aggregator"
     """Snapshots and the write-ahead journal; restart from here resumes."""
     accept_journal_loss: bool = False
@@ -463,6 +477,7 @@ class Config:
     catafed: CataFedSettings = field(default_factory=CataFedSettings)
     fedavg: FedAvgSettings = field(default_factory=FedAvgSettings)
     tifl: TiflSettings = field(default_factory=TiflSettings)
+    fedbuff: FedBuffSettings = field(default_factory=FedBuffSettings)
     aggregator: AggregatorSettings = field(default_factory=AggregatorSettings)
     agent: AgentSettings = field(default_factory=AgentSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)

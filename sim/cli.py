@@ -33,7 +33,7 @@ def _add_part_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="check the scenario, dataset and flags, print the plan and exit")
     p.add_argument("--scenario", default="rotated-digits", help="as in `fedmq sim run` (default rotated-digits)")
-    p.add_argument("--method", default="cdfl", help="cdfl (default), fedsoft-async, fedasync or local")
+    p.add_argument("--method", default="cdfl", help="cdfl (default), fedsoft-async, fedasync, fedbuff or local")
     p.add_argument("--clusters", type=int, default=3, help="K (default 3)")
     p.add_argument("--agents", type=int, default=0, help="agents in the whole fleet (default 20*K)")
     p.add_argument("--updates-per-agent", type=float, default=25.0, help="mean updates per agent (default 25)")
@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rotated-digits (default), rotated-mnist, rotated-fashionmnist, rotated-cifar100, "
                         "digits-domains")
     r.add_argument("--methods", default="cdfl,fedsoft-async,local",
-                   help="comma list of cdfl, fedsoft-async, fedasync, local (default cdfl,fedsoft-async,local)")
+                   help="comma list of cdfl, fedsoft-async, fedasync, fedbuff, local (default cdfl,fedsoft-async,local)")
     r.add_argument("--clusters", default="3", help="K, or a comma list (default 3)")
     r.add_argument("--agents", type=int, default=0, help="agents per run (default 20*K)")
     r.add_argument("--seeds", default="1",

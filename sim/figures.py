@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-METHOD_COLORS = {"cdfl": "tab:blue", "fedsoft-async": "tab:orange", "fedasync": "tab:purple", "local": "tab:gray",
+METHOD_COLORS = {"cdfl": "tab:blue", "fedsoft-async": "tab:orange", "fedasync": "tab:purple", "fedbuff": "tab:olive", "local": "tab:gray",
                  "catafed": "tab:green", "fedavg": "tab:red", "fedprox": "tab:brown", "tifl": "tab:pink",
                  "catafed+": "darkgreen"}
 """One colour per method in every figure (sim report, sim rounds, the demo)."""

@@ -310,6 +310,13 @@ def start_agents(cfg: Config, spec: RunSpec, indices: range, stack: contextlib.E
     return agents
 
 
+def server_models(strategy: Any, k: int) -> list[torch.Tensor]:
+    """The server's models to score on the K clusters' test sets: its K cluster models, or
+    its one global model K times (FedAsync, FedBuff)."""
+    models = list(strategy.server_models())
+    return models * k if len(models) == 1 else models
+
+
 def agent_name(index: int) -> str:
     return f"sim-{index:05d}"
 
@@ -462,7 +469,7 @@ def run_fleet(spec: RunSpec, base: Config | None = None, *, broker_url: str | No
             cfg.fleet = fleet_name(cfg.fleet, spec)
             engine = start_aggregator(cfg, clusters, stack, busy).engine
             agents = dict(enumerate(start_agents(cfg, spec, range(n_agents), stack)))
-            current_clusters = lambda: list(engine.strategy.state_dict()["clusters"])  # noqa: E731
+            current_clusters = lambda: server_models(engine.strategy, len(test_sets))  # noqa: E731
 
         score_clusters(current_clusters(), 0)
         dispatcher = _Dispatcher(schedule, eval_every, lambda i: score_clusters(current_clusters(), i))

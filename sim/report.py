@@ -25,10 +25,11 @@ from typing import Any
 
 import numpy as np
 
+from fedmq.algorithms import ASYNC_SERVER, DISPLAY
 from sim.figures import figure_legend, method_color, pyplot, save_figure
 
-METHOD_ORDER = ("cdfl", "fedsoft-async", "fedasync", "local")
-METHOD_NAMES = {"cdfl": "CDFL", "fedsoft-async": "FedSoft-Async", "fedasync": "FedAsync", "local": "Local"}
+METHOD_ORDER = (*ASYNC_SERVER, "local")
+METHOD_NAMES = DISPLAY
 def load_runs(out: Path) -> list[dict[str, Any]]:
     runs = []
     for p in sorted((out / "runs").glob("*/summary.json")):

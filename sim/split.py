@@ -54,6 +54,7 @@ from sim.fleet import (
     fleet_name,
     make_schedule,
     play_events,
+    server_models,
     start_agents,
     start_aggregator,
     write_run,
@@ -143,7 +144,7 @@ def run_aggregator_part(spec: RunSpec, base: Config, out: Path, *, stop: threadi
     next_checkpoint = [eval_every]
 
     def score(events: int) -> None:
-        vectors = holder["engine"].strategy.state_dict()["clusters"]
+        vectors = server_models(holder["engine"].strategy, len(test_sets))
         accs = [evaluate(model_name, w, t.x, t.y)[0] for w, t in zip(vectors, test_sets, strict=True)]
         cluster_acc.append({"events": events, "acc": accs})
 

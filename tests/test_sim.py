@@ -136,3 +136,24 @@ def test_same_seed_same_table_with_one_worker(mosquitto):
     first = table(0)
     assert table(0) == first
     assert table(1) != first
+
+
+def test_fedbuff_comes_from_its_registry_line_through_the_simulator_and_report(mosquitto, tmp_path):
+    """FedBuff was added as one module, one registry line and its [fedbuff] section: the
+    simulator runs it over the wire and the report names it, with nothing else changed."""
+    from fedmq.cli import main
+
+    cfg = tiny_config()
+    cfg.fleet = "buff"
+    cfg.fedbuff.buffer_size = 3  # 13 uploads: four flushes, one left in the buffer
+    r = run_fleet(tiny_spec("fedbuff"), cfg, broker_url=mosquitto.url)
+    write_run(r, tmp_path)
+    schedule = make_schedule(0, 4, 2)
+    assert r.info["aggregator_counters"]["applied.update"] == len(schedule) == 13
+    assert all(u.bytes_up > 0 and u.bytes_down > 0 and u.epoch > u.tau for u in r.updates)
+    # the global model moved only at flushes: the cluster scores change 4 times at most
+    scores = {tuple(c["acc"]) for c in r.cluster_acc}
+    assert 2 <= len(scores) <= 1 + 4
+    _, _, text = write_report(tmp_path)
+    assert "| FedBuff |" in text
+    assert main(["aggregator", "--algorithm", "fedbuff", "--dry-run"]) == 0
