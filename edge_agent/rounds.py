@@ -79,6 +79,8 @@ class RoundAgent:
                                        f.prox_mu if algorithm == "fedprox" else 0.0, seed,
                                        f.momentum)
         self.extra_s_per_sample = extra_s_per_sample
+        self.feedback = codecs.ErrorFeedback() if cfg.codec.uses_feedback() else None
+        """What top-k left out of earlier reports, added to the next (codec.error_feedback)."""
         self.on_round = on_round  # called on the agent's thread with each RoundLog (the CLI prints it)
         self.log: list[RoundLog] = []
         self.errors: list[str] = []
@@ -226,7 +228,8 @@ class RoundAgent:
         tensor: dict[str, Any] | None = None
         if work.finished and work.vector is not None:
             tensor = codecs.encode(work.vector.detach().cpu().numpy(), c.name,
-                                   base=base if c.delta else None, zstd=c.zstd, **c.encoder_params())
+                                   base=base if c.delta else None, zstd=c.zstd,
+                                   feedback=self.feedback, **c.encoder_params())
         r = work.result
         metrics = {"epochs": float(r.epochs_done), "train_s": float(r.seconds),
                    "eps_s": float(self.learner.uploads.eps), "shard_index": float(work.shard_index)}

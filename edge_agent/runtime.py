@@ -85,6 +85,9 @@ class EdgeAgent:
         self._interrupted = False
         self.last_rejection: str | None = None
         """Reason the last refused downlink was refused (for operators and tests)."""
+        self.feedback = codecs.ErrorFeedback() if cfg.codec.uses_feedback() else None
+        """What top-k left out of earlier uploads, added to the next (codec.error_feedback);
+        kept in memory only: a restarted agent starts with none."""
         self._cond = threading.Condition()
         self.transport = MqttTransport(
             f"fedmq-agent-{self.agent_id}", cfg.broker, clean_start=False,
@@ -314,7 +317,8 @@ class EdgeAgent:
             raise AgentError("not_joined", "join before uploading")
         c = self.cfg.codec
         base = self.installed.vector.numpy() if (c.delta and self.installed.kind != "clusters") else None
-        wire = codecs.encode(vector.detach().cpu().numpy(), c.name, base=base, zstd=c.zstd, **c.encoder_params())
+        wire = codecs.encode(vector.detach().cpu().numpy(), c.name, base=base, zstd=c.zstd,
+                             feedback=self.feedback, **c.encoder_params())
         summary = None
         if inputs is not None and self.cfg.agent.send_sketch and self.algorithm == "cdfl":
             summary = sketch.data_sketch(inputs).astype("<f2").tobytes()

@@ -88,7 +88,7 @@ class CodecSettings:
     """How model vectors are compressed on the wire (uplink and downlink)."""
 
     name: str = "int8"
-    """fp32, fp16, int8 (blockwise scale) or topk (largest entries only; no sender wires error feedback in yet, see docs/codecs.md)."""
+    """fp32, fp16, int8 (blockwise scale) or topk (largest entries only; agents send it with error feedback, see error_feedback and docs/codecs.md)."""
     zstd: bool = True
     """Follow the codec with zstd."""
     delta: bool = True
@@ -97,6 +97,12 @@ class CodecSettings:
     """Values per int8 block; each block carries one fp32 scale."""
     topk_ratio: float = 0.05
     """Share of entries topk sends; the rest of each vector is not sent."""
+    error_feedback: bool = True
+    """With topk, an agent keeps what it did not send and adds it to its next upload (codecs.ErrorFeedback), so nothing is lost, only delayed; false drops it (the ablation). Downlinks need none: each reply is a delta against what the agent decoded, so its error is corrected by the next."""
+
+    def uses_feedback(self) -> bool:
+        """Whether a sender keeps an ErrorFeedback residual for this codec."""
+        return self.name == "topk" and self.error_feedback
 
     def encoder_params(self) -> dict[str, Any]:
         """The keyword arguments `codecs.encode` takes for this codec (one mapping for every sender)."""

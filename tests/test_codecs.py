@@ -530,3 +530,33 @@ def test_delta_names_its_base_and_another_base_is_refused() -> None:
     with pytest.raises(CodecError) as info:
         decode(bad, base=base)
     assert info.value.reason == "bad_base"
+
+
+def test_agents_send_topk_with_error_feedback_and_the_ablation_drops_it() -> None:
+    """Both agent kinds keep one ErrorFeedback for their uplink when the codec is topk: the
+    second upload carries what the first left out (the running sum of what the server decodes
+    tracks the sum of the updates); codec.error_feedback=false drops it."""
+    import torch
+
+    from edge_agent.rounds import RoundAgent
+    from edge_agent.runtime import EdgeAgent, Installed
+    from fedmq.config import load_config
+    from fedmq.data import load_dataset
+    from fedmq.models import build_model, to_vector
+
+    ds = load_dataset("digits")
+    w0 = to_vector(build_model("digits-cnn", seed=0))
+    step = torch.from_numpy(np.random.default_rng(0).normal(0, 0.01, w0.numel()).astype(np.float32))
+    sums = {}
+    for feedback in (True, False):
+        cfg = load_config(None, {"codec.name": "topk", "codec.error_feedback": feedback})
+        agent = EdgeAgent(cfg, "car-1")
+        assert (agent.feedback is not None) == feedback
+        assert (RoundAgent(cfg, "van-1", ds.x[:8], ds.y[:8]).feedback is not None) == feedback
+        agent.installed = Installed(epoch=0, vector=w0.clone(), alpha=None, kind="personalized")
+        got = np.zeros(w0.numel(), dtype=np.float64)
+        for _ in range(40):  # the same update again and again, each against the same base
+            env = agent.update_envelope(w0 + step, 10)
+            got += decode(env.tensor, base=w0.numpy()) - w0.numpy()
+        sums[feedback] = np.linalg.norm(got - 40 * step.numpy()) / np.linalg.norm(40 * step.numpy())
+    assert sums[True] < 0.25 < 0.5 < sums[False]  # with feedback the dropped part arrives later
