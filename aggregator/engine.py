@@ -300,6 +300,7 @@ class Engine:
         v = torch.from_numpy(np.ascontiguousarray(vector, dtype=np.float32))
         dist = None if record.base is None else float(torch.linalg.vector_norm(v - record.base))
         self._check_norm(dist)
+        self._check_descent(record.base, v)
         upload = Upload(agent=env.agent, vector=v, tau=env.tau, n_samples=env.n_samples,
                         alpha=env.alpha, msg_id=env.msg_id, base=record.base,
                         sketch=_decode_sketch(env))
@@ -326,6 +327,18 @@ class Engine:
                 raise Rejected("norm_outlier", f"update moves the model by {dist:.3g}, above "
                                                f"{a.norm_factor:g} x the fleet's median step "
                                                f"{median:.3g} (last {len(self.accepted_norms)} applied)")
+
+    def _check_descent(self, base: torch.Tensor | None, vector: torch.Tensor) -> None:
+        """`loss_margin`: the upload must not raise the best proxy loss by more than the margin
+        over the model it started from (no base, FedSoft-Async: not applied)."""
+        margin = self.cfg.aggregator.loss_margin
+        if margin <= 0 or base is None or self.evaluator is None:
+            return
+        losses = self.evaluator.losses(torch.stack([base, vector]))
+        before, after = float(losses[0].min()), float(losses[1].min())
+        if after > before + margin:
+            raise Rejected("loss_outlier", f"update raises the best proxy loss from {before:.3f} "
+                                           f"to {after:.3f}, more than the margin {margin:g}")
 
     # ------------------------------------------------------------------ replies
 

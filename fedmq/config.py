@@ -364,11 +364,13 @@ class AggregatorSettings:
     """Journal records between snapshots (a snapshot bounds replay time after a crash)."""
     norm_bound: float = 0.0
     """Refuse uploads whose distance from the model they started from exceeds this (0 = off)."""
-    norm_factor: float = 0.0
-    """Refuse uploads whose distance from the model they started from exceeds this many times the median distance of the latest applied uploads (0 = off; e.g. 10)."""
+    norm_factor: float = 4.0
+    """Refuse uploads whose distance from the model they started from exceeds this many times the median distance of the latest applied uploads (0 = off). On by default: a boosted update is refused (`norm_outlier`) before it moves a cluster; soak/poisoning.py measures it."""
+    loss_margin: float = 0.0
+    """Refuse an upload that makes the model worse on the server's proxy data: its lowest mean loss over the K proxy sets above that of the model it started from by more than this many nats (`loss_outlier`; 0 = off). A server-side descent test in the manner of Zeno++ (Xie et al. 2020): it catches sign-flipped updates, which no norm bound sees. Costs two forward passes over the proxy sets per upload."""
     norm_window: int = 100
     """How many of the latest applied uploads' distances the norm_factor median is taken over."""
-    norm_warmup: int = 20
+    norm_warmup: int = 10
     """Applied uploads needed before norm_factor is enforced (the median needs a fleet to be meaningful)."""
 
 

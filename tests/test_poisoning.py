@@ -2,8 +2,10 @@
 
 Each guard is shown to refuse with its reason code and to leave the cluster models, the
 epoch and the journal untouched: NaN/Inf values, a wrong model spec or shape, a step above
-the absolute `norm_bound`, and a step far above the fleet's (`norm_factor` x the median of
-the latest applied steps, after `norm_warmup`). The fleet-relative window survives a restart.
+the absolute `norm_bound`, a step far above the fleet's (`norm_factor` x the median of the
+latest applied steps, after `norm_warmup`; on by default), and an update that makes the
+model worse on the proxy data (`loss_margin`). The fleet-relative window survives a restart.
+soak/poisoning.py measures what they buy against a fleet with 10 % attackers.
 """
 
 from __future__ import annotations
@@ -167,13 +169,39 @@ def test_fleet_relative_norm_guard_after_warmup_and_across_restart(pretrained, t
     assert refused(attacker.send(attacker.step(100.0 * median, seed=10)), "norm_outlier")
 
 
-def test_fleet_relative_guard_is_off_by_default(pretrained, tmp_path) -> None:
+def test_fleet_relative_guard_is_on_by_default(pretrained, tmp_path) -> None:
+    """As shipped (norm_factor 4, warm-up 10): ten normal steps, then a 500x one is refused."""
     engine = make_engine(pretrained, tmp_path)
+    assert (engine.cfg.aggregator.norm_factor, engine.cfg.aggregator.norm_warmup) == (4.0, 10)
     c = Client(engine, "car-9")
-    for i in range(3):
+    for i in range(10):
         c.install(c.send(c.step(1.0, seed=i)))
-    c.install(c.send(c.step(500.0, seed=3)))  # accepted: norm_factor = 0 means off
-    assert engine.counters["applied.update"] == 4
+    before = fingerprint(engine)
+    assert refused(c.send(c.step(500.0, seed=10)), "norm_outlier")
+    assert_unchanged(before, engine)
+    c.install(c.send(c.step(3.0, seed=11)))  # within 4x the median: applied
+    assert engine.counters["applied.update"] == 11
+
+
+def test_descent_guard_refuses_a_flipped_trained_update_and_keeps_the_honest_one(pretrained, tmp_path) -> None:
+    """aggregator.loss_margin: an update that raises the best proxy loss by more than the
+    margin is refused (`loss_outlier`), nothing changes; the honest update it came from is
+    applied. Sign flips keep the norm, so only this guard sees them."""
+    from fedmq.data import load_dataset
+    from fedmq.training import fit
+
+    engine = make_engine(pretrained, tmp_path, **{"aggregator.loss_margin": 1.0})
+    c = Client(engine, "car-8")
+    ds = load_dataset("digits")
+    base = torch.from_numpy(c.base.copy())
+    v = fit("digits-cnn", base, ds.x[:200], ds.y[:200], epochs=1, lr=0.05, seed=0).vector.numpy()
+    flipped = c.base - 20.0 * (v - c.base)  # this barely trained fixture needs a big flip to hurt
+    before = fingerprint(engine)
+    reply = c.send(c.update(codecs.encode(flipped.astype(np.float32), "fp32", base=c.base)))
+    assert refused(reply, "loss_outlier") and "best proxy loss" in reply.detail, reply
+    assert_unchanged(before, engine)
+    c.install(c.send(c.update(codecs.encode(v, "fp32", base=c.base))))
+    assert engine.counters["applied.update"] == 1
 
 
 def test_a_replayed_msg_id_is_never_applied_twice_however_much_has_passed(pretrained, tmp_path) -> None:
