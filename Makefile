@@ -47,6 +47,7 @@ soak: venv mosquitto
 	$(PY) -m soak.load_burst --agents 1000
 	$(PY) -m soak.broker_window
 	$(PY) -m soak.flood_fairness
+	$(PY) -m soak.poisoning
 
 lint: venv
 	$(VENV)/bin/ruff check .
