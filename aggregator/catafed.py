@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from aggregator.aggregation import weighted_delta_mean
 from fedmq.config import CataFedSettings
 
 RATES = ("samples", "throughput")
@@ -173,11 +174,8 @@ def aggregate(current: torch.Tensor, results: Sequence[RoundResult], weights: st
         raw = [1.0] * len(done)
     total = sum(raw)
     psi = {r.agent: w / total for r, w in zip(done, raw, strict=True)}
-    acc = current.double().clone()
-    for r in done:
-        base = current if r.base is None else r.base
-        acc += psi[r.agent] * (r.vector.double() - base.double())
-    return acc.float(), psi
+    deltas = [r.vector.double() - (current if r.base is None else r.base).double() for r in done]
+    return weighted_delta_mean(current, deltas, [psi[r.agent] for r in done], normalize=False), psi
 
 
 class RoundStrategy:

@@ -11,7 +11,8 @@ from typing import Any
 
 from torch import Tensor
 
-from aggregator.strategy import GlobalModelStrategy, Reply, Upload, check_vector, hinge_staleness
+from aggregator.aggregation import hinge_staleness, mix
+from aggregator.strategy import GlobalModelStrategy, Reply, Upload, check_vector
 from fedmq.config import CDFLSettings
 from fedmq.models import ModelSpec
 
@@ -45,7 +46,7 @@ class FedAsync(GlobalModelStrategy):
         self.ledger.record(upload.agent, self.epoch)
         s = hinge_staleness(d, self.hinge_a, self.hinge_b)
         a_t = self.mixing * s
-        self.model.mul_(1.0 - a_t).add_(vector, alpha=a_t)
+        mix(self.model, vector, a_t)
         self.counters["applied"] += 1
         return self._reply(upload.agent, {"staleness": d, "uploads_since": self.epoch - int(upload.tau),
                                           "stale": False, "s": s, "mixing": a_t})

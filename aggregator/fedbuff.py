@@ -17,14 +17,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from aggregator.aggregation import polynomial_staleness, weighted_delta_mean
 from aggregator.strategy import GlobalModelStrategy, Reply, Upload, check_vector
 from fedmq.config import FedBuffSettings
 from fedmq.models import ModelSpec
-
-
-def polynomial_staleness(d: float, exponent: float) -> float:
-    """FedBuff's s(d) = (1 + d)^-exponent: 1 for a fresh upload, decaying polynomially."""
-    return float((1.0 + max(d, 0.0)) ** -exponent)
 
 
 class FedBuff(GlobalModelStrategy):
@@ -73,7 +69,8 @@ class FedBuff(GlobalModelStrategy):
         self.buffered += 1
         flushed = self.buffered >= self.buffer_size
         if flushed:
-            self.model = (self.model.double() + self.server_lr * self.buffer / self.buffered).float()
+            self.model = weighted_delta_mean(self.model, [self.buffer], [1.0 / self.buffered],
+                                             scale=self.server_lr, normalize=False)
             self.buffer.zero_()
             self.buffered = 0
             self.version += 1

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from aggregator.aggregation import hinge_staleness  # noqa: F401 (strategies import it from here)
+
 
 @dataclass
 class Upload:
@@ -49,11 +51,6 @@ class Reply:
     alpha: list[float] | None = None
     info: dict[str, Any] = field(default_factory=dict)
     """staleness, stale, betas, estimator diagnostics, seconds: logged and recorded, not sent."""
-
-
-def hinge_staleness(d: float, a: float, b: float) -> float:
-    """s(d) = 1 if d <= b else 1 / (a (d - b) + 1): full weight while fresh, then a hinge."""
-    return 1.0 if d <= b else 1.0 / (a * (d - b) + 1.0)
 
 
 class UploadLedger:
