@@ -47,7 +47,7 @@ def summary_table(out: Path, settings: list[tuple[float, float]]) -> str:
         for p in data["paired"]:
             if p["paired"]:
                 lo, hi = p["dt_s"] - p["dt_ci"], p["dt_s"] + p["dt_ci"]
-                sig = " **" if hi < 0 or lo > 0 else ""
+                sig = " **" if (hi < 0 or lo > 0) and p["paired"] >= 3 else ""  # no interval from 1-2 fleets
                 dt = f"{p['dt_s']:+.0f} s ({lo:+.0f} to {hi:+.0f}){sig}"
                 ratio = f"{p['ratio']:.2f}x"
             else:
@@ -75,16 +75,21 @@ def summary_plot(out: Path, settings: list[tuple[float, float]], path: Path) -> 
     colors = {lab: method_color(lab) if method_color(lab) != "black" else next(spare, "black")
               for lab in labels}
     for j, lab in enumerate(labels):
-        means, errs = [], []
+        means, errs, reached = [], [], []
         for s in settings:
             r = next((x for x in rows[s] if x["algorithm"] == lab), None)
             means.append(np.nan if r is None or r["time_to_target_s"] is None else r["time_to_target_s"])
             errs.append(0.0 if r is None or not r.get("time_to_target_ci") else r["time_to_target_ci"])
+            reached.append(None if r is None else (r["reached"], r["runs"]))
         x = np.arange(len(settings)) + (j - (len(labels) - 1) / 2) * width
         ax.bar(x, means, width, yerr=errs, capsize=2, color=colors[lab], alpha=0.8, label=lab)
+        for xi, m, got in zip(x, means, reached, strict=True):
+            if got is not None and got[0] < got[1]:  # say how many fleets a bar stands for
+                ax.text(xi, 0 if np.isnan(m) else m, f"{got[0]}/{got[1]}", ha="center",
+                        va="bottom", fontsize=6, rotation=90)
     ax.set_xticks(range(len(settings)), [f"alpha {a:g}\n{100 * s:.0f} % slow" for a, s in settings])
     ax.set_ylabel("simulated s to target")
-    ax.set_title("time to target: mean and 95 % interval over fleets (runs that reached it)")
+    ax.set_title("time to target: mean and 95 % interval over the fleets that reached it (k/n: how many did)")
     ax.grid(alpha=0.3, axis="y")
     figure_legend(fig, ax)
     save_figure(fig, path)
@@ -138,7 +143,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m sim.rounds_sweep"
         f"# {a.dataset}: deadline rounds over non-IID level and slow share\n\n"
         f"Made by: `{prog} {shlex.join(argv + (['--', *extra] if extra else []))}`\n\n"
         f"Target {a.target:g}, {a.until:g} simulated s per run; ** marks a paired 95 % interval "
-        "of the time difference that excludes 0.\n\n" + table + "\n![summary](summary.png)\n")
+        "of the time difference that excludes 0 (over at least 3 fleets where both reached the target;\n"
+        "\"reached\" says how many did).\n\n" + table + "\n![summary](summary.png)\n")
     summary_plot(out, settings, out / "summary.png")
     print(table)
     print(f"wrote {out}/summary.md, summary.png and {len(settings)} setting dirs")
