@@ -383,8 +383,10 @@ class CataFed(RoundStrategy):
                 [: self.settings.per_group] for g, members in sorted(groups.items())}
 
     def select(self) -> RoundPlan:
-        if self._stale_groups or any(self.agents[a].group >= self.settings.groups
-                                     for a in self.pool()):
+        every = self.settings.recluster_every
+        due = self._stale_groups if every <= 0 else (self.reclusterings == 0
+                                                      or self.round % every == 0)
+        if due or any(self.agents[a].group >= self.settings.groups for a in self.pool()):
             self.recluster()
         if self.settings.selection == "random":  # the ablation without PF
             groups: dict[int, list[str]] = {}

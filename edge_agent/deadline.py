@@ -119,6 +119,13 @@ class Shards:
     def can_halve(self) -> bool:
         return self.n // (2 * self.count) >= self.min_shard
 
+    def double(self) -> bool:
+        """u := u - 1 unless the data is whole again; True if it doubled."""
+        if self.u == 0:
+            return False
+        self.u -= 1
+        return True
+
     def halve(self) -> bool:
         """u := u + 1 unless shards would fall below min_shard; True if it halved."""
         if not self.can_halve():
@@ -323,6 +330,7 @@ class DeadlineLearner:
         self.uploads = UploadTimer.from_settings(settings)
         self.rounds_done = 0
         self.halvings = 0
+        self.regrowths = 0
 
     @property
     def shard_size(self) -> int:
@@ -351,6 +359,11 @@ class DeadlineLearner:
         missed = not result.finished or (self.mode != self.algorithm and time_left() < 0)
         if self.algorithm == "catafed" and missed and self.settings.partition:
             self._shrink(result)
+        elif (self.algorithm == "catafed" and self.settings.regrow and result.finished
+              and result.epochs_done == self.epochs
+              and result.seconds <= 0.4 * self.budget_s(self.settings.deadline_s)
+              and self.shards.double()):
+            self.regrowths += 1
         n_used = int(x.shape[0]) if result.finished else 0
         return RoundWork(result.finished, result.vector, n_used, self.shard_size,
                          int(x.shape[0]), j, result, score)

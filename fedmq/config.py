@@ -272,6 +272,10 @@ class CataFedSettings:
     """Agents soft-stop and run the watchdog at T - eps_i (the paper); false: they train all epochs and a late report is dropped (the ablation without deadline-aware training)."""
     partition: bool = True
     """A straggler splits its data into shards (the paper); false: it keeps all its data (the ablation without straggler partitioning)."""
+    regrow: bool = False
+    """Beyond the paper (which never grows shards back): an agent that finished all its epochs using at most 40 % of its budget doubles its shard again (u := u - 1), so a device that was slow once (busy, throttled) is not stuck on small shards."""
+    recluster_every: int = 0
+    """Re-cluster only every this many rounds (0 = the paper's reading: before a selection whenever a size changed or the pool gained an agent)."""
     resize: str = "halve"
     """How a straggler shrinks its shard: halve (the paper: one halving per missed deadline) or fit (beyond the paper: from the throughput it measured in the cut epoch, as many halvings at once as an epoch needs to fit T - eps_i)."""
 

@@ -234,3 +234,43 @@ def test_synthetic_dataset_is_deterministic_and_offline() -> None:
     assert len(a) == 6000 and len(load_dataset("synthetic", train=False)) == 1500
     assert torch.equal(a.x, b.x) and torch.equal(a.y, b.y)
     assert set(a.y.tolist()) == set(range(10))
+
+
+def test_regrow_doubles_a_shard_back_when_a_round_used_little_of_the_budget() -> None:
+    # budget 9.8 s: 256 samples at 10/s (25.6 s) miss it and halve to 128 (12.8 s, still
+    # missing: 64); then the device speeds up to 400/s and rounds take 0.16 s: it regrows
+    s = CataFedSettings(deadline_s=10.0, epochs=1, min_shard=8, regrow=True)
+    learner = DeadlineLearner(*data(), s)
+    slow, clock = speed_runner(10.0)
+    for _ in range(2):
+        clock[0] = 0.0
+        learner.run_round(W0, slow, lambda: 9.8 - clock[0])
+    assert learner.shard_size == 64
+    fast, clock = speed_runner(400.0)
+    sizes = []
+    for _ in range(3):
+        clock[0] = 0.0
+        learner.run_round(W0, fast, lambda: 9.8 - clock[0])
+        sizes.append(learner.shard_size)
+    assert sizes == [128, 256, 256] and learner.regrowths == 2
+    never = DeadlineLearner(*data(), CataFedSettings(deadline_s=10.0, epochs=1, min_shard=8))
+    clock[0] = 0.0
+    never.run_round(W0, slow, lambda: 9.8 - clock[0])
+    never.run_round(W0, fast, lambda: 9.8 - clock[0])
+    assert never.shard_size == 128  # the paper's reading: shards never grow back
+
+
+def test_recluster_every_waits_for_its_round() -> None:
+    s = CataFed(CataFedSettings(groups=2, per_group=1, recluster_every=3), W0)
+    for a, n in (("a", 100), ("b", 400)):
+        s.register(a, n)
+    plan = s.open_round()
+    s.close_round()
+    assert s.reclusterings == 1
+    s.set_size("b", 50)  # would re-cluster at once in the paper's reading
+    for _ in range(2):
+        s.open_round()
+        s.close_round()
+    assert s.reclusterings == 1
+    s.open_round()  # round 3
+    assert s.reclusterings == 2 and plan.round == 0
