@@ -36,13 +36,14 @@ from __future__ import annotations
 import math
 import sys
 import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import numpy as np
 import zstandard
 
-CODECS = ("fp32", "fp16", "int8", "topk")
 TOPK_VALUE_DTYPES = ("fp32", "fp16")
 ZSTD_LEVEL = 3
 MAX_N = 2**28
@@ -57,12 +58,8 @@ _FP16_MAX = float(np.finfo(np.float16).max)
 
 _BASE_KEYS = frozenset({"codec", "n", "zstd", "delta", "data"})
 _OPTIONAL_KEYS = frozenset({"base"})
-_CODEC_KEYS = {
-    "fp32": frozenset(),
-    "fp16": frozenset(),
-    "int8": frozenset({"block"}),
-    "topk": frozenset({"k", "values"}),
-}
+_CODEC_KEYS: dict[str, frozenset[str]] = {"fp32": frozenset()}
+"""Codec -> its own map keys (the lossy ones are added from LOSSY below)."""
 
 
 class CodecError(ValueError):
@@ -131,13 +128,7 @@ def _require_finite(x: np.ndarray, what: str) -> None:
 
 def _payload_size(codec: str, n: int, params: dict) -> int:
     """Bytes of the uncompressed payload a valid map of this codec and n must carry."""
-    if codec == "fp32":
-        return 4 * n
-    if codec == "fp16":
-        return 2 * n
-    if codec == "int8":
-        return 4 * (-(-n // params["block"])) + n
-    return params["k"] * (4 + _VALUE_DTYPE[params["values"]].itemsize)
+    return 4 * n if codec == "fp32" else LOSSY[codec].payload_size(n, params)
 
 
 # --- encoders: content (float32) -> (payload bytes, codec keys, reconstruction) ------------
@@ -243,6 +234,85 @@ def _encode_topk(content: np.ndarray, ratio: float, values: str,
     return gaps.tobytes() + sent.tobytes(), {"k": k, "values": values}, recon
 
 
+def _decode_fp16(raw: bytes, n: int, params: dict) -> np.ndarray:
+    return half_to_float32(np.frombuffer(raw, dtype=_F16))
+
+
+def _check_int8(wire: dict, n: int) -> dict:
+    return {"block": _check_int(wire, "block", 1, MAX_BLOCK, "bad_block")}
+
+
+def _decode_int8(raw: bytes, n: int, params: dict) -> np.ndarray:
+    block = params["block"]
+    blocks = -(-n // block)
+    scales = np.frombuffer(raw, dtype=_F32, count=blocks)
+    if blocks and not (np.isfinite(scales).all() and (scales >= 0).all()):
+        raise CodecError("bad_scale", "int8 scales must be finite and non-negative")
+    q = np.frombuffer(raw, dtype=_I8, offset=4 * blocks)
+    if n and int(q.min()) < -127:
+        raise CodecError("bad_quant", "int8 values must lie in -127..127")
+    return _int8_dequantize(scales.astype(np.float32), q, block)
+
+
+def _check_topk(wire: dict, n: int) -> dict:
+    k = _check_int(wire, "k", 0, n, "bad_k")
+    if not isinstance(wire["values"], str) or wire["values"] not in TOPK_VALUE_DTYPES:
+        raise CodecError("bad_values", f"topk values must be one of {TOPK_VALUE_DTYPES}, got {wire['values']!r}")
+    return {"k": k, "values": wire["values"]}
+
+
+def _decode_topk(raw: bytes, n: int, params: dict) -> np.ndarray:
+    k = params["k"]
+    gaps = np.frombuffer(raw, dtype=_U32, count=k).astype(np.int64)
+    if k > 1 and int(gaps[1:].min()) < 1:
+        raise CodecError("duplicate_index", "topk indices must be strictly ascending (gaps >= 1)")
+    index = np.cumsum(gaps)
+    if k and int(index[-1]) >= n:
+        raise CodecError("index_range", f"topk index {int(index[-1])} out of range for n={n}")
+    values = np.frombuffer(raw, dtype=_VALUE_DTYPE[params["values"]], offset=4 * k)
+    if params["values"] == "fp16":
+        values = half_to_float32(values)
+    content = np.zeros(n, dtype=np.float32)
+    content[index] = values
+    return content
+
+
+@dataclass(frozen=True)
+class LossyCodec:
+    """One lossy codec: everything `encode` and `decode` need from it, in one place.
+
+    It works on the content (the vector, or vector - base) and never sees the base: the
+    delta, the base checksum, zstd, error feedback and the map's outer checks are shared.
+    Adding a codec is one entry in LOSSY (and its knob in config.CodecSettings.encoder_params).
+    """
+
+    keys: frozenset[str]
+    """Its scalar keys in the map, besides codec, n, zstd, delta, data (and base)."""
+    encode: Callable[[np.ndarray, dict, bool], tuple[bytes, dict, np.ndarray | None]]
+    """(content, options {block, ratio, values}, want the reconstruction) -> (payload, keys, recon)."""
+    check: Callable[[dict, int], dict]
+    """(map, n) -> its validated keys, or CodecError."""
+    payload_size: Callable[[int, dict], int]
+    """(n, keys) -> bytes of the uncompressed payload."""
+    decode: Callable[[bytes, int, dict], np.ndarray]
+    """(payload, n, keys) -> the content, or CodecError."""
+
+
+LOSSY: dict[str, LossyCodec] = {
+    "fp16": LossyCodec(frozenset(), lambda c, o, r: _encode_fp16(c, r), lambda w, n: {},
+                       lambda n, p: 2 * n, _decode_fp16),
+    "int8": LossyCodec(frozenset({"block"}), lambda c, o, r: _encode_int8(c, o["block"], r),
+                       _check_int8, lambda n, p: 4 * (-(-n // p["block"])) + n, _decode_int8),
+    "topk": LossyCodec(frozenset({"k", "values"}),
+                       lambda c, o, r: _encode_topk(c, o["ratio"], o["values"], r), _check_topk,
+                       lambda n, p: p["k"] * (4 + _VALUE_DTYPE[p["values"]].itemsize), _decode_topk),
+}
+"""Codec name -> its implementation; fp32 (lossless, an XOR with the base) is the one other."""
+CODECS: tuple[str, ...] = ("fp32", *LOSSY)
+"""Every codec name a map may carry."""
+_CODEC_KEYS.update({name: c.keys for name, c in LOSSY.items()})
+
+
 def encode(vector: Any, codec: str = "int8", *, base: Any = None, zstd: bool = True,
            block: int = 256, ratio: float = 0.05, feedback: ErrorFeedback | None = None,
            topk_values: str = "fp32", level: int = ZSTD_LEVEL) -> dict:
@@ -296,12 +366,8 @@ def _encode(vector: Any, codec: str, base: Any, zstd: bool, block: int, ratio: f
         if residual is not None:
             content = content + residual
             _require_finite(content, "content + feedback residual")
-        if codec == "fp16":
-            payload, params, recon = _encode_fp16(content, want_recon)
-        elif codec == "int8":
-            payload, params, recon = _encode_int8(content, block, want_recon)
-        else:
-            payload, params, recon = _encode_topk(content, ratio, topk_values, want_recon)
+        options = {"block": block, "ratio": ratio, "values": topk_values}
+        payload, params, recon = LOSSY[codec].encode(content, options, want_recon)
         if feedback is not None:
             feedback.residual = (content - recon).astype(np.float32)
 
@@ -351,14 +417,7 @@ def _check_map(wire: Any, max_n: int) -> tuple[str, int, dict]:
             raise CodecError("bad_type", f"{key!r} must be a bool, got {type(wire[key]).__name__}")
     if not isinstance(wire["data"], bytes | bytearray):
         raise CodecError("bad_type", f"'data' must be bytes, got {type(wire['data']).__name__}")
-    params: dict = {}
-    if codec == "int8":
-        params["block"] = _check_int(wire, "block", 1, MAX_BLOCK, "bad_block")
-    elif codec == "topk":
-        params["k"] = _check_int(wire, "k", 0, n, "bad_k")
-        if not isinstance(wire["values"], str) or wire["values"] not in TOPK_VALUE_DTYPES:
-            raise CodecError("bad_values", f"topk values must be one of {TOPK_VALUE_DTYPES}, got {wire['values']!r}")
-        params["values"] = wire["values"]
+    params = LOSSY[codec].check(wire, n) if codec in LOSSY else {}
     return codec, n, params
 
 
@@ -419,31 +478,7 @@ def _decode(wire: Any, base: Any, max_n: int) -> np.ndarray:
         out = (bits ^ b.view(_U32) if b is not None else bits.copy()).view(np.float32)
         _require_finite(out, "decoded vector")
         return out
-    if codec == "fp16":
-        content = half_to_float32(np.frombuffer(raw, dtype=_F16))
-    elif codec == "int8":
-        block = params["block"]
-        blocks = -(-n // block)
-        scales = np.frombuffer(raw, dtype=_F32, count=blocks)
-        if blocks and not (np.isfinite(scales).all() and (scales >= 0).all()):
-            raise CodecError("bad_scale", "int8 scales must be finite and non-negative")
-        q = np.frombuffer(raw, dtype=_I8, offset=4 * blocks)
-        if n and int(q.min()) < -127:
-            raise CodecError("bad_quant", "int8 values must lie in -127..127")
-        content = _int8_dequantize(scales.astype(np.float32), q, block)
-    else:
-        k = params["k"]
-        gaps = np.frombuffer(raw, dtype=_U32, count=k).astype(np.int64)
-        if k > 1 and int(gaps[1:].min()) < 1:
-            raise CodecError("duplicate_index", "topk indices must be strictly ascending (gaps >= 1)")
-        index = np.cumsum(gaps)
-        if k and int(index[-1]) >= n:
-            raise CodecError("index_range", f"topk index {int(index[-1])} out of range for n={n}")
-        values = np.frombuffer(raw, dtype=_VALUE_DTYPE[params["values"]], offset=4 * k)
-        if params["values"] == "fp16":
-            values = half_to_float32(values)
-        content = np.zeros(n, dtype=np.float32)
-        content[index] = values
+    content = LOSSY[codec].decode(raw, n, params)
     out = content + b if b is not None else content
     _require_finite(out, "decoded vector")
     return out
