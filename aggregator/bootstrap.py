@@ -92,7 +92,7 @@ ASYNC_STRATEGIES: dict[str, Callable[..., Strategy]] = {
         spec, clusters, cfg.cdfl),
     # One global model: start from the mean of the pre-trained cluster models.
     "fedasync": lambda cfg, spec, clusters, proxies, device: FedAsync.from_settings(
-        spec, torch.stack(clusters).mean(0), cfg.cdfl),
+        spec, torch.stack(clusters).mean(0), cfg.fedasync),
     "fedbuff": lambda cfg, spec, clusters, proxies, device: FedBuff.from_settings(
         spec, torch.stack(clusters).mean(0), cfg.fedbuff),
 }

@@ -1,6 +1,6 @@
 """FedAsync: one global model, mixed with every upload by a staleness-discounted weight.
 
-w := (1 - a_t) w + a_t v with a_t = fedasync_alpha * s(t - tau), s the same hinge as CDFL's.
+w := (1 - a_t) w + a_t v with a_t = fedasync.mixing * s(t - tau), s a hinge (`[fedasync]`).
 There is no staleness cut-off (the hinge alone discounts old uploads); the reply is the
 global model.
 """
@@ -13,7 +13,7 @@ from torch import Tensor
 
 from aggregator.aggregation import hinge_staleness, mix
 from aggregator.strategy import GlobalModelStrategy, Reply, Upload, check_vector
-from fedmq.config import CDFLSettings
+from fedmq.config import FedAsyncSettings
 from fedmq.models import ModelSpec
 
 
@@ -23,7 +23,7 @@ class FedAsync(GlobalModelStrategy):
     def __init__(self, spec: ModelSpec, initial: Tensor, *, mixing: float = 0.6,
                  hinge_a: float = 10.0, hinge_b: float = 5.0, staleness_cap: int = 1) -> None:
         if not 0.0 <= mixing <= 1.0:
-            raise ValueError(f"mixing (fedasync_alpha) must be in [0, 1], got {mixing}")
+            raise ValueError(f"fedasync.mixing must be in [0, 1], got {mixing}")
         super().__init__(spec, initial, staleness_cap)
         self.mixing = float(mixing)
         self.hinge_a = float(hinge_a)
@@ -31,8 +31,8 @@ class FedAsync(GlobalModelStrategy):
         self.last_epoch: dict[str, int] = {}
 
     @classmethod
-    def from_settings(cls, spec: ModelSpec, initial: Tensor, settings: CDFLSettings) -> FedAsync:
-        return cls(spec, initial, mixing=settings.fedasync_alpha, hinge_a=settings.hinge_a,
+    def from_settings(cls, spec: ModelSpec, initial: Tensor, settings: FedAsyncSettings) -> FedAsync:
+        return cls(spec, initial, mixing=settings.mixing, hinge_a=settings.hinge_a,
                    hinge_b=settings.hinge_b, staleness_cap=settings.staleness_cap)
 
     def _reply(self, agent: str, info: dict[str, Any]) -> Reply:

@@ -159,8 +159,6 @@ class CDFLSettings:
     """Convex weights of the loss, loss-gap and distance distributions."""
     temperature: float = 1.0
     """Softmax temperature over each scale-normalized metric."""
-    fedasync_alpha: float = 0.6
-    """FedAsync mixing weight before staleness."""
     proxy_batch: int = 1000
     """Proxy samples per evaluation batch."""
     metrics_normalize: str = "mean"
@@ -305,6 +303,20 @@ class FedAvgSettings:
 
 
 @dataclass
+class FedAsyncSettings:
+    """FedAsync (Xie et al. 2019), an asynchronous baseline (`--algorithm fedasync`): one global model mixed with every upload, w := (1 - a_t) w + a_t v, a_t = mixing x s(staleness). The aggregator's pre-training and server data are [cdfl]'s and [data]'s. See aggregator/fedasync.py."""
+
+    mixing: float = 0.6
+    """alpha, the mixing weight of a fresh upload (was cdfl.fedasync_alpha)."""
+    hinge_a: float = 10.0
+    """Staleness slope: s(d) = 1 / (a (d - b) + 1) past the knee b (CDFL's default)."""
+    hinge_b: float = 5.0
+    """Staleness knee b: staleness up to b counts fully."""
+    staleness_cap: int = 1
+    """How often one agent's uploads count towards another's staleness (as cdfl.staleness_cap; 0: every upload, the paper's count)."""
+
+
+@dataclass
 class FedBuffSettings:
     """FedBuff (Nguyen et al., AISTATS 2022), an asynchronous baseline (`--algorithm fedbuff`): client deltas are buffered, each weighted by (1 + staleness)^-e, and their mean is applied every buffer_size uploads. The aggregator's pre-training and server data are [cdfl]'s and [data]'s. See aggregator/fedbuff.py."""
 
@@ -332,7 +344,7 @@ class TiflSettings:
     """Adaptive tier selection (lower tier accuracy, higher probability); false: uniform over tiers with credits (TiFL's static policy)."""
 
 
-MOVED_KEYS: dict[str, str] = {"catafed.prox_mu": "fedavg.prox_mu"}
+MOVED_KEYS: dict[str, str] = {"catafed.prox_mu": "fedavg.prox_mu", "cdfl.fedasync_alpha": "fedasync.mixing"}
 """Keys that moved to another section: setting the old one is an error naming the new one."""
 
 
@@ -489,6 +501,7 @@ class Config:
     catafed: CataFedSettings = field(default_factory=CataFedSettings)
     fedavg: FedAvgSettings = field(default_factory=FedAvgSettings)
     tifl: TiflSettings = field(default_factory=TiflSettings)
+    fedasync: FedAsyncSettings = field(default_factory=FedAsyncSettings)
     fedbuff: FedBuffSettings = field(default_factory=FedBuffSettings)
     aggregator: AggregatorSettings = field(default_factory=AggregatorSettings)
     agent: AgentSettings = field(default_factory=AgentSettings)

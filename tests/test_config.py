@@ -85,3 +85,11 @@ def test_every_key_is_documented() -> None:
     text = (ROOT / "docs" / "config.md").read_text()
     undocumented = [ln for ln in text.splitlines() if ln.startswith("| `") and ln.endswith("|  |")]
     assert not undocumented, "add a docstring under these keys in fedmq/config.py: " + str(undocumented)
+
+
+@pytest.mark.parametrize("old, new", [("catafed.prox_mu", "fedavg.prox_mu"),
+                                      ("cdfl.fedasync_alpha", "fedasync.mixing")])
+def test_a_moved_key_is_an_error_naming_its_new_place(old, new) -> None:
+    with pytest.raises(ConfigError, match=f"{old} moved: set {new} instead"):
+        load_config(None, {old: "0.5"})
+    assert load_config(None, {new: "0.5"}) is not None
