@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -216,22 +216,28 @@ class DistillPersonalizer(Personalizer):
         return out, {"steps": steps, "seconds": time.perf_counter() - t0, **chosen}
 
 
-PERSONALIZATIONS = ("mixture", "upload", "finetune", "distill", "distill-mixture")
+def _proxy(evaluator: ProxyEvaluator | None, name: str) -> ProxyEvaluator:
+    if evaluator is None:
+        raise ValueError(f"personalization {name!r} needs the proxy evaluator")
+    return evaluator
+
+
+PERSONALIZERS: dict[str, Callable[[ProxyEvaluator | None, dict[str, Any]], Personalizer]] = {
+    "mixture": lambda ev, o: MixturePersonalizer(),
+    "upload": lambda ev, o: UploadPersonalizer(),
+    "finetune": lambda ev, o: DistillPersonalizer(_proxy(ev, "finetune"), **{**o, "kd_weight": 0.0}),
+    "distill": lambda ev, o: DistillPersonalizer(_proxy(ev, "distill"), **o),
+    "distill-mixture": lambda ev, o: DistillPersonalizer(_proxy(ev, "distill-mixture"),
+                                                         **{**o, "start": "mixture"}),
+}
+"""Name (cdfl.personalization) -> builder(evaluator, options): adding one is one line."""
+PERSONALIZATIONS = tuple(PERSONALIZERS)
 
 
 def make_personalizer(name: str, evaluator: ProxyEvaluator | None, **options: Any) -> Personalizer:
     """The personalizer `name` (cfg.cdfl.personalization); options: epochs, lr, kd_weight, ..."""
-    if name == "mixture":
-        return MixturePersonalizer()
-    if name == "upload":
-        return UploadPersonalizer()
-    if name in ("finetune", "distill", "distill-mixture"):
-        if evaluator is None:
-            raise ValueError(f"personalization {name!r} needs the proxy evaluator")
-        opts = dict(options)
-        if name == "finetune":
-            opts["kd_weight"] = 0.0
-        if name == "distill-mixture":
-            opts["start"] = "mixture"
-        return DistillPersonalizer(evaluator, **opts)
-    raise ValueError(f"unknown personalization {name!r}; known: {', '.join(PERSONALIZATIONS)}")
+    try:
+        build = PERSONALIZERS[name]
+    except KeyError:
+        raise ValueError(f"unknown personalization {name!r}; known: {', '.join(PERSONALIZATIONS)}") from None
+    return build(evaluator, options)
