@@ -24,6 +24,7 @@ clock. `RoundStrategy` holds what the baselines in aggregator/fedavg.py share.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -318,10 +319,13 @@ class RoundStrategy:
     # ---------------------------------------------------------------- durability
 
     def state(self) -> dict:
-        """Everything needed to resume between rounds (msgpack-ready, plus the vector)."""
+        """Everything needed to resume between rounds (msgpack-ready, plus the vector); the
+        random selection's generator too, so a resumed run draws what the live one would."""
+        rng = getattr(self, "rng", None)
         return {"name": self.name, "round": self.round,
                 "vector": self.vector.numpy().tobytes(),
-                "agents": {a: {k: v for k, v in vars(i).items()} for a, i in self.agents.items()}}
+                "agents": {a: {k: v for k, v in vars(i).items()} for a, i in self.agents.items()},
+                **({"rng": json.dumps(rng.bit_generator.state)} if rng is not None else {})}
 
     def load_state(self, state: dict) -> None:
         if state.get("name") != self.name:
@@ -331,6 +335,8 @@ class RoundStrategy:
             raise ValueError(f"state vector has {vec.numel()} values, model {self.vector.numel()}")
         self.vector = vec
         self.round = int(state["round"])
+        if "rng" in state and getattr(self, "rng", None) is not None:
+            self.rng.bit_generator.state = json.loads(state["rng"])
         # Presence is re-learned from the retained statuses after a restart.
         self.agents = {a: AgentInfo(**{**d, "online": False}) for a, d in state["agents"].items()}
         self.sizes_changed()
