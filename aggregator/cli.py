@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     service = AggregatorService(cfg, engine)
     metrics = None
     if cfg.metrics.port:
-        from aggregator.metrics import AggregatorMetrics
+        from aggregator.prometheus import AggregatorMetrics
 
         metrics = AggregatorMetrics(service)
     with service:
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_rounds(cfg, stop: threading.Event) -> int:
     """CATA-Fed / FedAvg / FedProx / TiFL: synchronous deadline rounds (aggregator/rounds.py)."""
-    from aggregator.round_algorithms import make_strategy, min_agents
+    from aggregator.round_algorithms import make_round_strategy, min_agents
     from aggregator.rounds import RoundRecord, RoundService
     from fedmq.config import CataFedSettings
     from fedmq.data import load_dataset
@@ -118,7 +118,7 @@ def _run_rounds(cfg, stop: threading.Event) -> int:
     model_name = resolve_model_name(cfg.model, cfg.data.dataset)
     test = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir, train=False,
                         download=cfg.data.download)
-    strategy = make_strategy(algorithm, cfg.catafed,
+    strategy = make_round_strategy(algorithm, cfg.catafed,
                              to_vector(build_model(model_name, seed=cfg.seed)), seed=cfg.seed,
                              fedavg=cfg.fedavg, tifl=cfg.tifl)
     check_reachable(cfg.broker.url)  # after every settings check (those are usage errors)

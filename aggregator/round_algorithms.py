@@ -20,7 +20,7 @@ STRATEGIES: dict[str, type[RoundStrategy]] = {"catafed": CataFed, "fedavg": FedA
 assert tuple(STRATEGIES) == ROUNDS, "fedmq/algorithms.py ROUNDS and this map must agree"
 
 
-def make_strategy(algorithm: str, settings: CataFedSettings, initial: torch.Tensor, *,
+def make_round_strategy(algorithm: str, settings: CataFedSettings, initial: torch.Tensor, *,
                   seed: int = 0, fedavg: FedAvgSettings | None = None,
                   tifl: TiflSettings | None = None) -> RoundStrategy:
     """The round strategy called `algorithm`; `fedavg` holds the baselines' own settings

@@ -136,7 +136,7 @@ class AggregatorService:
         self.presence: dict[str, str] = {}
         """agent -> online/offline, from the agents' retained status and last wills."""
         self.batch_observers: list[Callable[[list[protocol.Envelope], float], None]] = []
-        """Called with each finished batch's envelopes and seconds (metrics; aggregator/metrics.py
+        """Called with each finished batch's envelopes and seconds (metrics; aggregator/prometheus.py
         adds itself, so the service knows nothing of Prometheus)."""
         self._inbox_lock = threading.Lock()
         self.graph: bytes | None = None

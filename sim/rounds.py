@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from aggregator.catafed import RoundResult
-from aggregator.round_algorithms import STRATEGIES, make_strategy
+from aggregator.round_algorithms import STRATEGIES, make_round_strategy
 from edge_agent.deadline import DeadlineLearner, EpochOutcome, TrainSettings, Watchdog, epoch_seed
 from fedmq import codecs
 from fedmq.config import (
@@ -292,7 +292,7 @@ def run_fleet(algorithm: str, spec: FleetSpec, settings: CataFedSettings, *, see
         d.x, d.y, settings, algorithm=algorithm, seed=seed * 1000 + i,
         epochs=None if algorithm == "catafed" else fedavg.epochs, model_name=model_name)
         for i, d in enumerate(fleet)}
-    strategy = make_strategy(algorithm, settings, to_vector(build_model(model_name, seed=seed)),
+    strategy = make_round_strategy(algorithm, settings, to_vector(build_model(model_name, seed=seed)),
                              seed=seed, fedavg=fedavg, tifl=tifl)
     for a, learner in learners.items():
         strategy.register(a, learner.shard_size)
@@ -579,7 +579,7 @@ def checked_settings(variants: list[Variant], base: dict[str, str]
         out = {v.label: v.settings(base) for v in variants}
         for v in variants:
             catafed, fedavg, tifl = out[v.label]
-            make_strategy(v.algorithm, catafed, torch.zeros(1), fedavg=fedavg, tifl=tifl)
+            make_round_strategy(v.algorithm, catafed, torch.zeros(1), fedavg=fedavg, tifl=tifl)
             DeadlineLearner(torch.zeros(1, 1, 1, 1), torch.zeros(1, dtype=torch.int64), catafed,
                             algorithm=v.algorithm)
     except (ConfigError, ValueError) as e:

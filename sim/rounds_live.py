@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from aggregator.round_algorithms import make_strategy
+from aggregator.round_algorithms import make_round_strategy
 from aggregator.rounds import RoundRecord, RoundService
 from edge_agent.rounds import RoundAgent
 from fedmq import codecs, protocol
@@ -199,7 +199,7 @@ def run_live(variant: Variant, spec: FleetSpec,
                                  "broker.session_expiry_s": 600})
     cfg.catafed, cfg.fedavg, cfg.tifl = scaled(catafed, time_scale), fedavg, tifl
     fleet = non_iid_fleet(spec, train, seed)
-    strategy = make_strategy(variant.algorithm, cfg.catafed,
+    strategy = make_round_strategy(variant.algorithm, cfg.catafed,
                              to_vector(build_model(model_name, seed=seed)), seed=seed,
                              fedavg=fedavg, tifl=tifl)
     service = RoundService(cfg, strategy, model_name=model_name,

@@ -8,7 +8,7 @@ import torch
 
 from aggregator.catafed import CataFed, RoundResult, aggregate, kmeans_1d
 from aggregator.fedavg import FedAvgDeadline, FedProx
-from aggregator.round_algorithms import make_strategy
+from aggregator.round_algorithms import make_round_strategy
 from fedmq.config import CataFedSettings
 
 W0 = torch.ones(4)
@@ -169,9 +169,9 @@ def test_fedavg_selects_n_at_random_and_keeps_silent_agents() -> None:
     for i in range(6):
         s2.register(f"a{i}", 100 + i)
     assert tuple(s2.open_round().selected) == picks[0]
-    assert isinstance(make_strategy("fedprox", settings(), W0), FedProx)
+    assert isinstance(make_round_strategy("fedprox", settings(), W0), FedProx)
     with pytest.raises(ValueError):
-        make_strategy("fedsgd", settings(), W0)
+        make_round_strategy("fedsgd", settings(), W0)
 
 
 def test_state_round_trips() -> None:

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from aggregator.bootstrap import build_engine
-from aggregator.metrics import AggregatorMetrics
+from aggregator.prometheus import AggregatorMetrics
 from aggregator.service import AggregatorService
 from fedmq import codecs, protocol
 from fedmq.config import load_config

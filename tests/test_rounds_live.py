@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from aggregator.catafed import RoundResult
-from aggregator.round_algorithms import make_strategy
+from aggregator.round_algorithms import make_round_strategy
 from fedmq.config import CataFedSettings, FedAvgSettings
 from fedmq.data import load_dataset
 from fedmq.errors import run_main
@@ -35,7 +35,7 @@ def replay_invitations(algorithm: str, data: dict, live_rounds: list[dict]) -> N
     """Feed a fresh strategy the fleet and the reports the live service got; it must invite
     the same agents with the same sizes, and see the same silent ones, every round."""
     catafed = CataFedSettings(**data["settings"])
-    strategy = make_strategy(algorithm, catafed, torch.zeros(4), seed=0,
+    strategy = make_round_strategy(algorithm, catafed, torch.zeros(4), seed=0,
                              fedavg=FedAvgSettings.like(catafed))
     for d in non_iid_fleet(FleetSpec(**data["fleet"]), load_dataset("digits"), 0):
         strategy.register(d.agent, int(d.x.shape[0]))

@@ -148,7 +148,7 @@ def test_round_strategies_resume_from_their_snapshot_exactly(algorithm) -> None:
     a strategy restored from the snapshot of round 3 selects, aggregates and snapshots exactly
     as the live one over the next rounds, random draws included."""
     from aggregator.catafed import RoundResult
-    from aggregator.round_algorithms import STRATEGIES, make_strategy
+    from aggregator.round_algorithms import STRATEGIES, make_round_strategy
     from fedmq.config import CataFedSettings, FedAvgSettings
 
     assert set(STRATEGIES) == {"catafed", "fedavg", "fedprox", "tifl"}
@@ -158,7 +158,7 @@ def test_round_strategies_resume_from_their_snapshot_exactly(algorithm) -> None:
     w0 = torch.zeros(6)
 
     def strategy():
-        s = make_strategy(name, settings, w0, seed=7, fedavg=fedavg)
+        s = make_round_strategy(name, settings, w0, seed=7, fedavg=fedavg)
         for i in range(6):
             s.register(f"a{i}", 50 + 40 * i)
         return s

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from aggregator.catafed import CataFed, RoundResult
-from aggregator.round_algorithms import STRATEGIES, make_strategy
+from aggregator.round_algorithms import STRATEGIES, make_round_strategy
 from aggregator.tifl import TiFL, rank_probabilities
 from edge_agent.deadline import DeadlineLearner, EpochOutcome
 from fedmq.algorithms import ROUNDS
@@ -43,7 +43,7 @@ def play(s: TiFL, latency: dict[str, float | None], accuracy: dict[str, float] |
 
 def test_the_registry_and_the_kernel_names_agree() -> None:
     assert tuple(STRATEGIES) == ROUNDS
-    assert isinstance(make_strategy("tifl", CataFedSettings(), W0), TiFL)
+    assert isinstance(make_round_strategy("tifl", CataFedSettings(), W0), TiFL)
 
 
 def test_rank_probabilities_favour_the_least_accurate_tier() -> None:
