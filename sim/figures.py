@@ -3,6 +3,7 @@ below the plots, the same file settings (sim report, sim rounds and the demo dra
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,9 @@ def save_figure(fig: Any, path: Path) -> Path:
     """Lay out, write (110 dpi, trimmed to what is drawn, legends included) and close one figure."""
     import matplotlib.pyplot as plt
 
-    fig.tight_layout()
+    with warnings.catch_warnings():  # a crowded one-setting figure: savefig's tight bbox still fits it
+        warnings.filterwarnings("ignore", "Tight layout not applied", UserWarning)
+        fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
