@@ -587,40 +587,50 @@ def checked_settings(variants: list[Variant], base: dict[str, str]
     return out
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m sim.rounds") -> int:
-    p = ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+def add_round_arguments(p: argparse.ArgumentParser, *, agents: int, slow_share: float,
+                        rounds: int, target: float, groups: int, per_group: int) -> None:
+    """The flags sim.rounds and sim.rounds_live share (round_overrides reads them); each
+    passes the defaults of its own fleet."""
     p.add_argument("--algorithms", default="catafed,fedavg,fedprox,tifl",
                    help="comma list of catafed, fedavg, fedprox, tifl, or LABEL=ALG:section.key=value:... "
                         "variants (e.g. no-pf=catafed:catafed.selection=random); default all four")
-    p.add_argument("--reference", default="",
-                   help="comma list of the variants every other one is paired against (default: the first)")
     p.add_argument("--seeds", default="1",
                    help="fleet seeds: a comma list (0,1,2) or a count N (seeds 0..N-1); default 1 (seed 0)")
     p.add_argument("--dataset", default="digits",
                    help="digits (default, offline), synthetic, or any fedmq dataset (mnist, ... with --data-dir)")
     p.add_argument("--data-dir", default=None, metavar="DIR", help="dataset root (torchvision layout)")
     p.add_argument("--model", default="auto", help="model zoo name, or auto (default: fits the dataset)")
-    p.add_argument("--agents", type=int, default=FleetSpec.agents)
-    p.add_argument("--slow-share", type=float, default=FleetSpec.slow_share)
+    p.add_argument("--agents", type=int, default=agents)
+    p.add_argument("--slow-share", type=float, default=slow_share)
     p.add_argument("--slow-factor", type=float, default=FleetSpec.slow_factor)
     p.add_argument("--label-alpha", type=float, default=FleetSpec.label_alpha,
                    help="Dirichlet concentration of each agent's label mix (smaller: more non-IID)")
-    p.add_argument("--dropout-p", type=float, default=FleetSpec.dropout_p)
-    p.add_argument("--return-p", type=float, default=FleetSpec.return_p)
-    p.add_argument("--rounds", type=int, default=80, help="most rounds per run (default 80)")
-    p.add_argument("--until", type=float, default=math.inf, metavar="S",
-                   help="stop each run at this simulated time (same for every algorithm)")
-    p.add_argument("--target", type=float, default=0.85)
+    p.add_argument("--rounds", type=int, default=rounds, help=f"most rounds per run (default {rounds})")
+    p.add_argument("--target", type=float, default=target,
+                   help=f"test accuracy whose first reaching is timed (default {target}; runs go on)")
     p.add_argument("--deadline", type=float, default=20.0, help="T in simulated seconds")
-    p.add_argument("--grace", type=float, default=2.0)
-    p.add_argument("--groups", type=int, default=3)
-    p.add_argument("--per-group", type=int, default=5)
+    p.add_argument("--grace", type=float, default=2.0, help="cut-off T + grace, simulated seconds")
+    p.add_argument("--groups", type=int, default=groups)
+    p.add_argument("--per-group", type=int, default=per_group,
+                   help="N, agents per round (CATA-Fed's per group; the baselines' clients per round)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config key for every variant, e.g. --set catafed.pf_initial=100 (repeatable)")
-    p.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     p.add_argument("--out", default="", help="directory for results.json, table.md, accuracy.png")
     p.add_argument("--dry-run", action="store_true", help="check the flags, print the plan and exit")
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m sim.rounds") -> int:
+    p = ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    add_round_arguments(p, agents=FleetSpec.agents, slow_share=FleetSpec.slow_share, rounds=80,
+                        target=0.85, groups=3, per_group=5)
+    p.add_argument("--reference", default="",
+                   help="comma list of the variants every other one is paired against (default: the first)")
+    p.add_argument("--dropout-p", type=float, default=FleetSpec.dropout_p)
+    p.add_argument("--return-p", type=float, default=FleetSpec.return_p)
+    p.add_argument("--until", type=float, default=math.inf, metavar="S",
+                   help="stop each run at this simulated time (same for every algorithm)")
+    p.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     spec = FleetSpec(agents=a.agents, slow_share=a.slow_share, slow_factor=a.slow_factor,

@@ -71,6 +71,7 @@ from sim.rounds import (
     SimRound,
     SimRun,
     Variant,
+    add_round_arguments,
     checked_settings,
     markdown_table,
     non_iid_fleet,
@@ -366,38 +367,13 @@ def _run_dict(r: SimRun) -> dict:
 
 def main(argv: list[str] | None = None, prog: str = "python -m sim.rounds_live") -> int:
     p = ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("--algorithms", default="catafed,fedavg,fedprox,tifl",
-                   help="comma list of catafed, fedavg, fedprox, tifl, or LABEL=ALG:section.key=value:... "
-                        "variants, as in sim.rounds; default all four")
-    p.add_argument("--seeds", default="1",
-                   help="fleet seeds: a comma list (0,1,2) or a count N (seeds 0..N-1); default 1 (seed 0)")
-    p.add_argument("--dataset", default="digits", help="digits (default, offline) or any fedmq dataset")
-    p.add_argument("--data-dir", default=None, metavar="DIR", help="dataset root (torchvision layout)")
-    p.add_argument("--model", default="auto", help="model zoo name, or auto (default: fits the dataset)")
-    p.add_argument("--agents", type=int, default=8)
-    p.add_argument("--slow-share", type=float, default=0.25)
-    p.add_argument("--slow-factor", type=float, default=FleetSpec.slow_factor)
-    p.add_argument("--label-alpha", type=float, default=FleetSpec.label_alpha,
-                   help="Dirichlet concentration of each agent's label mix (smaller: more non-IID)")
-    p.add_argument("--rounds", type=int, default=10, help="rounds per run (default 10)")
-    p.add_argument("--target", type=float, default=0.6,
-                   help="test accuracy whose first reaching is timed (default 0.6; runs go on)")
-    p.add_argument("--deadline", type=float, default=20.0, help="T in simulated seconds")
-    p.add_argument("--grace", type=float, default=2.0, help="cut-off T + grace, simulated seconds")
-    p.add_argument("--groups", type=int, default=2)
-    p.add_argument("--per-group", type=int, default=3,
-                   help="N, agents per round (CATA-Fed's per group; the baselines' clients per round)")
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="a config key for every variant, e.g. --set catafed.pf_initial=100 (repeatable)")
+    add_round_arguments(p, agents=8, slow_share=0.25, rounds=10, target=0.6, groups=2, per_group=3)
     p.add_argument("--time-scale", type=float, default=0.25, metavar="F",
                    help="wall seconds per simulated second (default 0.25: a 20 s deadline is 5 s)")
     p.add_argument("--broker", default="", metavar="URL",
                    help="an MQTT broker to use (default: start a Mosquitto on a free loopback port)")
     p.add_argument("--twin", action="store_true",
                    help="also run sim.rounds' simulator on the same seeds and settings")
-    p.add_argument("--out", default="", help="directory for results.json, table.md, accuracy.png")
-    p.add_argument("--dry-run", action="store_true", help="check the flags, print the plan and exit")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     if not (a.time_scale > 0 and math.isfinite(a.time_scale)):
