@@ -189,6 +189,8 @@ class RoundStrategy:
     name = "rounds"
     leave_on_silence = True
     """Whether an invited agent silent at the cut-off leaves the pool (CATA-Fed: yes)."""
+    rng_salt = 0
+    """Mixed with the seed: each strategy draws from its own stream (state() keeps it)."""
 
     def __init__(self, settings: CataFedSettings, initial: torch.Tensor, *, seed: int = 0) -> None:
         if settings.weights not in WEIGHTS:
@@ -208,6 +210,7 @@ class RoundStrategy:
         self.plan: RoundPlan | None = None
         self._results: dict[str, RoundResult] = {}
         self.history: list[RoundOutcome] = []
+        self.rng = np.random.default_rng([seed, self.rng_salt])
 
     # ---------------------------------------------------------------- the pool
 
@@ -321,11 +324,10 @@ class RoundStrategy:
     def state(self) -> dict:
         """Everything needed to resume between rounds (msgpack-ready, plus the vector); the
         random selection's generator too, so a resumed run draws what the live one would."""
-        rng = getattr(self, "rng", None)
         return {"name": self.name, "round": self.round,
                 "vector": self.vector.numpy().tobytes(),
                 "agents": {a: {k: v for k, v in vars(i).items()} for a, i in self.agents.items()},
-                **({"rng": json.dumps(rng.bit_generator.state)} if rng is not None else {})}
+                "rng": json.dumps(self.rng.bit_generator.state)}
 
     def load_state(self, state: dict) -> None:
         if state.get("name") != self.name:
@@ -335,7 +337,7 @@ class RoundStrategy:
             raise ValueError(f"state vector has {vec.numel()} values, model {self.vector.numel()}")
         self.vector = vec
         self.round = int(state["round"])
-        if "rng" in state and getattr(self, "rng", None) is not None:
+        if "rng" in state:  # snapshots from before the generator was kept have none
             self.rng.bit_generator.state = json.loads(state["rng"])
         # Presence is re-learned from the retained statuses after a restart.
         self.agents = {a: AgentInfo(**{**d, "online": False}) for a, d in state["agents"].items()}
@@ -346,12 +348,12 @@ class CataFed(RoundStrategy):
     """CATA-Fed: data-size groups, proportional-fair group selection, straggler resizing."""
 
     name = "catafed"
+    rng_salt = 0xCA7A  # catafed.selection = random only
 
     def __init__(self, settings: CataFedSettings, initial: torch.Tensor, *, seed: int = 0) -> None:
         super().__init__(settings, initial, seed=seed)
         self._stale_groups = True
         self.reclusterings = 0
-        self.rng = np.random.default_rng([seed, 0xCA7A])  # catafed.selection = random only
 
     def sizes_changed(self) -> None:
         self._stale_groups = True

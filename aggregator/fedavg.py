@@ -14,7 +14,6 @@ N is `fedavg.clients_per_round`; without a `FedAvgSettings` the baseline takes C
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from aggregator.catafed import RoundPlan, RoundStrategy
@@ -26,6 +25,7 @@ class FedAvgDeadline(RoundStrategy):
 
     name = "fedavg"
     leave_on_silence = False
+    rng_salt = 0xFEDA
 
     def __init__(self, settings: CataFedSettings, initial: torch.Tensor, *, seed: int = 0,
                  fedavg: FedAvgSettings | None = None) -> None:
@@ -34,7 +34,6 @@ class FedAvgDeadline(RoundStrategy):
         if self.fedavg.clients_per_round < 1:
             raise ValueError("fedavg.clients_per_round must be >= 1, "
                              f"got {self.fedavg.clients_per_round}")
-        self.rng = np.random.default_rng([seed, 0xFEDA])
 
     def select(self) -> RoundPlan:
         pool = self.pool()

@@ -51,6 +51,7 @@ class TiFL(FedAvgDeadline):
 
     name = "tifl"
     leave_on_silence = False
+    rng_salt = 0x71F1
 
     def __init__(self, settings: CataFedSettings, initial: torch.Tensor, *, seed: int = 0,
                  fedavg: FedAvgSettings | None = None, tifl: TiflSettings | None = None) -> None:
@@ -58,7 +59,6 @@ class TiFL(FedAvgDeadline):
         self.tifl = tifl or TiflSettings()
         if self.tifl.tiers < 1 or self.tifl.interval < 1 or self.tifl.credits < 0:
             raise ValueError("tifl.tiers and tifl.interval must be >= 1, tifl.credits >= 0")
-        self.rng = np.random.default_rng([seed, 0x71F1])
         self.latency: dict[str, float] = {}
         """Last measured response latency per agent (inf: silent at the cut-off)."""
         self.score: dict[str, float] = {}
@@ -161,7 +161,7 @@ class TiFL(FedAvgDeadline):
                 self.score[r.agent] = float(r.metrics["accuracy"])
 
     def after_round(self, plan: RoundPlan) -> None:
-        reported = {o for o in self._results}
+        reported = set(self._results)
         for a in plan.selected:
             if a not in reported:  # silent at the cut-off: beyond T_max
                 self.latency[a] = math.inf
