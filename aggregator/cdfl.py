@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from aggregator.aggregation import hinge_staleness
 from aggregator.cluster_refresh import refresh_cluster
 from aggregator.estimators import EstimationBatch, Estimator, make_estimator, uniform
 from aggregator.evaluator import Proxy, ProxyEvaluator
@@ -32,7 +33,6 @@ from aggregator.strategy import (
     UploadLedger,
     check_alpha,
     check_vector,
-    hinge_staleness,
 )
 from fedmq.config import CDFLSettings
 from fedmq.models import ModelSpec

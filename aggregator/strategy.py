@@ -18,8 +18,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from aggregator.aggregation import hinge_staleness  # noqa: F401 (strategies import it from here)
-
 
 @dataclass
 class Upload:

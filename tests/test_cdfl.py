@@ -8,11 +8,12 @@ import math
 import pytest
 import torch
 
+from aggregator.aggregation import hinge_staleness
 from aggregator.cdfl import CDFL
 from aggregator.estimators import ESTIMATORS, make_estimator
 from aggregator.fedasync import FedAsync
 from aggregator.fedsoft_async import FedSoftAsync
-from aggregator.strategy import Upload, hinge_staleness
+from aggregator.strategy import Upload
 from fedmq.config import CDFLSettings
 from fedmq.models import build_model, model_spec, to_vector
 
