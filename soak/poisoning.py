@@ -32,13 +32,14 @@ import numpy as np
 import torch
 
 from aggregator.bootstrap import build_engine
-from aggregator.engine import Engine, Inbound
-from fedmq import codecs, protocol
+from aggregator.engine import Engine
+from fedmq import codecs
 from fedmq.config import AggregatorSettings, load_config
 from fedmq.data import clusters_from_settings, draw_agent
 from fedmq.models import model_spec
 from fedmq.training import evaluate, fit
 from soak.fleet_setup import SMALL, write_figures
+from tests.engine_client import EngineClient
 
 SPEC = model_spec("digits-cnn")
 ATTACKS: dict[str, float] = {"none": 1.0, "scaled": 5.0, "signflip": -1.0, "signflip-scaled": -5.0}
@@ -50,26 +51,12 @@ GUARDS: dict[str, dict[str, Any]] = {
 }
 
 
-class Agent:
+class Agent(EngineClient):
+    """A fleet member with its own data: trains from the model it holds, uploads, scores it."""
+
     def __init__(self, engine: Engine, name: str, data: Any, test: Any) -> None:
-        self.engine, self.name, self.data, self.test = engine, name, data.data, test.data
-        self.base: np.ndarray | None = None
-        self.epoch = 0
-        self.install(self.send(protocol.Join(agent=name, msg_id=protocol.new_msg_id(),
-                                             sent_at=protocol.now(), model=SPEC.hash,
-                                             algorithm="cdfl")))
-
-    def send(self, env: protocol.Envelope) -> protocol.Envelope:
-        (reply,) = self.engine.handle([Inbound(self.name, env)])
-        return reply
-
-    def install(self, reply: protocol.Envelope) -> bool:
-        if not isinstance(reply, protocol.Model):
-            return False
-        wire = reply.tensors[0]
-        self.base = codecs.decode(wire, base=self.base if wire["delta"] else None)
-        self.epoch = reply.epoch
-        return True
+        self.data, self.test = data.data, test.data
+        super().__init__(engine, name, SPEC)
 
     def score(self) -> float:
         return evaluate(SPEC.arch, torch.from_numpy(self.base.copy()), self.test.x, self.test.y)[0]
@@ -78,9 +65,8 @@ class Agent:
         start = torch.from_numpy(self.base.copy())
         v = fit(SPEC.arch, start, self.data.x, self.data.y, epochs=1, lr=0.05, seed=seed).vector.numpy()
         sent = self.base + factor * (v - self.base)
-        env = protocol.Update(agent=self.name, msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
-                              model=SPEC.hash, tau=self.epoch, n_samples=int(self.data.x.shape[0]),
-                              tensor=codecs.encode(sent.astype(np.float32), "fp32", base=self.base))
+        env = self.update(codecs.encode(sent.astype(np.float32), "fp32", base=self.base),
+                          n_samples=int(self.data.x.shape[0]))
         reply = self.send(env)
         return "applied" if self.install(reply) else getattr(reply, "reason", "?")
 

@@ -18,10 +18,11 @@ import pytest
 import torch
 
 from aggregator.bootstrap import build_engine
-from aggregator.engine import Engine, Inbound
+from aggregator.engine import Engine
 from fedmq import codecs, protocol
 from fedmq.config import load_config
 from fedmq.models import model_spec
+from tests.engine_client import EngineClient
 
 SPEC = model_spec("digits-cnn")
 # Speed only: small server sets; the defaults start the aggregator in test_documented_commands.
@@ -48,31 +49,15 @@ def make_engine(pretrained: Path, tmp_path: Path, **extra) -> Engine:
     return engine
 
 
-class Client:
-    """One agent speaking to the engine directly (the wire is tested elsewhere)."""
+class Client(EngineClient):
+    """An agent of `engine` whose every reply must be a model (a refusal fails the test)."""
 
     def __init__(self, engine: Engine, agent: str) -> None:
-        self.engine, self.agent = engine, agent
-        self.base: np.ndarray | None = None
-        self.epoch = 0
-        join = protocol.Join(agent=agent, msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
-                             model=SPEC.hash, algorithm="cdfl")
-        self.install(self.send(join))
+        super().__init__(engine, agent, SPEC)
 
-    def send(self, env: protocol.Envelope) -> protocol.Envelope:
-        (reply,) = self.engine.handle([Inbound(self.agent, env)])
-        return reply
-
-    def install(self, reply: protocol.Envelope) -> None:
-        assert isinstance(reply, protocol.Model), reply
-        wire = reply.tensors[0]
-        self.base = codecs.decode(wire, base=self.base if wire["delta"] else None)
-        self.epoch = reply.epoch
-
-    def update(self, tensor: dict, **fields) -> protocol.Update:
-        return protocol.Update(**{"agent": self.agent, "msg_id": protocol.new_msg_id(),
-                                  "sent_at": protocol.now(), "model": SPEC.hash, "tau": self.epoch,
-                                  "tensor": tensor, "n_samples": 100, **fields})
+    def install(self, reply: protocol.Envelope) -> bool:
+        assert super().install(reply), reply
+        return True
 
     def step(self, size: float, seed: int) -> protocol.Update:
         """An update `size` away from the held model (a random direction)."""
@@ -232,5 +217,5 @@ def test_a_replayed_msg_id_is_never_applied_twice_however_much_has_passed(pretra
 def _as(engine: Engine, agent: str) -> Client:
     """A Client of `engine` for `agent` that has not joined (its state is the engine's)."""
     c = Client.__new__(Client)
-    c.engine, c.agent, c.base, c.epoch = engine, agent, None, 0
+    c.engine, c.agent, c.spec, c.base, c.epoch = engine, agent, SPEC, None, 0
     return c
