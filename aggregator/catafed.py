@@ -18,7 +18,7 @@ Our reading of the paper's Algorithm 2 (docs/catafed.md has the reasons):
   online (`set_online(agent, True)` after having left); a straggler's report (finished=False)
   carries its new shard size, which triggers re-clustering before the next selection.
 
-No MQTT in here: aggregator/rounds.py drives it over the wire, sim/rounds.py on a simulated
+No MQTT in here: aggregator/round_service.py drives it over the wire, sim/rounds.py on a simulated
 clock. `RoundStrategy` holds what the baselines in aggregator/fedavg.py share.
 """
 

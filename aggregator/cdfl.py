@@ -99,9 +99,9 @@ class SoftClusters(Strategy):
         self.cluster_updated = [0] * self.k
         """Epoch of each cluster's last change."""
         self.agents_seen: dict[str, int] = {}
-        """Agent -> epoch first seen (insertion-ordered)."""
-        self.last_epoch: dict[str, int] = {}
-        """Agent -> epoch of the last reply it was sent."""
+        """Agent -> clock when first seen (insertion-ordered)."""
+        self.last_reply_version: dict[str, int] = {}
+        """Agent -> clock of the last reply it was sent."""
         self.ledger = UploadLedger(staleness_cap)
 
     # ------------------------------------------------------------------ shared rules
@@ -112,7 +112,7 @@ class SoftClusters(Strategy):
         return self.tau0 if self.tau0 > 0 else max(1, len(self.agents_seen))
 
     def _see(self, agent: str) -> None:
-        self.agents_seen.setdefault(agent, self.epoch)
+        self.agents_seen.setdefault(agent, self.uploads_applied)
 
     def mixture(self, alpha: Sequence[float]) -> Tensor:
         """sum_k alpha_k w_k (float32)."""
@@ -121,9 +121,9 @@ class SoftClusters(Strategy):
     def _step(self, upload: Upload, vector: Tensor, alpha: list[float]) -> dict[str, Any]:
         """Steps 1 and 3 at t := t + 1; returns what happened for Reply.info."""
         self._see(upload.agent)
-        self.epoch += 1
-        d = self.ledger.staleness(upload.tau, self.epoch)
-        self.ledger.record(upload.agent, self.epoch)
+        self.uploads_applied += 1
+        d = self.ledger.staleness(upload.tau, self.uploads_applied)
+        self.ledger.record(upload.agent, self.uploads_applied)
         # The delta rule: what the agent learned from its data, v - base, added to each cluster
         # in its share, w_k += server_lr alpha_k s(d) (v - base). The paper's pull toward v,
         # w_k += beta_k (v - w_k), also drags a specialist toward the agent's starting point (a
@@ -133,7 +133,7 @@ class SoftClusters(Strategy):
         delta = base is not None
         threshold = self.staleness_threshold(delta)
         s = hinge_staleness(d, self.delta_hinge_a if delta else self.hinge_a, self.hinge_b)
-        info: dict[str, Any] = {"staleness": d, "uploads_since": self.epoch - int(upload.tau),
+        info: dict[str, Any] = {"staleness": d, "uploads_since": self.uploads_applied - int(upload.tau),
                                 "tau0": threshold, "s": s}
         if d > threshold:
             self.counters["stale"] += 1
@@ -158,14 +158,14 @@ class SoftClusters(Strategy):
         return info
 
     def _changed(self, k: int) -> None:
-        """w_k moved at this epoch: the evaluator's cluster-loss cache keys on versions."""
+        """w_k moved at this clock: the evaluator's cluster-loss cache keys on versions."""
         self.versions[k] += 1
-        self.cluster_updated[k] = self.epoch
+        self.cluster_updated[k] = self.uploads_applied
 
     def _base_state(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "clusters": self.clusters.clone(), "versions": list(self.versions),
+        return {"epoch": self.uploads_applied, "clusters": self.clusters.clone(), "versions": list(self.versions),
                 "cluster_updated": list(self.cluster_updated), "agents_seen": dict(self.agents_seen),
-                "last_epoch": dict(self.last_epoch), "counters": dict(self.counters),
+                "last_epoch": dict(self.last_reply_version), "counters": dict(self.counters),
                 "k": self.k, "spec": self.spec.hash, "ledger": self.ledger.state_dict()}
 
     def _load_base(self, d: dict[str, Any]) -> None:
@@ -175,12 +175,12 @@ class SoftClusters(Strategy):
         clusters = d["clusters"]
         if tuple(clusters.shape) != tuple(self.clusters.shape):
             raise ValueError(f"state clusters {tuple(clusters.shape)}, expected {tuple(self.clusters.shape)}")
-        self.epoch = int(d["epoch"])
+        self.uploads_applied = int(d["epoch"])
         self.clusters = clusters.detach().to("cpu", torch.float32).clone()
         self.versions = [int(v) for v in d["versions"]]
         self.cluster_updated = [int(v) for v in d["cluster_updated"]]
         self.agents_seen = {str(a): int(e) for a, e in d["agents_seen"].items()}
-        self.last_epoch = {str(a): int(e) for a, e in d["last_epoch"].items()}
+        self.last_reply_version = {str(a): int(e) for a, e in d["last_epoch"].items()}
         self.ledger.load_state_dict(d.get("ledger", {}))
         self.counters.clear()
         self.counters.update(d["counters"])
@@ -279,7 +279,7 @@ class CDFL(SoftClusters):
                 if share > 0.0:
                     self.clusters[k] = refresh_cluster(
                         self.evaluator, self.clusters[k], k, steps=self.refresh_steps, lr=self.refresh_lr,
-                        seed=(self.seed * 1_000_003 + self.epoch) * 64 + k)
+                        seed=(self.seed * 1_000_003 + self.uploads_applied) * 64 + k)
                     if info["betas"][k] == 0.0:  # step 3 did not mark it changed
                         self._changed(k)
             info["refresh_seconds"] = time.perf_counter() - t0
@@ -289,7 +289,7 @@ class CDFL(SoftClusters):
                       upload: Tensor | None = None, sent: Tensor | None = None) -> Reply:
         """Step 4: one model for the agent (aggregator/personalize.py; joins get the mixture).
 
-        Seeded by (seed, epoch): journal replay of the same record rebuilds the same model;
+        Seeded by (seed, clock): journal replay of the same record rebuilds the same model;
         `sent` (from the journal, checked by the caller) skips rebuilding it."""
         if sent is not None:
             u = sent
@@ -299,12 +299,12 @@ class CDFL(SoftClusters):
         else:
             u, diag = self.personalizer.personalize(PersonalizeRequest(
                 self.clusters, alpha, upload if self.reply_uses_upload else None,
-                seed=self.seed * 1_000_003 + self.epoch))
+                seed=self.seed * 1_000_003 + self.uploads_applied))
             info.update(personalization=self.personalizer.name, personalize=diag)
         if self.estimator.needs_base:
             self.last_sent[agent] = u
-        self.last_epoch[agent] = self.epoch
-        return Reply(agent=agent, epoch=self.epoch, vectors=[u], kind="personalized", alpha=alpha, info=info)
+        self.last_reply_version[agent] = self.uploads_applied
+        return Reply(agent=agent, epoch=self.uploads_applied, vectors=[u], kind="personalized", alpha=alpha, info=info)
 
     def join(self, agent: str, n_samples: int = 0) -> Reply:
         self._see(agent)

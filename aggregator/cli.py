@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
             port = metrics.serve(cfg.metrics.port, cfg.metrics.host)
             print(f"metrics: http://{cfg.metrics.host}:{port}/metrics", flush=True)
         print(f"aggregator {cfg.aggregator.algorithm} on {mask_secrets(cfg.broker.url)} fleet={cfg.fleet} "
-              f"K={cfg.cdfl.clusters} epoch={engine.strategy.epoch}", flush=True)
+              f"K={cfg.cdfl.clusters} epoch={engine.strategy.uploads_applied}", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             while not stop.wait(0.5) and not service.failed.is_set():
                 pass
@@ -98,9 +98,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_rounds(cfg, stop: threading.Event) -> int:
-    """CATA-Fed / FedAvg / FedProx / TiFL: synchronous deadline rounds (aggregator/rounds.py)."""
+    """CATA-Fed / FedAvg / FedProx / TiFL: synchronous deadline rounds (aggregator/round_service.py)."""
     from aggregator.round_algorithms import make_round_strategy, min_agents
-    from aggregator.rounds import RoundRecord, RoundService
+    from aggregator.round_service import RoundRecord, RoundService
     from fedmq.config import CataFedSettings
     from fedmq.data import load_dataset
     from fedmq.models import build_model, resolve_model_name, to_vector

@@ -151,7 +151,7 @@ class Engine:
         if self.journal.needs_snapshot:
             self.journal.snapshot(self.state_dict())
             self.journal.set_aside_damaged()
-        event(log, "state.recovered", records=len(records), epoch=self.strategy.epoch,
+        event(log, "state.recovered", records=len(records), epoch=self.strategy.uploads_applied,
               agents=len(self.agents))
         return len(records)
 
@@ -175,7 +175,7 @@ class Engine:
 
     def refresh_cluster_accuracy(self, every_epochs: int = 1) -> None:
         """Recompute `cluster_accuracy` when the models moved by `every_epochs` since."""
-        if self.evaluator is None or self.strategy.epoch - self._accuracy_epoch < every_epochs:
+        if self.evaluator is None or self.strategy.uploads_applied - self._accuracy_epoch < every_epochs:
             return
         models = self.strategy.server_models()
         if len(models) == 1:  # one global model (FedAsync, FedBuff): its accuracy on each proxy set
@@ -183,7 +183,7 @@ class Engine:
         else:
             acc = torch.diagonal(self.evaluator.accuracies(models))
         self.cluster_accuracy = [float(a) for a in acc]
-        self._accuracy_epoch = self.strategy.epoch
+        self._accuracy_epoch = self.strategy.uploads_applied
 
     def snapshot_if_due(self, force: bool = False) -> bool:
         if self.journal is None:
@@ -294,9 +294,9 @@ class Engine:
                                    max_n=self.spec.numel)
         except codecs.CodecError as e:
             raise Rejected(f"codec_{e.reason}", str(e)) from None
-        if env.tau > self.strategy.epoch:
+        if env.tau > self.strategy.uploads_applied:
             raise Rejected("bad_tau", f"tau {env.tau} is ahead of the aggregator's epoch "
-                                      f"{self.strategy.epoch}")
+                                      f"{self.strategy.uploads_applied}")
         v = torch.from_numpy(np.ascontiguousarray(vector, dtype=np.float32))
         dist = None if record.base is None else float(torch.linalg.vector_norm(v - record.base))
         self._check_norm(dist)

@@ -28,7 +28,7 @@ class FedAsync(GlobalModelStrategy):
         self.mixing = float(mixing)
         self.hinge_a = float(hinge_a)
         self.hinge_b = float(hinge_b)
-        self.last_epoch: dict[str, int] = {}
+        self.last_reply_version: dict[str, int] = {}
 
     @classmethod
     def from_settings(cls, spec: ModelSpec, initial: Tensor, settings: FedAsyncSettings) -> FedAsync:
@@ -36,31 +36,31 @@ class FedAsync(GlobalModelStrategy):
                    hinge_b=settings.hinge_b, staleness_cap=settings.staleness_cap)
 
     def _reply(self, agent: str, info: dict[str, Any]) -> Reply:
-        self.last_epoch[agent] = self.epoch
+        self.last_reply_version[agent] = self.uploads_applied
         return super()._reply(agent, info)
 
     def apply(self, upload: Upload, alpha: list[float] | None = None, sent: Tensor | None = None) -> Reply:
         vector = check_vector(upload.vector, self.spec.numel, f"upload from {upload.agent}")
-        self.epoch += 1
-        d = self.ledger.staleness(upload.tau, self.epoch)
-        self.ledger.record(upload.agent, self.epoch)
+        self.uploads_applied += 1
+        d = self.ledger.staleness(upload.tau, self.uploads_applied)
+        self.ledger.record(upload.agent, self.uploads_applied)
         s = hinge_staleness(d, self.hinge_a, self.hinge_b)
         a_t = self.mixing * s
         mix(self.model, vector, a_t)
         self.counters["applied"] += 1
-        return self._reply(upload.agent, {"staleness": d, "uploads_since": self.epoch - int(upload.tau),
+        return self._reply(upload.agent, {"staleness": d, "uploads_since": self.uploads_applied - int(upload.tau),
                                           "stale": False, "s": s, "mixing": a_t})
 
     def state_dict(self) -> dict[str, Any]:
-        return {"algorithm": self.name, "spec": self.spec.hash, "epoch": self.epoch,
-                "model": self.model.clone(), "last_epoch": dict(self.last_epoch),
+        return {"algorithm": self.name, "spec": self.spec.hash, "epoch": self.uploads_applied,
+                "model": self.model.clone(), "last_epoch": dict(self.last_reply_version),
                 "counters": dict(self.counters), "ledger": self.ledger.state_dict()}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self._check_state(d)
         self.model = check_vector(d["model"], self.spec.numel, "state model").clone()
-        self.epoch = int(d["epoch"])
-        self.last_epoch = {str(a): int(e) for a, e in d["last_epoch"].items()}
+        self.uploads_applied = int(d["epoch"])
+        self.last_reply_version = {str(a): int(e) for a, e in d["last_epoch"].items()}
         self.ledger.load_state_dict(d.get("ledger", {}))
         self.counters.clear()
         self.counters.update(d["counters"])

@@ -61,9 +61,9 @@ class FedBuff(GlobalModelStrategy):
         else:  # the service knows every base it replied with; without one, the model now
             base = self.model
             self.counters["no_base"] += 1
-        self.epoch += 1
-        d = self.ledger.staleness(upload.tau, self.epoch)
-        self.ledger.record(upload.agent, self.epoch)
+        self.uploads_applied += 1
+        d = self.ledger.staleness(upload.tau, self.uploads_applied)
+        self.ledger.record(upload.agent, self.uploads_applied)
         s = polynomial_staleness(d, self.exponent)
         self.buffer += s * (vector.double() - base.double())
         self.buffered += 1
@@ -76,11 +76,11 @@ class FedBuff(GlobalModelStrategy):
             self.version += 1
             self.counters["flushes"] += 1
         self.counters["applied"] += 1
-        return self._reply(upload.agent, {"staleness": d, "uploads_since": self.epoch - int(upload.tau),
+        return self._reply(upload.agent, {"staleness": d, "uploads_since": self.uploads_applied - int(upload.tau),
                                           "stale": False, "s": s, "flushed": flushed})
 
     def state_dict(self) -> dict[str, Any]:
-        return {"algorithm": self.name, "spec": self.spec.hash, "epoch": self.epoch,
+        return {"algorithm": self.name, "spec": self.spec.hash, "epoch": self.uploads_applied,
                 "model": self.model.clone(), "buffer": self.buffer.clone(), "buffered": self.buffered,
                 "version": self.version, "counters": dict(self.counters),
                 "ledger": self.ledger.state_dict()}
@@ -94,7 +94,7 @@ class FedBuff(GlobalModelStrategy):
         self.buffer = buffer.to(torch.float64).clone()
         self.buffered = int(d["buffered"])
         self.version = int(d["version"])
-        self.epoch = int(d["epoch"])
+        self.uploads_applied = int(d["epoch"])
         self.ledger.load_state_dict(d.get("ledger", {}))
         self.counters.clear()
         self.counters.update(d["counters"])

@@ -27,8 +27,8 @@ class FedSoftAsync(SoftClusters):
                    hinge_a=settings.hinge_a, hinge_b=settings.hinge_b, staleness_cap=settings.staleness_cap)
 
     def _clusters_reply(self, agent: str, info: dict[str, Any], alpha: list[float] | None) -> Reply:
-        self.last_epoch[agent] = self.epoch
-        return Reply(agent=agent, epoch=self.epoch, vectors=[w.clone() for w in self.clusters],
+        self.last_reply_version[agent] = self.uploads_applied
+        return Reply(agent=agent, epoch=self.uploads_applied, vectors=[w.clone() for w in self.clusters],
                      kind="clusters", alpha=alpha, info=info)
 
     def join(self, agent: str, n_samples: int = 0) -> Reply:

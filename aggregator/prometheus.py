@@ -106,7 +106,7 @@ class ServiceCollector(Collector):
                                   "reading from the broker stopped.",
                                   value=own.get("backpressure.paused", 0))
         yield GaugeMetricFamily(f"{PREFIX}_epoch", "The strategy's epoch t (applied uploads).",
-                                value=strategy.epoch)
+                                value=strategy.uploads_applied)
         yield GaugeMetricFamily(f"{PREFIX}_known_agents", "Agents the engine holds a record of.",
                                 value=len(engine.agents))
         presence = dict(svc.presence)

@@ -161,7 +161,7 @@ class AggregatorService:
         refused = sum(v for k, v in self.counters.items() if k.startswith("refused."))
         refused += sum(v for k, v in self.engine.counters.items() if k.startswith("rejected."))
         acc = self.engine.cluster_accuracy
-        return {"refused": refused, "epoch": self.engine.strategy.epoch,
+        return {"refused": refused, "epoch": self.engine.strategy.uploads_applied,
                 **({"accuracy": [round(a, 4) for a in acc]} if acc else {}),
                 "online": sum(1 for s in self.presence.values() if s == "online")}
 
@@ -203,7 +203,7 @@ class AggregatorService:
         `aggregator.status_every_s`: a device reading it learns the current epoch, not the
         one at connect time."""
         now = time.monotonic()
-        epoch = self.engine.strategy.epoch
+        epoch = self.engine.strategy.uploads_applied
         every = self.cfg.aggregator.status_every_s
         if epoch == self._status_epoch or now - self._status_at < every or not every or not self.transport.connected:
             return
@@ -212,7 +212,7 @@ class AggregatorService:
     def _status(self, state: str) -> bytes:
         """The retained status; it also advertises what a device needs to join (protocol.Status)."""
         if state == "online":
-            self._status_epoch, self._status_at = self.engine.strategy.epoch, time.monotonic()
+            self._status_epoch, self._status_at = self.engine.strategy.uploads_applied, time.monotonic()
         spec, c = self.engine.spec, self.cfg.codec
         graph: dict[str, bool | int | float | str] = {}
         if self.graph is not None:
@@ -224,7 +224,7 @@ class AggregatorService:
         env = protocol.Status(agent="aggregator", msg_id=msg_id,
                               sent_at=protocol.now(), state=state, role="aggregator",
                               algorithm=self.cfg.aggregator.algorithm,
-                              epoch=self.engine.strategy.epoch,
+                              epoch=self.engine.strategy.uploads_applied,
                               counters={k: v for k, v in self.engine.counters.items()},
                               model=spec.hash, model_name=spec.arch,
                               model_spec=spec.canonical_json,
@@ -261,7 +261,7 @@ class AggregatorService:
         serve_fleet(self.transport, self.fleet, lambda: self._status("online"), self._receive)
         self._worker = threading.Thread(target=self._run, name="fedmq-aggregator", daemon=True)
         self._worker.start()
-        event(log, "aggregator.started", fleet=self.fleet, epoch=self.engine.strategy.epoch,
+        event(log, "aggregator.started", fleet=self.fleet, epoch=self.engine.strategy.uploads_applied,
               replayed=replayed, broker=self.cfg.broker.url)
         return self
 

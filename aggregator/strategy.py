@@ -21,7 +21,7 @@ from torch import Tensor
 
 @dataclass
 class Upload:
-    """One agent's model update: the trained vector and the epoch of the model it started from."""
+    """One agent's model update: the trained vector and the clock (`tau`) of the model it started from."""
 
     agent: str
     vector: Tensor
@@ -52,7 +52,7 @@ class Reply:
 
 
 class UploadLedger:
-    """Who uploaded at which epoch: staleness that one agent cannot inflate.
+    """Who uploaded at which clock: staleness that one agent cannot inflate.
 
     The papers' staleness d = t - tau counts every upload since the model an agent started
     from, so one agent uploading 20x as often as another makes the other's uploads stale
@@ -67,18 +67,18 @@ class UploadLedger:
             raise ValueError(f"staleness_cap must be >= 0, got {cap}")
         self.cap = int(cap)
         self.recent: dict[str, deque[int]] = {}
-        """Agent -> epochs of its last `cap` uploads."""
+        """Agent -> clocks of its last `cap` uploads."""
 
-    def staleness(self, tau: int, epoch: int) -> int:
-        """Staleness of an upload started from epoch `tau`, applied as epoch `epoch`."""
-        counted = epoch - int(tau)
+    def staleness(self, tau: int, clock: int) -> int:
+        """Staleness of an upload started from clock `tau`, applied at clock `clock`."""
+        counted = clock - int(tau)
         if self.cap == 0:
             return counted
         return min(counted, 1 + sum(sum(1 for e in q if e > tau) for q in self.recent.values()))
 
-    def record(self, agent: str, epoch: int) -> None:
+    def record(self, agent: str, clock: int) -> None:
         if self.cap:
-            self.recent.setdefault(agent, deque(maxlen=self.cap)).append(int(epoch))
+            self.recent.setdefault(agent, deque(maxlen=self.cap)).append(int(clock))
 
     def state_dict(self) -> dict[str, list[int]]:
         return {a: list(q) for a, q in self.recent.items()}
@@ -125,8 +125,10 @@ class Strategy(ABC):
     name: str = "strategy"
 
     def __init__(self) -> None:
-        self.epoch = 0
-        """t: counts applied uploads (every upload, stale or not, moves it by one)."""
+        self.uploads_applied = 0
+        """t, the server's logical clock: uploads applied so far (stale or not, each moves it
+        by one). The wire calls it `epoch` (docs/protocol.md); an agent's `tau` is the value its
+        model was sent at, so staleness counts uploads, not training epochs or seconds."""
         self.counters: Counter[str] = Counter()
 
     @abstractmethod
@@ -176,7 +178,7 @@ class GlobalModelStrategy(Strategy):
         return self.model[None]
 
     def _reply(self, agent: str, info: dict[str, Any]) -> Reply:
-        return Reply(agent=agent, epoch=self.epoch, vectors=[self.model.clone()], kind="global",
+        return Reply(agent=agent, epoch=self.uploads_applied, vectors=[self.model.clone()], kind="global",
                      alpha=None, info=info)
 
     def join(self, agent: str, n_samples: int = 0) -> Reply:

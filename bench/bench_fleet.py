@@ -28,7 +28,7 @@ def _rss_mb() -> float:
 
 
 def idle_agents(n: int) -> dict:
-    from edge_agent.runtime import EdgeAgent
+    from edge_agent.protocol_client import EdgeAgent
     from fedmq.transport import NetworkLoop, use_network
 
     with MosquittoBroker.dev() as broker:

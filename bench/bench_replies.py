@@ -59,7 +59,7 @@ def run(quick: bool = False) -> dict:
         for i in range(uploads_per_variant):
             v = clusters[i % K] + 0.01 * torch.randn(spec.numel, generator=g)
             t0 = time.perf_counter()
-            reply = strategy.update(Upload(f"agent{i}", v, tau=strategy.epoch, sketch=sketch,
+            reply = strategy.update(Upload(f"agent{i}", v, tau=strategy.uploads_applied, sketch=sketch,
                                            base=clusters[i % K]))  # the delta rule needs it
             if device == "cuda":
                 torch.cuda.synchronize()

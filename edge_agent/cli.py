@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if cfg.agent.algorithm in ROUNDS:
         return _run_rounds(cfg)
-    from edge_agent.device import DeviceAgent, make_source
+    from edge_agent.agent_loop import DeviceAgent, make_source
     from edge_agent.profiles import get_profile
 
     profile = get_profile(cfg.agent.profile, seed=cfg.seed)
@@ -91,11 +91,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_rounds(cfg) -> int:
-    """A round agent (edge_agent/rounds.py) on its share of the dataset until SIGTERM/Ctrl-C."""
+    """A round agent (edge_agent/round_agent.py) on its share of the dataset until SIGTERM/Ctrl-C."""
     import numpy as np
     import torch
 
-    from edge_agent.rounds import RoundAgent, RoundLog
+    from edge_agent.round_agent import RoundAgent, RoundLog
     from fedmq.data import load_dataset
 
     train = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir, download=cfg.data.download)

@@ -1,6 +1,6 @@
 """One simulated fleet run: a broker, the aggregator, N edge agents, a seeded schedule.
 
-The agents are the edge agent's own code (`edge_agent.runtime.EdgeAgent`), each a real MQTT
+The agents are the edge agent's own code (`edge_agent.protocol_client.EdgeAgent`), each a real MQTT
 client with its own connection, client id and persistent session; they share this process
 and a few worker threads. What an agent does in one cycle:
 
@@ -292,7 +292,7 @@ def start_aggregator(cfg: Config, clusters: Any, stack: contextlib.ExitStack, bu
 
 def start_agents(cfg: Config, spec: RunSpec, indices: range, stack: contextlib.ExitStack) -> list[Any]:
     """Agents sim-IIIII for `indices`, connected on one epoll thread and joined."""
-    from edge_agent.runtime import EdgeAgent
+    from edge_agent.protocol_client import EdgeAgent
 
     # All agents' connections on one epoll thread (paho's own loop is a thread and a
     # select() per client, which stops at ~340 clients); closed after the agents.

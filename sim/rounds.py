@@ -270,7 +270,7 @@ class Task:
     codec: str = "int8"
 
 
-def run_fleet(algorithm: str, spec: FleetSpec, settings: CataFedSettings, *, seed: int = 0,
+def simulate_fleet(algorithm: str, spec: FleetSpec, settings: CataFedSettings, *, seed: int = 0,
               rounds: int | None = None, target: float | None = None, until_s: float = math.inf,
               codec: str = "int8", dataset: str = "digits", data_dir: str | None = None,
               model: str = "auto", fedavg: FedAvgSettings | None = None,
@@ -378,7 +378,7 @@ def run_fleet(algorithm: str, spec: FleetSpec, settings: CataFedSettings, *, see
 def run_task(task: Task) -> SimRun:
     torch.set_num_threads(1)
     catafed, fedavg, tifl = task.variant.settings(task.base)
-    return run_fleet(task.variant.algorithm, task.spec, catafed, seed=task.seed,
+    return simulate_fleet(task.variant.algorithm, task.spec, catafed, seed=task.seed,
                      rounds=task.rounds, target=task.target, until_s=task.until_s,
                      codec=task.codec, dataset=task.dataset, data_dir=task.data_dir,
                      model=task.model, fedavg=fedavg, tifl=tifl, label=task.variant.label)

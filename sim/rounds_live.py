@@ -5,9 +5,9 @@
 sim/rounds.py replaces the wire and the clock to compare CATA-Fed, FedAvg, FedProx and TiFL
 cheaply; this runs what it stands for, so that the two can be checked against each other.
 Seed s gives the same devices and data (`non_iid_fleet`), the same initial model and the same
-strategy seed; the aggregator is the real `RoundService` (aggregator/rounds.py) with the test
+strategy seed; the aggregator is the real `RoundService` (aggregator/round_service.py) with the test
 split as its evaluator, as `fedmq aggregator` builds it; each device is a real `RoundAgent`
-(edge_agent/rounds.py, a thread of this process) on a real Mosquitto (its own on a free
+(edge_agent/round_agent.py, a thread of this process) on a real Mosquitto (its own on a free
 loopback port unless `--broker URL`), on the wall clock.
 
 Time: `--time-scale F` wall seconds stand for one simulated second. Deadline, grace and the
@@ -48,8 +48,8 @@ from pathlib import Path
 import torch
 
 from aggregator.round_algorithms import make_round_strategy
-from aggregator.rounds import RoundRecord, RoundService
-from edge_agent.rounds import RoundAgent
+from aggregator.round_service import RoundRecord, RoundService
+from edge_agent.round_agent import RoundAgent
 from fedmq import codecs, protocol
 from fedmq.broker import BrokerError, MosquittoBroker, find_mosquitto
 from fedmq.config import (
@@ -79,7 +79,7 @@ from sim.rounds import (
     parse_variants,
     plot,
     round_overrides,
-    run_fleet,
+    simulate_fleet,
     summary_rows,
 )
 from sim.seeds import seed_list
@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m sim.rounds_live")
                       + (f"; agent errors: {', '.join(lv.errors)}" if lv.errors else ""), flush=True)
                 if a.twin:
                     catafed, fedavg, tifl = settings[v.label]
-                    sim = run_fleet(v.algorithm, spec, catafed, seed=seed, rounds=a.rounds,
+                    sim = simulate_fleet(v.algorithm, spec, catafed, seed=seed, rounds=a.rounds,
                                     target=a.target, dataset=a.dataset, data_dir=a.data_dir,
                                     model=a.model, fedavg=fedavg, tifl=tifl,
                                     label=sim_label(v.label))

@@ -291,7 +291,7 @@ def run_campaign(broker_url: str, state_dir: Path, *, fleet: str, messages: int,
     the final cluster models (key "clusters", tensors)."""
     from aggregator.bootstrap import build_engine
     from aggregator.service import AggregatorService
-    from edge_agent.runtime import EdgeAgent
+    from edge_agent.protocol_client import EdgeAgent
 
     port = int(broker_url.rsplit(":", 1)[1])
     cfg = small_config(broker_url, state_dir, fleet, **CAMPAIGN_SETTINGS)
@@ -423,7 +423,7 @@ def run_campaign(broker_url: str, state_dir: Path, *, fleet: str, messages: int,
             internal_errors=svc.counters.get("refused.internal_error", 0),
         )
         figures["clusters"] = [c.clone() for c in svc.engine.strategy.state_dict()["clusters"]]
-        figures["epoch"] = svc.engine.strategy.epoch
+        figures["epoch"] = svc.engine.strategy.uploads_applied
     finally:
         stop.set()
         fuzzer.close()

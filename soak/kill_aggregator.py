@@ -90,7 +90,7 @@ class AggregatorProcess:
 
 def run_kills(broker_url: str, state: Path, *, fleet: str, agents: int = 6, updates: int = 5,
               kills: int = 5, seed: int = 0, pace_s: float = 0.4, workdir: Path) -> dict[str, Any]:
-    from edge_agent.runtime import EdgeAgent
+    from edge_agent.protocol_client import EdgeAgent
 
     rng = random.Random(seed)
     pristine = workdir / "pretrained-copy"
@@ -208,7 +208,7 @@ def run_kills(broker_url: str, state: Path, *, fleet: str, agents: int = 6, upda
         "lost": len(lost), "applied_twice": twice, "unexpected": len(unexpected),
         "failures": failures, "completed": not failures and len(uploaded) == total,
         "replayed_records": replayed, "clusters_equal_replay": identical,
-        "epoch_live": live["strategy"]["epoch"], "epoch_replay": engine.strategy.epoch,
+        "epoch_live": live["strategy"]["epoch"], "epoch_replay": engine.strategy.uploads_applied,
         "agent_resends": sum(a.counters["resends"] for a in fleet_agents),
         "aggregator_exit_code": stop_rc, "run_seconds": round(run_s, 1),
         "recovery_restart_to_first_reply_s": {

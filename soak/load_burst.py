@@ -112,7 +112,7 @@ class BrokerCounter:
 
 def run_burst(broker_url: str, workdir: Path, *, agents: int, model: str = "cnn28",
               seed: int = 0) -> dict[str, Any]:
-    from edge_agent.runtime import EdgeAgent
+    from edge_agent.protocol_client import EdgeAgent
     from fedmq.transport import NetworkLoop, use_network
 
     state = workdir / "aggregator"

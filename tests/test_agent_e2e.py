@@ -29,7 +29,7 @@ import torch
 
 from aggregator.bootstrap import build_engine
 from aggregator.service import AggregatorService
-from edge_agent.device import DeviceAgent
+from edge_agent.agent_loop import DeviceAgent
 from edge_agent.inference import TorchPredictor
 from edge_agent.sources import DatasetSource
 from edge_agent.state import AgentState
@@ -399,7 +399,7 @@ def test_agent_killed_mid_cycle_keeps_tau_and_resends_pending_once(mosquitto, ag
     assert sent[1][0].tau == 0
     assert len(sniffer.updates()) == 2  # no other upload
     engine = agg.svc.engine
-    assert engine.counters["applied.update"] == 1 and engine.strategy.epoch == 1
+    assert engine.counters["applied.update"] == 1 and engine.strategy.uploads_applied == 1
 
 
 def test_sigterm_during_training_keeps_upload_and_sends_it_once_after_restart(mosquitto, aggregator,

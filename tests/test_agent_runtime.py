@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from edge_agent.device import DeviceAgent, parse_knobs
+from edge_agent.agent_loop import DeviceAgent, parse_knobs
 from edge_agent.drift import ThresholdDetector
 from edge_agent.sources import DatasetSource
 from edge_agent.state import AgentState

@@ -103,7 +103,7 @@ def test_bad_uploads_get_errors_and_change_nothing(service, mosquitto) -> None:
     try:
         a.join(SPEC.hash)
         before = clusters_of(service)
-        epoch = service.engine.strategy.epoch
+        epoch = service.engine.strategy.uploads_applied
         cases: list[tuple[str, bytes, str]] = []
 
         ok = a.update_envelope(a.base, SPEC.hash)
@@ -142,7 +142,7 @@ def test_bad_uploads_get_errors_and_change_nothing(service, mosquitto) -> None:
 
         after = clusters_of(service)
         assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
-        assert service.engine.strategy.epoch == epoch
+        assert service.engine.strategy.uploads_applied == epoch
         assert service.engine.counters["applied.update"] == 0
     finally:
         a.close()

@@ -190,12 +190,12 @@ def test_state_round_trips() -> None:
 
 def test_simulated_fleet_catafed_resizes_stragglers_fedavg_drops_late_work() -> None:
     """sim/rounds.py on a simulated clock: a 20 s deadline costs no 20 s of wall time."""
-    from sim.rounds import FleetSpec, run_fleet
+    from sim.rounds import FleetSpec, simulate_fleet
 
     spec = FleetSpec(agents=8, slow_share=0.5, slow_factor=0.05, dropout_p=0.0)
     s = settings(groups=2, per_group=4, deadline_s=20.0, grace_s=2.0, epochs=1)
-    cata = run_fleet("catafed", spec, s, seed=0, rounds=4, target=0.0)
-    avg = run_fleet("fedavg", spec, s, seed=0, rounds=4, target=0.0)
+    cata = simulate_fleet("catafed", spec, s, seed=0, rounds=4, target=0.0)
+    avg = simulate_fleet("fedavg", spec, s, seed=0, rounds=4, target=0.0)
     assert len(cata.rounds) == len(avg.rounds) == 4
     assert all(r.round_s <= 22.0 for r in cata.rounds + avg.rounds)
     assert cata.rounds[-1].time_s == pytest.approx(sum(r.round_s for r in cata.rounds))

@@ -67,7 +67,7 @@ def test_update_moves_each_cluster_by_beta_toward_v():
 def test_beta_with_hinge_for_an_old_upload():
     s = make_cdfl(2, tau0=100, beta0=0.1, hinge_a=10, hinge_b=5, staleness_cap=0)  # the papers' d = t - tau
     for _ in range(7):
-        s.apply(Upload("a", vector(1), tau=s.epoch), alpha=[0.5, 0.5])
+        s.apply(Upload("a", vector(1), tau=s.uploads_applied), alpha=[0.5, 0.5])
     reply = s.apply(Upload("b", vector(2), tau=0), alpha=[1.0, 0.0])  # t = 8, d = 8
     assert reply.info["staleness"] == 8
     assert reply.info["betas"] == pytest.approx([0.1 * 1.0 / (10 * 3 + 1), 0.0])
@@ -82,9 +82,9 @@ def test_one_agent_uploading_often_cannot_make_another_stale(cap, expected):
     s = make_cdfl(2, staleness_cap=cap)
     for agent in "abc":
         s.join(agent)
-    tau = s.epoch
+    tau = s.uploads_applied
     for _ in range(20):
-        s.apply(Upload("a", vector(1), tau=s.epoch), alpha=[0.5, 0.5])
+        s.apply(Upload("a", vector(1), tau=s.uploads_applied), alpha=[0.5, 0.5])
     s.apply(Upload("c", vector(3), tau=tau), alpha=[0.5, 0.5])
     restored = make_cdfl(2, staleness_cap=cap)
     restored.load_state_dict(s.state_dict())
@@ -179,7 +179,7 @@ def test_state_round_trip_reproduces_the_next_reply_bit_exactly(name):
     assert ra.alpha == rb.alpha and ra.epoch == rb.epoch == 4
     assert torch.equal(ra.vectors[0], rb.vectors[0])
     assert torch.equal(a.clusters, b.clusters)
-    assert a.last_epoch == b.last_epoch and a.counters == b.counters
+    assert a.last_reply_version == b.last_reply_version and a.counters == b.counters
 
 
 def test_from_settings_reads_every_knob():
@@ -227,7 +227,7 @@ def test_fedasync_mixes_with_the_staleness_discounted_weight():
     assert r.info["mixing"] == pytest.approx(0.6)
     torch.testing.assert_close(s.model, 0.4 * w0 + 0.6 * v, rtol=0, atol=1e-6)
     for _ in range(6):
-        s.update(Upload("b", v, tau=s.epoch))
+        s.update(Upload("b", v, tau=s.uploads_applied))
     w = s.model.clone()
     r = s.update(Upload("c", w0, tau=0))  # t = 8, d = 8 -> a = 0.6 / 31
     assert r.info["mixing"] == pytest.approx(0.6 / 31)
@@ -235,7 +235,7 @@ def test_fedasync_mixes_with_the_staleness_discounted_weight():
     assert r.kind == "global" and torch.equal(r.vectors[0], s.model)
     t = FedAsync(SPEC, vector(5))
     t.load_state_dict(s.state_dict())
-    assert torch.equal(t.model, s.model) and t.epoch == s.epoch == 8
+    assert torch.equal(t.model, s.model) and t.uploads_applied == s.uploads_applied == 8
 
 
 def test_bad_upload_vector_is_refused_before_any_change():
@@ -247,7 +247,7 @@ def test_bad_upload_vector_is_refused_before_any_change():
         s.update(Upload("a", bad, tau=0))
     with pytest.raises(ValueError, match="shape"):
         s.update(Upload("a", bad[:10], tau=0))
-    assert torch.equal(s.clusters, before) and s.epoch == 0
+    assert torch.equal(s.clusters, before) and s.uploads_applied == 0
 
 
 def test_base_given_by_the_service_equals_the_strategys_own_record():

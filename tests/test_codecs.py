@@ -538,8 +538,8 @@ def test_agents_send_topk_with_error_feedback_and_the_ablation_drops_it() -> Non
     tracks the sum of the updates); codec.error_feedback=false drops it."""
     import torch
 
-    from edge_agent.rounds import RoundAgent
-    from edge_agent.runtime import EdgeAgent, Installed
+    from edge_agent.protocol_client import EdgeAgent, Installed
+    from edge_agent.round_agent import RoundAgent
     from fedmq.config import load_config
     from fedmq.data import load_dataset
     from fedmq.models import build_model, to_vector

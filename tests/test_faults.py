@@ -28,7 +28,7 @@ import torch
 from aggregator.bootstrap import build_engine
 from aggregator.journal import read_snapshot, scan_journal
 from aggregator.service import AggregatorService
-from edge_agent.runtime import EdgeAgent
+from edge_agent.protocol_client import EdgeAgent
 from fedmq import protocol
 from fedmq.models import model_spec
 from soak.fleet_setup import pretrained_state, small_config, start_aggregator

@@ -29,7 +29,7 @@ KEEPALIVE_S = 2
 
 AGENT_SCRIPT = textwrap.dedent("""
     import sys, time
-    from edge_agent.runtime import EdgeAgent
+    from edge_agent.protocol_client import EdgeAgent
     from fedmq.config import load_config
     cfg = load_config(None, {"fleet": sys.argv[2], "broker.url": sys.argv[1],
                              "broker.keepalive_s": int(sys.argv[4]), "data.dataset": "digits"})

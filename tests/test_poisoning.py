@@ -68,7 +68,7 @@ class Client(EngineClient):
 
 def fingerprint(engine: Engine) -> tuple:
     clusters = [c.clone() for c in engine.strategy.state_dict()["clusters"]]
-    return clusters, engine.strategy.epoch, engine.journal.records_since_snapshot
+    return clusters, engine.strategy.uploads_applied, engine.journal.records_since_snapshot
 
 
 def assert_unchanged(before: tuple, engine: Engine) -> None:

@@ -20,9 +20,9 @@ import torch
 
 from aggregator.catafed import CataFed
 from aggregator.fedavg import FedAvgDeadline
-from aggregator.rounds import RoundService
+from aggregator.round_service import RoundService
 from aggregator.tifl import TiFL
-from edge_agent.rounds import RoundAgent
+from edge_agent.round_agent import RoundAgent
 from fedmq import codecs, protocol
 from fedmq.channel import Channel
 from fedmq.config import Config, load_config

@@ -16,7 +16,7 @@ import torch
 
 from aggregator.bootstrap import build_engine
 from aggregator.service import AggregatorService
-from edge_agent.runtime import EdgeAgent
+from edge_agent.protocol_client import EdgeAgent
 from fedmq import codecs, protocol, sketch
 from fedmq.config import load_config
 from fedmq.data import RotatedClusters, load_dataset

@@ -45,7 +45,7 @@ import torch
 from edge_agent.drift import DriftMonitor, make_detector
 from edge_agent.inference import OnnxPredictor, TorchPredictor, make_predictor
 from edge_agent.profiles import DeviceProfile, get_profile
-from edge_agent.runtime import REJOIN_REASONS, AgentError, EdgeAgent, Installed
+from edge_agent.protocol_client import REJOIN_REASONS, AgentError, EdgeAgent, Installed
 from edge_agent.sources import DatasetSource, DataSource, DirectorySource, LocalBuffer
 from edge_agent.state import AgentState, PendingUpload
 from edge_agent.trainer import estimate_alpha_argmin, evaluate, train_fedsoft, train_local

@@ -46,7 +46,7 @@ from fedmq.logs import event, get_logger
 from fedmq.models import model_spec
 from fedmq.transport import Message, MqttTransport, Will
 
-log = get_logger("aggregator.rounds")
+log = get_logger("aggregator.round_service")
 
 STATE_FILE = "rounds.msgpack"
 
