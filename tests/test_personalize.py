@@ -12,6 +12,7 @@ from aggregator.cdfl import CDFL, update_weights
 from aggregator.evaluator import ProxyEvaluator
 from aggregator.personalize import (
     PERSONALIZATIONS,
+    PERSONALIZERS,
     DistillPersonalizer,
     PersonalizeRequest,
     alpha_mixture,
@@ -53,6 +54,23 @@ def test_mixture_is_the_alpha_weighted_sum_and_cdfl_default():
     out, _ = make_personalizer("mixture", None).personalize(PersonalizeRequest(w, [0.5, 0.3, 0.2], torch.zeros(50)))
     torch.testing.assert_close(out, 0.5 * w[0] + 0.3 * w[1] + 0.2 * w[2])
     assert CDFLSettings().personalization in PERSONALIZATIONS
+
+
+@pytest.mark.parametrize("name", list(PERSONALIZERS))
+def test_every_registered_personalizer_returns_a_finite_model_deterministically(world, name):
+    """The registry's contract: any entry gives a finite vector of the model's size, and the
+    same request gives the same bits (replay re-derives replies only where the journal does not
+    hold them, but a reply must never depend on hidden state)."""
+    _, specialists, proxies = world
+    evaluator = ProxyEvaluator(SPEC, proxies)
+    upload = specialists.mean(0)
+    options = {"epochs": 1} if name.startswith(("distill", "finetune")) else {}  # one epoch: speed
+    outs = []
+    for _ in range(2):
+        out, info = make_personalizer(name, evaluator, **options).personalize(PersonalizeRequest(specialists, [0.7, 0.3], upload))
+        assert out.shape == (SPEC.numel,) and torch.isfinite(out).all() and isinstance(info, dict)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_unknown_or_unsupported_personalization_is_a_clear_error():
