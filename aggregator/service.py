@@ -57,8 +57,47 @@ def serve_fleet(transport: MqttTransport, fleet: str, online_status: Callable[[]
     transport.on_connect_hooks.append(
         lambda t, _: t.publish(protocol.aggregator_status(fleet), online_status(), qos=1, retain=True))
     transport.connect()
-    transport.subscribe(protocol.all_uplinks(fleet), handler, qos=1)
-    transport.subscribe(protocol.all_agent_status(fleet), handler, qos=1)
+    guarded = retained_guard(transport, handler)
+    transport.subscribe(protocol.all_uplinks(fleet), guarded, qos=1, retain_as_published=True)
+    transport.subscribe(protocol.all_agent_status(fleet), guarded, qos=1, retain_as_published=True)
+
+
+MAX_AGENT_STATUS_BYTES = 64 * 1024
+"""An agent's status is a few hundred bytes; 64 counters of 256 characters stay below this."""
+
+
+def retained_guard(transport: MqttTransport, handler: Callable[[Message], None]) -> Callable[[Message], None]:
+    """What the broker keeps on an agent's topics is its small status, nothing else.
+
+    Mosquitto 2.0.11 has no per-client quota for retained messages, so an authenticated agent
+    could make it store up to max_packet_size on its up topic and on its status topic. The
+    aggregator (subscribed with retain-as-published, MQTT 5) deletes, by publishing an empty
+    retained message, any retained uplink and any retained status that is not a readable
+    status of at most MAX_AGENT_STATUS_BYTES; the message itself is still handled (answered)
+    as usual. Empty messages are such deletions (ours coming back, or an agent's own): they
+    are acknowledged and dropped. On MQTT 3.1.1 brokers live messages carry no retain flag, so
+    the cleaning happens at each (re)subscribe."""
+
+    def guarded(message: Message) -> None:
+        if not message.payload:
+            transport.ack(message)
+            return
+        if message.retain and not _keep_retained(message):
+            transport.publish(message.topic, b"", qos=1, retain=True)
+            event(log, "retained.cleared", topic=message.topic, bytes=len(message.payload))
+        handler(message)
+
+    return guarded
+
+
+def _keep_retained(message: Message) -> bool:
+    try:
+        topic = protocol.parse_topic(message.topic)
+        if topic.kind != "status" or len(message.payload) > MAX_AGENT_STATUS_BYTES:
+            return False
+        return isinstance(protocol.decode(message.payload, max_bytes=MAX_AGENT_STATUS_BYTES), protocol.Status)
+    except protocol.ProtocolError:
+        return False
 
 
 class ProgressLines:
@@ -129,6 +168,7 @@ class AggregatorService:
         self.client_id = client_id or f"fedmq-aggregator-{cfg.fleet}"
         self._own_status_ids: deque[str] = deque(maxlen=64)
         """msg_ids of the statuses this service published (its will included)."""
+        self._started_at, self._started_wall = time.monotonic(), time.time()  # again at start()
         self._inbox = FairInbox(cfg.aggregator.max_queued_per_agent)
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
@@ -155,7 +195,6 @@ class AggregatorService:
         self.failure: str | None = None
         """Why the service stopped by itself (another aggregator took its session), else None."""
         self.failed = threading.Event()
-        self._started_at, self._started_wall = time.monotonic(), time.time()
 
     def _progress_state(self) -> dict[str, Any]:
         refused = sum(v for k, v in self.counters.items() if k.startswith("refused."))
@@ -184,17 +223,24 @@ class AggregatorService:
         self._another_aggregator(env)
 
     def _another_aggregator(self, env: protocol.Status) -> None:
-        """The newcomer (within `takeover_grace_s` of its start) stops at once; one that has
-        served longer keeps serving and warns (the newcomer is the one to go)."""
-        newcomer = time.monotonic() - self._started_at <= self.cfg.aggregator.takeover_grace_s
+        """The one that started later stops at once; the other serves on and warns. Both compare
+        the same two start times (each status carries its sender's `started_at`), so exactly one
+        stops even when they started a second apart or their clocks differ. A status without one
+        (an older aggregator) counts as earlier while we are within `takeover_grace_s` of our
+        start."""
+        if env.started_at:
+            newcomer = env.started_at < self._started_wall
+        else:
+            newcomer = time.monotonic() - self._started_at <= self.cfg.aggregator.takeover_grace_s
         event(log, "aggregator.another_online", level=30, fleet=self.fleet, epoch=env.epoch,
               action="stopping" if newcomer else "serving on; the newcomer stops")
         if not newcomer or self.failed.is_set():
             return
         self.transport.give_up()
-        self.failure = (f"another aggregator is online for fleet {self.fleet!r} (epoch {env.epoch}); with "
-                        f"one client id the two would take the MQTT session ({self.client_id}) in turns, "
-                        f"so this one stops. Stop the other one, or give this one another --fleet")
+        self.failure = (f"another aggregator is online for fleet {self.fleet!r} (epoch {env.epoch}, "
+                        f"started before this one); with one client id the two would take the MQTT session "
+                        f"({self.client_id}) in turns, so this one stops. Stop the other one, or give this "
+                        f"one another --fleet")
         self._stop.set()
         self.failed.set()
 
@@ -231,7 +277,7 @@ class AggregatorService:
                               clusters=len(self.engine.strategy.server_models()),
                               codec={"name": c.name, "zstd": c.zstd, "delta": c.delta,
                                      "int8_block": c.int8_block, "topk_ratio": c.topk_ratio},
-                              graph=graph)
+                              graph=graph, started_at=self._started_wall)
         return protocol.encode(env)
 
     def _export_graph(self) -> None:

@@ -367,7 +367,7 @@ class AggregatorSettings:
     status_every_s: float = 10.0
     """The retained online status (epoch, counters) is re-published when the epoch moved, at most this often (0 = only at connect)."""
     takeover_grace_s: float = 60.0
-    """An aggregator that sees another announce itself online on its fleet within this many seconds of its own start is the newcomer: it exits with a clear message instead of taking the MQTT session in turns with the running one (which serves on and logs a warning)."""
+    """Of two aggregators on one fleet, the one that started later (each says when, in its status) exits with a clear message instead of taking the MQTT session in turns with the other (which serves on and logs a warning). A status without a start time (an older aggregator) makes us the newcomer within this many seconds of our own start."""
     max_queued_per_agent: int = 4
     """An agent's uploads waiting beyond this many are refused at once (`rate_limited`, acknowledged), so one agent's flood neither fills the inbox nor delays the others (who are served in turn, one message each per batch). An agent waits for each reply, so it has one. 0 = no quota."""
     pretrain_shared: bool = False

@@ -195,10 +195,11 @@ def render_acl(aggregator_user: str, monitor_user: str | None = None, fleets: Se
         lines += [f"pattern write fedmq/{f}/agents/%u/up", f"pattern write fedmq/{f}/agents/%u/status",
                   f"pattern read fedmq/{f}/agents/%u/down", f"pattern read fedmq/{f}/aggregator/status",
                   f"pattern read fedmq/{f}/model/onnx"]
-    lines += ["", "# The aggregator reads every uplink and status, writes every downlink and its status.",
+    lines += ["", "# The aggregator reads every uplink and status, writes every downlink and its status,",
+              "# and may write (empty, to delete) what an agent left retained on its up or status topic.",
               f"user {aggregator_user}"]
     for f in scopes:
-        lines += [f"topic read fedmq/{f}/agents/+/up", f"topic read fedmq/{f}/agents/+/status",
+        lines += [f"topic readwrite fedmq/{f}/agents/+/up", f"topic readwrite fedmq/{f}/agents/+/status",
                   f"topic write fedmq/{f}/agents/+/down", f"topic readwrite fedmq/{f}/aggregator/status",
                   f"topic readwrite fedmq/{f}/model/onnx"]
     if monitor_user:

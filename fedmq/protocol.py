@@ -553,7 +553,7 @@ class Status(Envelope):
 
     TYPE: ClassVar[str] = "status"
     OMIT_WHEN_DEFAULT: ClassVar[frozenset[str]] = frozenset(
-        {"model", "model_name", "model_spec", "clusters", "codec", "graph"})
+        {"model", "model_name", "model_spec", "clusters", "codec", "graph", "started_at"})
 
     state: Annotated[str, StrRule(choices=("online", "offline"))]
     role: Annotated[str, StrRule(choices=("agent", "aggregator"))]
@@ -566,6 +566,8 @@ class Status(Envelope):
     clusters: Annotated[int, NonNegInt] = 0
     codec: Annotated[dict[str, bool | int | float | str], Settings] = field(default_factory=dict)
     graph: Annotated[dict[str, bool | int | float | str], Settings] = field(default_factory=dict)
+    started_at: Annotated[float, SentAt] = 0.0
+    """When this aggregator started (its wall clock): of two on one fleet, the later one yields."""
 
 
 @dataclass(frozen=True)

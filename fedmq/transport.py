@@ -592,6 +592,7 @@ class _Subscription:
     topic_filter: str
     qos: int
     handler: Handler
+    retain_as_published: bool = False
     granted: bool = False
 
 
@@ -952,7 +953,7 @@ class MqttTransport:
     # -- subscribe -----------------------------------------------------------------------
 
     def subscribe(self, topic_filter: str, handler: Handler, qos: int = 1,
-                  timeout: float = 10.0) -> None:
+                  timeout: float = 10.0, *, retain_as_published: bool = False) -> None:
         """Route messages matching `topic_filter` to `handler` and subscribe at `qos`.
 
         Before connect(), this only registers: the SUBSCRIBE goes out at connect time. After
@@ -961,6 +962,8 @@ class MqttTransport:
         right after CONNACK) were parked, up to PARKED_LIMIT; they are handed to this handler
         first, on the calling thread, before it sees newer ones.
         Mosquitto grants even ACL-denied subscriptions, so a grant does not prove access.
+        `retain_as_published` (MQTT 5; ignored on 3.1.1): live messages keep the retain flag
+        their sender set, so a handler can tell what the broker is storing.
         """
         if qos not in (0, 1, 2):
             raise TransportError(f"qos must be 0, 1 or 2, not {qos!r}")
@@ -969,7 +972,7 @@ class MqttTransport:
                 ("#" in level and (level != "#" or i != len(levels) - 1)) or ("+" in level and level != "+")
                 for i, level in enumerate(levels)):
             raise TransportError(f"invalid topic filter {topic_filter!r} (+ and # must fill a whole level, # last)")
-        sub = _Subscription(topic_filter, qos, handler)
+        sub = _Subscription(topic_filter, qos, handler, retain_as_published)
         with self._dispatch_lock:  # parked messages reach the handler before newer ones
             with self._subs_lock:
                 self._subs[topic_filter] = sub
@@ -993,7 +996,11 @@ class MqttTransport:
             self._client.unsubscribe(topic_filter)
 
     def _send_subscribe(self, client: paho.Client, sub: _Subscription) -> _SubackWait | None:
-        rc, mid = client.subscribe(sub.topic_filter, sub.qos)
+        if self._protocol == MQTTProtocolVersion.MQTTv5:
+            options = paho.SubscribeOptions(qos=sub.qos, retainAsPublished=sub.retain_as_published)
+            rc, mid = client.subscribe(sub.topic_filter, options=options)
+        else:
+            rc, mid = client.subscribe(sub.topic_filter, sub.qos)
         if rc != MQTTErrorCode.MQTT_ERR_SUCCESS or mid is None:
             return None  # not connected: the next CONNACK sends it
         waiter = _SubackWait(self, sub)
