@@ -85,6 +85,43 @@ class Inbound:
     envelope: protocol.Envelope
 
 
+class FleetSteps:
+    """The fleet's typical step for `aggregator.norm_factor`: the latest `window` applied
+    uploads' distances ||v - base||, of which the median counts at most `per_agent` (the
+    latest) of any one agent's. So one agent's many accepted uploads (a flood of large but
+    allowed steps) cannot raise the bar for its own boosted ones: with other agents in the
+    window, their steps set the median."""
+
+    def __init__(self, window: int, per_agent: int = 3) -> None:
+        self.recent: deque[tuple[str, float]] = deque(maxlen=max(1, window))
+        self.per_agent = per_agent
+
+    def add(self, agent: str, dist: float) -> None:
+        self.recent.append((agent, float(dist)))
+
+    def __len__(self) -> int:
+        return len(self.recent)
+
+    def median(self) -> float:
+        taken: Counter[str] = Counter()
+        counted = []
+        for agent, dist in reversed(self.recent):
+            if taken[agent] < self.per_agent:
+                taken[agent] += 1
+                counted.append(dist)
+        return float(np.median(counted))
+
+    def state(self) -> list[list[Any]]:
+        return [[agent, dist] for agent, dist in self.recent]
+
+    def load(self, state: list[Any]) -> None:
+        """Also a snapshot from before the per-agent cap (plain distances, agents unknown)."""
+        self.recent.clear()
+        for item in state:
+            agent, dist = ("", item) if isinstance(item, (int, float)) else item
+            self.recent.append((str(agent), float(dist)))
+
+
 class Engine:
     def __init__(self, strategy: Strategy, spec: ModelSpec, cfg: Config,
                  journal: Journal | None = None, evaluator: ProxyEvaluator | None = None) -> None:
@@ -101,7 +138,7 @@ class Engine:
         self.agents: dict[str, AgentRecord] = {}
         self.counters: Counter[str] = Counter()
         self.snapshot_every = max(1, cfg.aggregator.snapshot_every)
-        self.accepted_norms: deque[float] = deque(maxlen=max(1, cfg.aggregator.norm_window))
+        self.accepted_norms = FleetSteps(cfg.aggregator.norm_window)
         """||v - base|| of the latest applied updates: the fleet's scale for `norm_factor`."""
         self.applied: list[dict[str, Any]] = []
         """The uploads the last `handle()` applied durably (agent, epoch, staleness, ...): the
@@ -112,14 +149,13 @@ class Engine:
     def state_dict(self) -> dict[str, Any]:
         return {"strategy": self.strategy.state_dict(),
                 "agents": {a: r.to_state() for a, r in self.agents.items()},
-                "counters": dict(self.counters), "accepted_norms": list(self.accepted_norms)}
+                "counters": dict(self.counters), "accepted_norms": self.accepted_norms.state()}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.strategy.load_state_dict(d["strategy"])
         self.agents = {a: AgentRecord.from_state(r) for a, r in d["agents"].items()}
         self.counters = Counter(d["counters"])
-        self.accepted_norms.clear()
-        self.accepted_norms.extend(d.get("accepted_norms", []))
+        self.accepted_norms.load(d.get("accepted_norms", []))
 
     def recover(self) -> int:
         """Load the newest snapshot and replay the journal after it; returns records replayed.
@@ -169,7 +205,7 @@ class Engine:
                             np.frombuffer(sketch_bytes, dtype="<f2").astype(np.float32))
             reply = self.strategy.apply(upload, rec.get("alpha"), sent=rec.get("sent"))
             if rec.get("dist") is not None:
-                self.accepted_norms.append(rec["dist"])
+                self.accepted_norms.add(agent, rec["dist"])
         self._reply_envelope(reply, rec["msg_id"], whole=rec["op"] == "join")
         self.counters[f"applied.{rec['op']}"] += 1
 
@@ -267,7 +303,7 @@ class Engine:
         for rec in records:
             self.counters[f"applied.{rec['op']}"] += 1
             if rec.get("dist") is not None:
-                self.accepted_norms.append(rec["dist"])
+                self.accepted_norms.add(rec["agent"], rec["dist"])
         return out
 
     # ------------------------------------------------------------------ validation
@@ -322,7 +358,7 @@ class Engine:
             raise Rejected("norm_bound", f"update moves the model by {dist:.3g}, "
                                          f"above the bound {a.norm_bound:.3g}")
         if a.norm_factor > 0 and len(self.accepted_norms) >= max(1, a.norm_warmup):
-            median = float(np.median(self.accepted_norms))
+            median = self.accepted_norms.median()
             if dist > a.norm_factor * median:
                 raise Rejected("norm_outlier", f"update moves the model by {dist:.3g}, above "
                                                f"{a.norm_factor:g} x the fleet's median step "

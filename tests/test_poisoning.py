@@ -130,7 +130,7 @@ def test_fleet_relative_norm_guard_after_warmup_and_across_restart(pretrained, t
         c = fleet[i % 3]
         c.install(c.send(c.step(1.0 + 0.05 * i, seed=i)))
     assert len(engine.accepted_norms) == 7
-    median = float(np.median(engine.accepted_norms))
+    median = engine.accepted_norms.median()
     assert median == pytest.approx(1.15, abs=0.05)
 
     attacker = fleet[1]
@@ -146,12 +146,31 @@ def test_fleet_relative_norm_guard_after_warmup_and_across_restart(pretrained, t
     assert len(engine.accepted_norms) == 8
 
     # A restart (journal replay) rebuilds the same window, so the guard holds the same line.
-    window = list(engine.accepted_norms)
+    window = engine.accepted_norms.state()
     engine.journal.close()
     again = make_engine(pretrained, tmp_path, **knobs)
-    assert list(again.accepted_norms) == window
+    assert again.accepted_norms.state() == window
     attacker.engine = again
     assert refused(attacker.send(attacker.step(100.0 * median, seed=10)), "norm_outlier")
+
+
+def test_one_agents_flood_of_large_allowed_steps_does_not_raise_the_bar_for_it(pretrained, tmp_path) -> None:
+    """The attacker first uploads many steps just under the factor (each allowed), which would
+    drag a plain median of the window up to its own size; counting at most 3 of any agent's
+    steps, the honest agents' steps still set the median and its boosted step is refused."""
+    knobs = {"aggregator.norm_factor": 4.0, "aggregator.norm_warmup": 6, "aggregator.norm_window": 50}
+    engine = make_engine(pretrained, tmp_path, **knobs)
+    honest = [Client(engine, f"car-{i}") for i in range(3)]
+    for i in range(6):
+        c = honest[i % 3]
+        c.install(c.send(c.step(1.0, seed=i)))
+    attacker = Client(engine, "car-9")
+    for i in range(12):
+        attacker.install(attacker.send(attacker.step(3.5, seed=100 + i)))
+    plain = float(np.median([d for _, d in engine.accepted_norms.recent]))
+    assert plain > 3.0  # what the guard would have used before the per-agent cap
+    assert engine.accepted_norms.median() < 2.0
+    assert refused(attacker.send(attacker.step(10.0, seed=200)), "norm_outlier")
 
 
 def test_fleet_relative_guard_is_on_by_default(pretrained, tmp_path) -> None:
