@@ -48,6 +48,7 @@ soak: venv mosquitto
 	$(PY) -m soak.broker_window
 	$(PY) -m soak.flood_fairness
 	$(PY) -m soak.poisoning
+	$(PY) -m soak.attacks
 
 lint: venv
 	$(VENV)/bin/ruff check .

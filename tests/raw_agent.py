@@ -17,19 +17,33 @@ from fedmq import codecs, protocol
 
 
 class RawAgent:
-    def __init__(self, port: int, fleet: str, agent: str, *, client_id: str | None = None) -> None:
+    def __init__(self, port: int, fleet: str, agent: str, *, client_id: str | None = None,
+                 ca_file: str | None = None, password: str | None = None, clean_start: bool = True) -> None:
+        """With `password`, it logs in as user `agent` (over TLS trusting `ca_file`, if given),
+        as on a broker with broker_config/prod.conf."""
         self.fleet, self.agent = fleet, agent
         self.inbox: queue.Queue[protocol.Envelope] = queue.Queue()
         self._subscribed = threading.Event()
-        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id or f"raw-{agent}")
+        self.disconnects = 0
+        """How often the broker closed this connection (a session taken over shows here)."""
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id or f"raw-{agent}",
+                                  clean_session=clean_start)
+        if ca_file is not None:
+            self.client.tls_set(ca_certs=str(ca_file))
+        if password is not None:
+            self.client.username_pw_set(agent, password)
         self.client.on_message = self._on_message
         self.client.on_subscribe = lambda *a, **k: self._subscribed.set()
+        self.client.on_disconnect = self._on_disconnect
         self.client.connect("127.0.0.1", port)
         self.client.loop_start()
         self.client.subscribe(protocol.downlink(fleet, agent), qos=1)
         assert self._subscribed.wait(60), "no SUBACK"
         self.base: np.ndarray | None = None
         self.epoch = 0
+
+    def _on_disconnect(self, *args) -> None:
+        self.disconnects += 1
 
     def _on_message(self, client, userdata, msg) -> None:
         self.inbox.put(protocol.decode(msg.payload, max_bytes=1 << 27))
@@ -55,11 +69,11 @@ class RawAgent:
             if getattr(env, "in_reply_to", None) == in_reply_to:
                 return env
 
-    def join(self, spec_hash: str, algorithm: str = "cdfl") -> protocol.Model:
+    def join(self, spec_hash: str, algorithm: str = "cdfl", timeout: float = 30.0) -> protocol.Model:
         env = protocol.Join(agent=self.agent, msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
                             model=spec_hash, algorithm=algorithm, n_samples=100)
         self.send(env)
-        reply = self.expect(env.msg_id)
+        reply = self.expect(env.msg_id, timeout)
         assert isinstance(reply, protocol.Model), reply
         self.install(reply)
         return reply
