@@ -138,6 +138,7 @@ class Engine:
         self.agents: dict[str, AgentRecord] = {}
         self.counters: Counter[str] = Counter()
         self.snapshot_every = max(1, cfg.aggregator.snapshot_every)
+        cfg.codec.downlink_codec()  # an unknown downlink codec stops the start, not the first reply
         self.accepted_norms = FleetSteps(cfg.aggregator.norm_window)
         """||v - base|| of the latest applied updates: the fleet's scale for `norm_factor`."""
         self.applied: list[dict[str, Any]] = []
@@ -410,16 +411,17 @@ class Engine:
         out of step with ours, so a join is how it gets back in sync."""
         record = self.agents.setdefault(reply.agent, AgentRecord())
         c = self.cfg.codec
+        name, params = c.downlink_codec()
         tensors = []
         if reply.kind == "clusters":
             # All K models, each whole: the agent's next upload is a whole vector too.
             for vec in reply.vectors:
-                tensors.append(codecs.encode(vec, c.name, zstd=c.zstd, **c.encoder_params()))
+                tensors.append(codecs.encode(vec, name, zstd=c.zstd, **params))
             record.base = None
         else:
             (vec,) = reply.vectors
             base = record.base.numpy() if (c.delta and record.base is not None and not whole) else None
-            wire = codecs.encode(vec, c.name, base=base, zstd=c.zstd, **c.encoder_params())
+            wire = codecs.encode(vec, name, base=base, zstd=c.zstd, **params)
             tensors.append(wire)
             # The agent will hold exactly what it decodes, lossy codec or not.
             record.base = torch.from_numpy(codecs.decode(wire, base=base).copy())

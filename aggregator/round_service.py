@@ -78,6 +78,7 @@ class RoundService:
                  evaluate: Callable[[torch.Tensor], float] | None = None,
                  client_id: str | None = None, state_dir: str | None = None) -> None:
         self.cfg = cfg
+        cfg.codec.downlink_codec()  # an unknown downlink codec stops the start, not the first invite
         self.settings = cfg.catafed
         self.strategy = strategy
         self.spec = model_spec(model_name)
@@ -249,7 +250,8 @@ class RoundService:
         plan = self.strategy.open_round()
         sizes = {a: self.strategy.agents[a].size for a in plan.selected}
         c = self.cfg.codec
-        wire = codecs.encode(self.strategy.vector.numpy(), c.name, zstd=c.zstd, **c.encoder_params())
+        name, params = c.downlink_codec()
+        wire = codecs.encode(self.strategy.vector.numpy(), name, zstd=c.zstd, **params)
         self._base = codecs.decode(wire, max_n=self.spec.numel)  # what every invitee will hold
         self._round_bytes_up = 0
         sent_before = self.channel.bytes_sent

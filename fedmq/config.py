@@ -99,18 +99,30 @@ class CodecSettings:
     """Share of entries topk sends; the rest of each vector is not sent."""
     error_feedback: bool = True
     """With topk, an agent keeps what it did not send and adds it to its next upload (codecs.ErrorFeedback), so nothing is lost, only delayed; false drops it (the ablation). Downlinks need none: each reply is a delta against what the agent decoded, so its error is corrected by the next."""
+    downlink: str = ""
+    """Codec of what the aggregator sends (replies, round invites): fp32, fp16, int8 or topk; empty = the same as name. With topk uplinks, int8 here keeps the agents' models whole for about 2x the downlink bytes (docs/codecs.md, "Top-k in a fleet")."""
 
     def uses_feedback(self) -> bool:
         """Whether a sender keeps an ErrorFeedback residual for this codec."""
         return self.name == "topk" and self.error_feedback
 
-    def encoder_params(self) -> dict[str, Any]:
-        """The keyword arguments `codecs.encode` takes for this codec (one mapping for every sender)."""
-        if self.name == "int8":
+    def encoder_params(self, name: str | None = None) -> dict[str, Any]:
+        """The keyword arguments `codecs.encode` takes for codec `name` (default: this uplink's)."""
+        name = name or self.name
+        if name == "int8":
             return {"block": self.int8_block}
-        if self.name == "topk":
+        if name == "topk":
             return {"ratio": self.topk_ratio}
         return {}
+
+    def downlink_codec(self) -> tuple[str, dict[str, Any]]:
+        """(codec name, encoder arguments) for what the aggregator sends; ConfigError if unknown."""
+        from fedmq.codecs import CODECS
+
+        name = self.downlink or self.name
+        if name not in CODECS:
+            raise ConfigError(f"codec.downlink: unknown codec {name!r}; use {', '.join(CODECS)} (or empty: as codec.name)")
+        return name, self.encoder_params(name)
 
 
 @dataclass

@@ -560,3 +560,29 @@ def test_agents_send_topk_with_error_feedback_and_the_ablation_drops_it() -> Non
             got += decode(env.tensor, base=w0.numpy()) - w0.numpy()
         sums[feedback] = np.linalg.norm(got - 40 * step.numpy()) / np.linalg.norm(40 * step.numpy())
     assert sums[True] < 0.25 < 0.5 < sums[False]  # with feedback the dropped part arrives later
+
+
+def test_downlink_codec_is_its_own_setting_and_an_unknown_one_stops_the_start(tmp_path) -> None:
+    """codec.downlink=int8 under a topk uplink: the aggregator's replies are int8 (the agent's
+    model whole), what agents send stays topk; an unknown downlink codec is a one-line
+    ConfigError when the engine is built, not a failure at the first reply."""
+    from aggregator.bootstrap import build_engine
+    from fedmq import protocol
+    from fedmq.config import ConfigError
+    from soak.fleet_setup import pretrained_state, small_config
+    from tests.engine_client import EngineClient
+
+    state = pretrained_state(tmp_path / "state")
+    cfg = small_config("mqtt://127.0.0.1:1", state, "f", **{"codec.name": "topk", "codec.downlink": "int8"})
+    engine = build_engine(cfg)
+    engine.recover()
+    client = EngineClient(engine, "car-1", model_spec("digits-cnn"))
+    assert cfg.codec.uses_feedback() and cfg.codec.encoder_params() == {"ratio": cfg.codec.topk_ratio}
+    up = client.update(encode(client.base * 1.01, "topk", base=client.base, ratio=0.05))
+    reply = client.send(up)
+    assert isinstance(reply, protocol.Model) and reply.tensors[0]["codec"] == "int8"
+    engine.journal.close()
+    other = pretrained_state(tmp_path / "other", cache=state)
+    bad = small_config("mqtt://127.0.0.1:1", other, "f", **{"codec.downlink": "bf16"})
+    with pytest.raises(ConfigError, match="codec.downlink: unknown codec 'bf16'"):
+        build_engine(bad)
