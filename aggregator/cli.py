@@ -88,12 +88,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"aggregator {cfg.aggregator.algorithm} on {mask_secrets(cfg.broker.url)} fleet={cfg.fleet} "
               f"K={cfg.cdfl.clusters} epoch={engine.strategy.uploads_applied}", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
-            while not stop.wait(0.5) and not service.failed.is_set():
+            while not stop.wait(0.5) and not service.sole.failed.is_set():
                 pass
     if metrics is not None:
         metrics.close()
-    if service.failure:
-        raise RuntimeFailure(service.failure)
+    if service.sole.failure:
+        raise RuntimeFailure(service.sole.failure)
     return 0
 
 
@@ -136,6 +136,8 @@ def _run_rounds(cfg, stop: threading.Event) -> int:
               f"round={strategy.round}; waiting for {wanted} agents", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             service.run(stop=stop, min_agents=wanted, on_round=report)
+    if service.sole.failure:
+        raise RuntimeFailure(service.sole.failure)
     return 0
 
 

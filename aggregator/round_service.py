@@ -38,7 +38,7 @@ import torch
 
 from aggregator.catafed import RoundOutcome, RoundResult, RoundStrategy
 from aggregator.journal import atomic_write
-from aggregator.service import serve_fleet
+from aggregator.service import SoleAggregator, serve_fleet
 from fedmq import codecs, protocol
 from fedmq.channel import Channel, Refused
 from fedmq.config import Config
@@ -89,6 +89,9 @@ class RoundService:
         self.fleet = cfg.fleet
         self.state_path = Path(state_dir) / STATE_FILE if state_dir else None
         self.client_id = client_id or f"fedmq-rounds-{cfg.fleet}"
+        self.sole = SoleAggregator(self.fleet, self.client_id, cfg.aggregator.takeover_grace_s)
+        self._run_stop: threading.Event | None = None
+        """run()'s stop event: set when another aggregator serves the fleet (`sole`)."""
         self._inbox: queue.Queue[Message] = queue.Queue()
         self.counters: Counter[str] = Counter()
         self.records: list[RoundRecord] = []
@@ -102,9 +105,9 @@ class RoundService:
 
     def _status(self, state: str) -> bytes:
         return protocol.encode(protocol.Status(
-            agent="aggregator", msg_id=protocol.new_msg_id(), sent_at=protocol.now(), state=state,
+            agent="aggregator", msg_id=self.sole.status_id(), sent_at=protocol.now(), state=state,
             role="aggregator", algorithm=self.strategy.name, epoch=self.strategy.round,
-            counters=dict(self.counters)))
+            counters=dict(self.counters), started_at=self.sole.started_wall))
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -112,6 +115,8 @@ class RoundService:
         if self.state_path is not None and self.state_path.exists():
             self.strategy.load_state(msgpack.unpackb(self.state_path.read_bytes(), raw=False))
             event(log, "rounds.resumed", round=self.strategy.round)
+        self.sole.started()
+        self.sole.watch(self.transport, self._aggregator_status)  # before serve_fleet's status
         serve_fleet(self.transport, self.fleet, lambda: self._status("online"), self._inbox.put)
         # Once more now that the uplinks are subscribed: agents that started first re-send
         # their Join on it (the one answering the connect's status may have come too early).
@@ -121,8 +126,15 @@ class RoundService:
               round=self.strategy.round)
         return self
 
+    def _aggregator_status(self, message: Message) -> None:
+        """Network thread: another aggregator on our fleet that started first stops this one."""
+        if self.sole.must_stop(message):
+            self.transport.give_up()
+            if self._run_stop is not None:
+                self._run_stop.set()
+
     def stop(self) -> None:
-        if self.transport.connected:
+        if self.transport.connected and not self.sole.failed.is_set():  # the other one is online
             self.transport.publish(protocol.aggregator_status(self.fleet), self._status("offline"),
                                    qos=1, retain=True).wait(5)
         self.transport.close()
@@ -294,11 +306,15 @@ class RoundService:
         the pool, so that a fleet started in any order begins with the agents it was sized
         for; each later round waits up to `wait_s` for them, then runs with the pool it has.
         `on_round` sees each round's record as it closes; `stop` also ends an open round
-        without closing it.
+        without closing it. Another aggregator on the fleet that started first sets `stop`
+        (`sole.failure` says so).
         """
         rounds = self.settings.rounds if rounds is None else rounds
         target = self.settings.target_accuracy if target_accuracy is None else target_accuracy
         stop = stop or threading.Event()
+        self._run_stop = stop
+        if self.sole.failed.is_set():
+            stop.set()
         out: list[RoundRecord] = []
         give_up = time.monotonic() + first_wait_s
         while not stop.is_set() and time.monotonic() < give_up:

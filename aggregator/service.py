@@ -158,6 +158,72 @@ class ProgressLines:
         self.uploads = self.stale = self.lines = 0
 
 
+class SoleAggregator:
+    """One aggregator per fleet, asynchronous or rounds: each watches its fleet's aggregator
+    status topic, and of two that see each other announce themselves online, the one that
+    started later stops (each status carries its `started_at`; both compare the same two
+    times, so exactly one stops even when they started a second apart or their clocks differ).
+
+    With one client id the two would take the MQTT session back and forth every second, and
+    Mosquitto 2.0.11 sends no "session taken over" reason, so the status topic is how they
+    tell (`watch`). A status sent before our start does not count: it is a predecessor's last
+    word (retained, or queued in our persistent session). A status without `started_at` (an
+    older aggregator) counts as earlier while we are within `grace_s` of our start."""
+
+    def __init__(self, fleet: str, client_id: str, grace_s: float) -> None:
+        self.fleet, self.client_id, self.grace_s = fleet, client_id, grace_s
+        self.own_ids: deque[str] = deque(maxlen=64)
+        """msg_ids of the statuses this aggregator published (its will included)."""
+        self.started()
+        self.failure: str | None = None
+        """Why this aggregator stopped by itself, else None."""
+        self.failed = threading.Event()
+
+    def started(self) -> None:
+        self.started_at, self.started_wall = time.monotonic(), time.time()
+
+    def status_id(self) -> str:
+        """A msg_id for a status of ours (so that we do not take it for another's)."""
+        msg_id = protocol.new_msg_id()
+        self.own_ids.append(msg_id)
+        return msg_id
+
+    def watch(self, transport: MqttTransport, handler: Callable[[Message], None]) -> None:
+        """Subscribe `handler` to the fleet's aggregator status, and subscribe again after every
+        reconnect, before our own status goes out (call this before `serve_fleet`). Sharing one
+        client id, we never see the other's live statuses: they reach whoever holds the session
+        when they are published, which is the other one. A fresh SUBSCRIBE makes the broker
+        send the retained status, and that is the other's when it held the session meanwhile."""
+        topic = protocol.aggregator_status(self.fleet)
+        transport.subscribe(topic, handler, qos=1)
+        transport.on_connect_hooks.append(lambda t, _: t.subscribe(topic, handler, qos=1))
+
+    def must_stop(self, message: Message) -> bool:
+        """Network thread: True (once) when `message` shows an earlier aggregator on the fleet."""
+        try:
+            env = protocol.decode(message.payload, max_bytes=64 * 1024)
+        except protocol.ProtocolError:
+            return False
+        if not isinstance(env, protocol.Status) or env.state != "online" or env.msg_id in self.own_ids:
+            return False
+        if env.sent_at < self.started_wall:
+            return False  # queued in our persistent session before we started: a predecessor's word
+        if env.started_at:
+            newcomer = env.started_at < self.started_wall
+        else:
+            newcomer = time.monotonic() - self.started_at <= self.grace_s
+        event(log, "aggregator.another_online", level=30, fleet=self.fleet, epoch=env.epoch,
+              action="stopping" if newcomer else "serving on; the newcomer stops")
+        if not newcomer or self.failed.is_set():
+            return False
+        self.failure = (f"another aggregator is online for fleet {self.fleet!r} (epoch {env.epoch}, "
+                        f"started before this one); with one client id the two would take the MQTT session "
+                        f"({self.client_id}) in turns, so this one stops. Stop the other one, or give this "
+                        f"one another --fleet")
+        self.failed.set()
+        return True
+
+
 class AggregatorService:
     """Run an `Engine` against a broker. Use as a context manager or start()/stop()."""
 
@@ -166,9 +232,7 @@ class AggregatorService:
         self.engine = engine
         self.fleet = cfg.fleet
         self.client_id = client_id or f"fedmq-aggregator-{cfg.fleet}"
-        self._own_status_ids: deque[str] = deque(maxlen=64)
-        """msg_ids of the statuses this service published (its will included)."""
-        self._started_at, self._started_wall = time.monotonic(), time.time()  # again at start()
+        self.sole = SoleAggregator(self.fleet, self.client_id, cfg.aggregator.takeover_grace_s)
         self._inbox = FairInbox(cfg.aggregator.max_queued_per_agent)
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
@@ -192,9 +256,6 @@ class AggregatorService:
         self.progress = ProgressLines(cfg.log, self._progress_state)
         self._status_epoch = -1
         self._status_at = time.monotonic()
-        self.failure: str | None = None
-        """Why the service stopped by itself (another aggregator took its session), else None."""
-        self.failed = threading.Event()
 
     def _progress_state(self) -> dict[str, Any]:
         refused = sum(v for k, v in self.counters.items() if k.startswith("refused."))
@@ -205,44 +266,10 @@ class AggregatorService:
                 "online": sum(1 for s in self.presence.values() if s == "online")}
 
     def _aggregator_status(self, message: Message) -> None:
-        """Network thread: a status on our own fleet's aggregator topic. One we did not publish
-        saying online means a second aggregator serves this fleet; with one client id the two
-        would take the session back and forth every second (Mosquitto 2.0.11 sends no "session
-        taken over" reason, so that is how we tell). Only live ones count: a retained online
-        status may be the last word of an aggregator that died without its will yet."""
-        if message.retain:
-            return
-        try:
-            env = protocol.decode(message.payload, max_bytes=64 * 1024)
-        except protocol.ProtocolError:
-            return
-        if not isinstance(env, protocol.Status) or env.state != "online" or env.msg_id in self._own_status_ids:
-            return
-        if env.sent_at < self._started_wall:
-            return  # queued in our persistent session before we started: a predecessor's word
-        self._another_aggregator(env)
-
-    def _another_aggregator(self, env: protocol.Status) -> None:
-        """The one that started later stops at once; the other serves on and warns. Both compare
-        the same two start times (each status carries its sender's `started_at`), so exactly one
-        stops even when they started a second apart or their clocks differ. A status without one
-        (an older aggregator) counts as earlier while we are within `takeover_grace_s` of our
-        start."""
-        if env.started_at:
-            newcomer = env.started_at < self._started_wall
-        else:
-            newcomer = time.monotonic() - self._started_at <= self.cfg.aggregator.takeover_grace_s
-        event(log, "aggregator.another_online", level=30, fleet=self.fleet, epoch=env.epoch,
-              action="stopping" if newcomer else "serving on; the newcomer stops")
-        if not newcomer or self.failed.is_set():
-            return
-        self.transport.give_up()
-        self.failure = (f"another aggregator is online for fleet {self.fleet!r} (epoch {env.epoch}, "
-                        f"started before this one); with one client id the two would take the MQTT session "
-                        f"({self.client_id}) in turns, so this one stops. Stop the other one, or give this "
-                        f"one another --fleet")
-        self._stop.set()
-        self.failed.set()
+        """Network thread: another aggregator on our fleet that started first stops this one."""
+        if self.sole.must_stop(message):
+            self.transport.give_up()
+            self._stop.set()
 
     def _refresh_status(self) -> None:
         """Re-publish the retained online status when the epoch moved, at most every
@@ -265,9 +292,7 @@ class AggregatorService:
             graph = {"topic": protocol.model_graph(self.fleet), "format": "onnx",
                      "bytes": len(self.graph), "sha256": hashlib.sha256(self.graph).hexdigest(),
                      "input": INPUT_NAME, "output": OUTPUT_NAME}
-        msg_id = protocol.new_msg_id()
-        self._own_status_ids.append(msg_id)
-        env = protocol.Status(agent="aggregator", msg_id=msg_id,
+        env = protocol.Status(agent="aggregator", msg_id=self.sole.status_id(),
                               sent_at=protocol.now(), state=state, role="aggregator",
                               algorithm=self.cfg.aggregator.algorithm,
                               epoch=self.engine.strategy.uploads_applied,
@@ -277,7 +302,7 @@ class AggregatorService:
                               clusters=len(self.engine.strategy.server_models()),
                               codec={"name": c.name, "zstd": c.zstd, "delta": c.delta,
                                      "int8_block": c.int8_block, "topk_ratio": c.topk_ratio},
-                              graph=graph, started_at=self._started_wall)
+                              graph=graph, started_at=self.sole.started_wall)
         return protocol.encode(env)
 
     def _export_graph(self) -> None:
@@ -295,7 +320,7 @@ class AggregatorService:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> AggregatorService:
-        self._started_at, self._started_wall = time.monotonic(), time.time()
+        self.sole.started()
         replayed = self.engine.recover()
         self.counters["replayed"] += replayed
         self._export_graph()
@@ -303,7 +328,7 @@ class AggregatorService:
             self.transport.on_connect_hooks.append(lambda t, _: t.publish(
                 protocol.model_graph(self.fleet), self.graph or b"", qos=1, retain=True))
         # Registered before connecting: the SUBSCRIBE goes out with the others at connect.
-        self.transport.subscribe(protocol.aggregator_status(self.fleet), self._aggregator_status, qos=1)
+        self.sole.watch(self.transport, self._aggregator_status)
         serve_fleet(self.transport, self.fleet, lambda: self._status("online"), self._receive)
         self._worker = threading.Thread(target=self._run, name="fedmq-aggregator", daemon=True)
         self._worker.start()
@@ -320,7 +345,7 @@ class AggregatorService:
             self.engine.snapshot_if_due(force=True)
         except JournalError as e:
             event(log, "snapshot.failed", level=40, error=str(e))
-        if self.transport.connected and not self.failed.is_set():  # the other one is online
+        if self.transport.connected and not self.sole.failed.is_set():  # the other one is online
             h = self.transport.publish(protocol.aggregator_status(self.fleet),
                                        self._status("offline"), qos=1, retain=True)
             h.wait(5)

@@ -1078,9 +1078,14 @@ class MqttTransport:
     # -- shutdown ------------------------------------------------------------------------
 
     def give_up(self) -> None:
-        """Stop reconnecting (any thread): the session belongs to someone else now. The
-        current connection, if any, is left to end; close() still releases everything."""
+        """Stop reconnecting (any thread): the session belongs to someone else now. On a shared
+        network loop the current connection, if any, is left to end; on paho's own thread
+        (which reconnects by itself) it is closed now with a DISCONNECT, so no will goes out.
+        close() still releases everything."""
         self.yielded = True
+        client = self._client
+        if self.network is None and client is not None:
+            client.disconnect()
 
     def close(self, timeout: float = 5.0) -> None:
         """Wait up to `timeout` for unacknowledged publishes, then DISCONNECT (no will)."""

@@ -407,8 +407,8 @@ def test_a_second_aggregator_on_the_fleet_stops_instead_of_taking_turns(mosquitt
     with running:
         second.start()
         try:
-            assert second.failed.wait(60), "the newcomer never stopped"
-            assert "another aggregator is online for fleet" in second.failure
+            assert second.sole.failed.wait(60), "the newcomer never stopped"
+            assert "another aggregator is online for fleet" in second.sole.failure
         finally:
             second.stop()
         a = RawAgent(mosquitto.port, FLEET, "car-7")
@@ -416,7 +416,7 @@ def test_a_second_aggregator_on_the_fleet_stops_instead_of_taking_turns(mosquitt
             a.join(SPEC.hash, timeout=120)  # answered: the running aggregator has its session back
         finally:
             a.close()
-        assert running.engine.counters["applied.join"] == 1 and not running.failed.is_set()
+        assert running.engine.counters["applied.join"] == 1 and not running.sole.failed.is_set()
 
 
 def test_a_predecessors_queued_status_does_not_stop_a_restarted_aggregator(service) -> None:
@@ -431,7 +431,7 @@ def test_a_predecessors_queued_status_does_not_stop_a_restarted_aggregator(servi
         return Message(topic=protocol.aggregator_status(FLEET), payload=protocol.encode(env), qos=1,
                        retain=False, mid=1)
 
-    service._aggregator_status(status(service._started_wall - 5))
-    assert not service.failed.is_set()
+    service._aggregator_status(status(service.sole.started_wall - 5))
+    assert not service.sole.failed.is_set()
     service._aggregator_status(status(protocol.now()))
-    assert service.failed.is_set() and "another aggregator is online" in service.failure
+    assert service.sole.failed.is_set() and "another aggregator is online" in service.sole.failure

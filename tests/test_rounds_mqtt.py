@@ -225,3 +225,30 @@ def test_round_agent_draws_a_new_batch_order_each_round(mosquitto) -> None:
         server.close()
     assert not np.array_equal(vectors[0], vectors[1])
     assert np.array_equal(vectors[0], vectors[2])
+
+
+def test_a_second_round_aggregator_on_the_fleet_stops_and_the_first_serves_on(mosquitto) -> None:
+    """Two round services for one fleet (one client id, as two `fedmq aggregator --algorithm
+    catafed` runs), started a moment apart with the shipped defaults: the later one stops with
+    a clear reason and no offline status over the other's; the first still runs a round."""
+    import threading
+
+    cfg = make_cfg(mosquitto.url)
+    first = RoundService(cfg, CataFed(cfg.catafed, to_vector(build_model(MODEL, seed=0))), model_name=MODEL)
+    second = RoundService(cfg, CataFed(cfg.catafed, to_vector(build_model(MODEL, seed=0))), model_name=MODEL)
+    with first:
+        second.start()
+        stop = threading.Event()
+        try:
+            runner = threading.Thread(target=second.run, kwargs={"rounds": 1, "stop": stop})
+            runner.start()
+            assert second.sole.failed.wait(WAIT_S), "the second round service never stopped"
+            runner.join(WAIT_S)
+            assert not runner.is_alive() and stop.is_set()
+            assert "another aggregator is online for fleet 'r'" in second.sole.failure
+        finally:
+            second.stop()
+        with RoundAgent(cfg, "a", *data(0, 60)):
+            assert first.wait_for_pool(1, WAIT_S)  # its session is back: the agent's join arrived
+            assert first.run_round() is not None
+        assert not first.sole.failed.is_set()
