@@ -148,11 +148,21 @@ class Arena:
         return proc
 
     def main_aggregator(self) -> CliProcess:
-        """The aggregator most network cases share (started once; a case that stops it must not)."""
+        """The aggregator most network cases share (started when first needed, on the same
+        state dir if it was stopped)."""
         if self._main is None:
-            self._main = self.aggregator(self.state("main"))
+            state = self.root / "main"
+            self._main = self.aggregator(state if state.exists() else self.state("main"))
             self._main.wait_for(r"aggregator\.started", WAIT_S)
         return self._main
+
+    def stop_main(self) -> None:
+        """Before a case runs an aggregator of its own on SECOND_FLEET: under prod.conf every
+        process logging in as `aggregator` gets the client id `aggregator`, so two aggregators
+        share one MQTT session, whatever their fleets (docs/broker.md)."""
+        if self._main is not None:
+            self._main.stop()
+            self._main = None
 
     def agent(self, name: str, fleet: str = FLEET, **kw: Any) -> RawAgent:
         return RawAgent(self.broker.port, fleet, name, ca_file=str(self.ca), password=self.users[name], **kw)
@@ -381,6 +391,7 @@ def case_poisoning(arena: Arena, warm: int = 6, attacks: int = 10) -> dict[str, 
     car-1's and car-3's honest ones, on an aggregator of its own (the flood case's steps would
     otherwise be in the window). What poisoning costs in accuracy needs agents that really
     train: soak/poisoning.py measures it."""
+    arena.stop_main()
     state = arena.state("poisoning")
     agg = arena.aggregator(state, fleet=SECOND_FLEET)
     agg.wait_for(r"aggregator\.started", WAIT_S)
@@ -438,6 +449,7 @@ def damaged_start(arena: Arena, state: Path, *extra: str, fleet: str = FLEET) ->
 def case_storage(arena: Arena, updates: int = 6) -> dict[str, Any]:
     """The aggregator is killed -9 after `updates` acknowledged updates; copies of its state dir
     are damaged one way each and restarted: exact recovery or a refusal naming the file."""
+    arena.stop_main()
     state = arena.state("storage")
     agg = arena.aggregator(state, fleet=SECOND_FLEET)
     agg.wait_for(r"aggregator\.started", WAIT_S)
@@ -529,8 +541,8 @@ CASES: dict[str, Callable[[Arena], dict[str, Any]]] = {
     "update_flood": case_update_flood,
     "chunk_flood": case_chunk_flood,
     "retained": case_retained,
-    "poisoning": case_poisoning,
     "second_aggregator": case_second_aggregator,
+    "poisoning": case_poisoning,
     "storage": case_storage,
     "state_dir_is_file": case_state_dir_is_file,
     "agent_state": case_agent_state,
