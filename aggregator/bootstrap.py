@@ -68,7 +68,9 @@ def pretrain_clusters(cfg: Config, clusters: RotatedClusters, model_name: str) -
         t0 = time.perf_counter()
         x = torch.cat([p.x for p in pools])
         y = torch.cat([p.y for p in pools])
-        epochs = pretrain_epochs(cfg.aggregator.pretrain_epochs, len(pools[0]))
+        # Epochs by all pools together: the shared model sees as many samples as one
+        # cluster model does, not K times as many (compose and the demo wait for it).
+        epochs = pretrain_epochs(cfg.aggregator.pretrain_epochs, len(y))
         shared = fit(model_name, start, x, y, epochs=epochs, batch_size=32, lr=lr, momentum=0.9, seed=cfg.seed)
         event(log, "cluster.pretrained", cluster="shared", samples=len(y),
               seconds=time.perf_counter() - t0, loss=shared.final_loss)

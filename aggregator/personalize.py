@@ -9,16 +9,17 @@ differ in how that one model is made. Select one by name (cfg.cdfl.personalizati
 - "mixture": sum_k alpha_k w_k (the baseline; what joins always get).
 - "upload": the agent's own upload, unchanged (an ablation reference: what Local would keep,
   while the clusters still learn from it).
-- "finetune": start from the agent's upload and train a few steps on the server's proxy sets,
-  sample i of D_k weighted by alpha_k, on the true labels.
+- "finetune": start from the alpha-mixture (by default; or the agent's upload, see below) and
+  train a few steps on the server's proxy sets, sample i of D_k weighted by alpha_k, on the
+  true labels.
 - "distill": as finetune, plus knowledge distillation: on a sample of D_k the teacher is the
   specialist w_k (its tempered softmax), so the student learns each cluster from the model
   that knows it best, in the proportions the client needs; loss =
   kd_weight * T^2 KL(teacher_T || student_T) + (1 - kd_weight) * CE(labels).
 - "distill-mixture": distill, starting from the alpha-mixture instead of the upload.
 
-finetune and distill start from `start` (cfg.cdfl.personalize_start): the upload, the
-alpha-mixture, the dominant cluster, or a blend (1 - lam) upload + lam mixture with lam
+finetune and distill start from `start` (cfg.cdfl.personalize_start): the alpha-mixture (the
+default), the upload, the dominant cluster, or a blend (1 - lam) upload + lam mixture with lam
 picked per reply from a grid by the alpha-weighted proxy loss. Starting from the upload
 alone, the reply never contains the cluster models, so it is the same whether the fleet's
 uploads move the clusters or not (the frozen control, docs/results_cdfl.md section 9).

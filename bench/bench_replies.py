@@ -23,12 +23,12 @@ from fedmq.config import CDFLSettings
 from fedmq.models import model_spec
 from fedmq.sketch import data_sketch
 
-DEFAULT = "default (finetune-ep8, refresh 1)"
+DEFAULT = "default (mixture start, finetune-ep8, delta, refresh 1)"
 VARIANTS: dict[str, dict] = {
     "paper (mixture, no refresh)": {"personalization": "mixture", "cluster_refresh_steps": 0,
                                     "update_rule": "alpha"},
     DEFAULT: {},
-    "federating (opt-in)": {"personalize_start": "mixture", "update_rule": "delta"},
+    "upload start (before issue 15)": {"personalize_start": "upload", "update_rule": "alpha"},
     "no refresh": {"cluster_refresh_steps": 0},
     "finetune-ep2": {"personalize_epochs": 2},
     "samples512": {"personalize_samples": 512},

@@ -201,8 +201,8 @@ class CDFLSettings:
     """torch.compile the stacked/vmap evaluation (~1.6x those after ~4 s of compiling; the fused default does not use it and is faster)."""
     personalization: str = "finetune"
     """How the one reply model is made (aggregator/personalize.py): finetune (the agent's upload trained on alpha-weighted proxy data: the measured winner, +18-26 pp over the paper's mixture on rotated digits), mixture (the paper's sum_k alpha_k w_k, cheapest), upload (the agent's own upload), distill (finetune taught by each cluster's specialist) or distill-mixture (distill from the mixture). finetune costs a training of personalize_epochs per reply: with 2 epochs ~0.06-0.1 s for the digits model and, for cnn28 with K = 4 and 1000 proxy samples per cluster, 1.4 s against 0.78 s for mixture per upload on an idle 2-core CPU; 8 epochs (the default) cost 4x that. See docs/results_cdfl.md."""
-    personalize_start: str = "upload"
-    """finetune/distill: the model the reply's training starts from: upload (the agent's own), mixture (sum_k alpha_k w_k), dominant (the cluster with the largest alpha) or blend ((1 - lam) upload + lam mixture, lam from personalize_blend_grid with the lowest alpha-weighted proxy loss, chosen per reply). Only mixture, dominant and blend carry the fleet's uploads into the reply; see docs/results_cdfl.md section 9."""
+    personalize_start: str = "mixture"
+    """finetune/distill: the model the reply's training starts from: mixture (sum_k alpha_k w_k, the default: the reply then carries what the fleet's uploads taught the clusters), upload (the agent's own; the default before issue 15, which no other agent's upload reaches), dominant (the cluster with the largest alpha) or blend ((1 - lam) upload + lam mixture, lam from personalize_blend_grid with the lowest alpha-weighted proxy loss, chosen per reply). Only mixture, dominant and blend carry the fleet's uploads into the reply; see docs/results_cdfl.md section 10."""
     personalize_blend_grid: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     """blend: the candidate weights lam of the cluster mixture against the upload."""
     reply_uses_upload: bool = True
@@ -217,8 +217,8 @@ class CDFLSettings:
     """distill: weight of the specialist teachers' tempered softmax against the true labels."""
     personalize_temperature: float = 2.0
     """distill: softmax temperature of teacher and student."""
-    update_rule: str = "alpha"
-    """How an upload moves the clusters: alpha (the paper: w_k += beta_k (v - w_k), beta_k = beta0 alpha_k s), sharpen (alpha_k^update_power renormalized), confidence (alpha_k times 1 - H(alpha)/log K) or delta (w_k += server_lr alpha_k s (v - base): the agent's step, see server_lr)."""
+    update_rule: str = "delta"
+    """How an upload moves the clusters: delta (the default: w_k += server_lr alpha_k s (v - base), the agent's own step in its share, see server_lr), or the paper's pull toward v, w_k += beta_k (v - w_k), with beta_k = beta0 alpha_k s (alpha), alpha_k^update_power renormalized (sharpen) or alpha_k times 1 - H(alpha)/log K (confidence). See docs/results_cdfl.md section 10."""
     update_power: float = 2.0
     """sharpen: the power applied to alpha before renormalizing."""
     server_lr: float = 1.0
@@ -382,8 +382,8 @@ class AggregatorSettings:
     """Of two aggregators on one fleet, the one that started later (each says when, in its status) exits with a clear message instead of taking the MQTT session in turns with the other (which serves on and logs a warning). A status without a start time (an older aggregator) makes us the newcomer within this many seconds of our own start."""
     max_queued_per_agent: int = 4
     """An agent's uploads waiting beyond this many are refused at once (`rate_limited`, acknowledged), so one agent's flood neither fills the inbox nor delays the others (who are served in turn, one message each per batch). An agent waits for each reply, so it has one. 0 = no quota."""
-    pretrain_shared: bool = False
-    """Pre-train one model on every cluster's pretrain pool first, then specialize each cluster from it (the same epochs at lr 0.01): the clusters then share a basin, so their parameter mixtures and blends with uploads are models too. false: each cluster from the same seeded init on its own pool."""
+    pretrain_shared: bool = True
+    """Pre-train one model on every cluster's pretrain pool first (about as many samples as one cluster model sees), then specialize each cluster from it (at lr 0.01): the clusters then share a basin, so their parameter mixtures, the CDFL reply's start, are models too. false: each cluster from the same seeded init on its own pool (sharper specialists that do not average; FedSoft-Async's argmin is surer with them)."""
     pretrain_epochs: int = 0
     """Epochs of server-side pre-training of each cluster model on its pretrain pool. 0 = auto: enough epochs to see about 10,000 samples, at least 5 (5 for the paper's 2000 per cluster; 24 for digits' 418 at K = 3)."""
     accuracy_every: int = 10

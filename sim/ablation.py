@@ -110,11 +110,13 @@ def with_controls(variants: Sequence[Variant], controls: Sequence[str]) -> list[
 
 
 DEFAULT_VARIANTS = ("local=local", "fedsoft-async=fedsoft-async", "cdfl=cdfl",
-                    "cdfl-fed=cdfl:cdfl.personalize_start=mixture,cdfl.update_rule=delta,"
-                    "aggregator.pretrain_shared=true",
-                    "cdfl-paper=cdfl:cdfl.personalization=mixture,cdfl.cluster_refresh_steps=0")
-"""Today's CDFL defaults (the agent's upload fine-tuned on proxy data, which the fleet's
-uploads never reach); the opt-in federating reply (docs/results_cdfl.md section 9); and the
+                    "cdfl-upload=cdfl:cdfl.personalize_start=upload,cdfl.update_rule=alpha,"
+                    "aggregator.pretrain_shared=false",
+                    "cdfl-paper=cdfl:cdfl.personalization=mixture,cdfl.cluster_refresh_steps=0,"
+                    "cdfl.update_rule=alpha,aggregator.pretrain_shared=false")
+"""Today's CDFL defaults (a reply fine-tuned from the cluster mixture, clusters moved by the
+agents' steps: docs/results_cdfl.md section 9); the reply before issue 15 (the agent's upload
+fine-tuned on proxy data, which the fleet's uploads never reach); and the
 paper as written (mixture reply, no refresh). CDFL variants get their controls."""
 
 

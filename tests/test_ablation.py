@@ -55,7 +55,9 @@ def test_default_variants_are_todays_cdfl_the_upload_reply_and_the_paper():
     """A bare `cdfl` follows the config default; the others say what differs from it."""
     got = {v.name: v.config(Config()).cdfl for v in map(Variant.parse, DEFAULT_VARIANTS) if v.method == "cdfl"}
     assert got["cdfl"] == Config().cdfl
-    assert got["cdfl-fed"].personalize_start == "mixture" and got["cdfl-fed"].update_rule == "delta"
+    assert got["cdfl"].personalize_start == "mixture" and got["cdfl"].update_rule == "delta"
+    assert got["cdfl-upload"].personalize_start == "upload" and got["cdfl-upload"].update_rule == "alpha"
+    assert got["cdfl-paper"].update_rule == "alpha"
     assert got["cdfl-paper"].personalization == "mixture" and got["cdfl-paper"].cluster_refresh_steps == 0
     assert all(p.personalization in PERSONALIZATIONS for p in got.values())
 

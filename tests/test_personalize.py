@@ -287,3 +287,26 @@ def test_delta_rule_adds_the_agents_step_to_each_cluster_in_its_share(world):
     torch.testing.assert_close(s.clusters[1], w[1] + 0.5 * 0.2 * step)
     s.apply(Upload("a", base, tau=1), alpha=[1.0, 0.0])  # no base: pull toward v
     torch.testing.assert_close(s.clusters[0], 0.5 * (w[0] + 0.5 * 0.8 * step) + 0.5 * base)
+
+
+def test_default_reply_carries_another_agents_upload_and_the_frozen_control_does_not(world):
+    """Issue 15 with today's defaults (mixture start, delta rule): agent b's reply depends on what
+    agent a uploaded before it, and does not once the clusters are frozen (beta0 = server_lr =
+    0, the experiments' control)."""
+    _, w, proxies = world
+    defaults = CDFLSettings()
+    assert (defaults.personalize_start, defaults.update_rule) == ("mixture", "delta")
+    base = w.mean(0)
+    steps = [0.05 * torch.randn(SPEC.numel, generator=torch.Generator().manual_seed(s)) for s in (5, 6)]
+
+    def reply_to_b(settings: CDFLSettings, a_step: torch.Tensor) -> torch.Tensor:
+        s = CDFL.from_settings(SPEC, w, proxies, settings, device="cpu")
+        s.join("a")
+        s.join("b")
+        s.apply(Upload("a", base + a_step, tau=0, base=base), alpha=[0.7, 0.3])
+        return s.apply(Upload("b", base, tau=1, base=base), alpha=[0.6, 0.4]).vectors[0]
+
+    small = {"clusters": K, "personalize_epochs": 1}  # defaults otherwise; one epoch for speed
+    assert not torch.equal(reply_to_b(CDFLSettings(**small), steps[0]), reply_to_b(CDFLSettings(**small), steps[1]))
+    frozen = CDFLSettings(**small, beta0=0.0, server_lr=0.0)
+    assert torch.equal(reply_to_b(frozen, steps[0]), reply_to_b(frozen, steps[1]))
