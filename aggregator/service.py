@@ -395,8 +395,14 @@ class AggregatorService:
         if topic.kind != "up" or topic.agent is None or isinstance(env, protocol.Chunk):
             return False
         limit = self.cfg.protocol.max_message_bytes
-        if env.msg_id in {protocol.readable_msg_id(m.payload, limit) for m in self._inbox.waiting(_sender_of(message.topic))}:
+        waiting = {protocol.readable_msg_id(m.payload, limit) for m in self._inbox.waiting(_sender_of(message.topic))}
+        if env.msg_id in waiting:
             return False  # another copy of a waiting message (re-sent while we were down): no new work
+        if len(waiting) < self._inbox.max_per_sender:
+            # The quota counts messages, not copies: copies of a join re-sent while we were
+            # down, still queued after the first was answered, must not refuse the update
+            # that followed that answer.
+            return False
         detail = (f"{self._inbox.max_per_sender} messages from {topic.agent} are already waiting; "
                   f"send the next one after a reply")
         # The worker's refusal path (count, log, Error reply, ack); only this thread counts

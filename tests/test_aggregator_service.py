@@ -26,6 +26,7 @@ from aggregator.service import AggregatorService
 from fedmq import codecs, protocol
 from fedmq.config import Config, load_config
 from fedmq.models import model_spec
+from fedmq.transport import Message
 from tests.raw_agent import RawAgent
 
 FLEET = "t"
@@ -198,7 +199,8 @@ def test_kill_9_during_burst_applies_every_upload_exactly_once(mosquitto, pretra
                 with lock:
                     sent.append(up.msg_id)
                 reply = _send_until_answered(a, up)
-                assert isinstance(reply, protocol.Model), reply
+                assert isinstance(reply, protocol.Model), (f"{type(reply).__name__} {getattr(reply, 'reason', '')}: "
+                                                           f"{getattr(reply, 'detail', '')}")
                 a.install(reply)
         except Exception as e:  # noqa: BLE001 (reported below)
             failures.append(f"{a.agent}: {e!r}")
@@ -435,3 +437,37 @@ def test_a_predecessors_queued_status_does_not_stop_a_restarted_aggregator(servi
     assert not service.sole.failed.is_set()
     service._aggregator_status(status(protocol.now()))
     assert service.sole.failed.is_set() and "another aggregator is online" in service.sole.failure
+
+
+def test_copies_of_an_answered_join_do_not_use_up_the_agents_quota(mosquitto, pretrained, tmp_path) -> None:
+    """An agent re-sends its join while the aggregator is down; after the restart the first copy
+    is answered and the agent's update arrives while the other copies still wait: copies count
+    once, so the update is queued, not refused `rate_limited` (found by a loaded CI run of the
+    kill -9 burst test). Four distinct waiting messages still refuse a fifth."""
+    state = tmp_path / "state"
+    shutil.copytree(pretrained, state)
+    cfg = make_cfg(mosquitto.url, state)
+    svc = AggregatorService(cfg, build_engine(cfg))  # not started: the test fills its inbox
+    refused: list[str] = []
+    svc._refuse = lambda r: refused.append(r.msg_id)  # the quota's decision, not its reply
+
+    def message(env: protocol.Envelope) -> Message:
+        return Message(protocol.uplink(FLEET, "car-9"), protocol.encode(env), qos=1, retain=False, mid=1)
+
+    quota = cfg.aggregator.max_queued_per_agent
+    join = protocol.Join(agent="car-9", msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
+                         model=SPEC.hash, algorithm="cdfl")
+    for _ in range(quota):
+        svc._receive(message(join))
+    following = protocol.Join(agent="car-9", msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
+                              model=SPEC.hash, algorithm="cdfl")  # any next uplink: here another join
+    svc._receive(message(following))
+    assert refused == [] and len(svc._inbox.waiting("car-9")) == quota + 1
+    for _ in range(quota - 2):
+        svc._receive(message(protocol.Join(agent="car-9", msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
+                                           model=SPEC.hash, algorithm="cdfl")))
+    assert refused == []  # quota distinct messages waiting now
+    extra = protocol.Join(agent="car-9", msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
+                          model=SPEC.hash, algorithm="cdfl")
+    svc._receive(message(extra))
+    assert refused == [extra.msg_id]
