@@ -201,7 +201,7 @@ class CDFL(SoftClusters):
                  personalize_options: dict[str, Any] | None = None, seed: int = 0,
                  refresh_steps: int = 0, refresh_lr: float = 0.01, reply_uses_upload: bool = True,
                  server_lr: float = 1.0, delta_hinge_a: float = 0.1, delta_tau0: int = 0,
-                 staleness_cap: int = 1) -> None:
+                 staleness_cap: int = 1, reply_batch: int = 1) -> None:
         super().__init__(spec, clusters, tau0=tau0, beta0=beta0, hinge_a=hinge_a, hinge_b=hinge_b,
                          update_rule=update_rule, update_power=update_power, server_lr=server_lr,
                          delta_hinge_a=delta_hinge_a, delta_tau0=delta_tau0, staleness_cap=staleness_cap)
@@ -211,6 +211,9 @@ class CDFL(SoftClusters):
         self.refresh_steps = int(refresh_steps)
         self.refresh_lr = float(refresh_lr)
         self.reply_uses_upload = bool(reply_uses_upload)
+        if reply_batch < 1:
+            raise ValueError(f"need reply_batch >= 1, got {reply_batch}")
+        self.reply_batch = int(reply_batch)
         if evaluator is None:
             if len(proxies) != self.k:
                 raise ValueError(f"{len(proxies)} proxy sets for {self.k} clusters")
@@ -260,7 +263,7 @@ class CDFL(SoftClusters):
                    refresh_steps=settings.cluster_refresh_steps, refresh_lr=settings.cluster_refresh_lr,
                    reply_uses_upload=settings.reply_uses_upload, server_lr=settings.server_lr,
                    delta_hinge_a=settings.delta_hinge_a, delta_tau0=settings.delta_tau0,
-                   staleness_cap=settings.staleness_cap, **kwargs)
+                   staleness_cap=settings.staleness_cap, reply_batch=settings.reply_batch, **kwargs)
 
     @property
     def reply_is_trained(self) -> bool:
@@ -297,14 +300,19 @@ class CDFL(SoftClusters):
         elif upload is None:
             u = self.mixture(alpha)
         else:
-            u, diag = self.personalizer.personalize(PersonalizeRequest(
-                self.clusters, alpha, upload if self.reply_uses_upload else None,
-                seed=self.seed * 1_000_003 + self.uploads_applied))
+            u, diag = self.personalizer.personalize(self._request(alpha, upload))
             info.update(personalization=self.personalizer.name, personalize=diag)
+        return self._reply(agent, alpha, info, u, self.uploads_applied)
+
+    def _request(self, alpha: list[float], upload: Tensor) -> PersonalizeRequest:
+        return PersonalizeRequest(self.clusters, alpha, upload if self.reply_uses_upload else None,
+                                  seed=self.seed * 1_000_003 + self.uploads_applied)
+
+    def _reply(self, agent: str, alpha: list[float], info: dict[str, Any], u: Tensor, epoch: int) -> Reply:
         if self.estimator.needs_base:
             self.last_sent[agent] = u
-        self.last_reply_version[agent] = self.uploads_applied
-        return Reply(agent=agent, epoch=self.uploads_applied, vectors=[u], kind="personalized", alpha=alpha, info=info)
+        self.last_reply_version[agent] = epoch
+        return Reply(agent=agent, epoch=epoch, vectors=[u], kind="personalized", alpha=alpha, info=info)
 
     def join(self, agent: str, n_samples: int = 0) -> Reply:
         self._see(agent)
@@ -338,12 +346,27 @@ class CDFL(SoftClusters):
         t0 = time.perf_counter()
         estimates = self.estimate_many(uploads, vectors)
         seconds = time.perf_counter() - t0
-        replies = []
+        together = self.reply_batch > 1 and len(uploads) > 1 and self.personalizer.trains_together()
+        replies: list[Reply] = []
+        queued: list[tuple[str, list[float], dict[str, Any], PersonalizeRequest, int]] = []
         for upload, vector, (alpha, diag) in zip(uploads, vectors, estimates, strict=True):
             info = self._step(upload, vector, alpha)
             info.update(estimator=self.estimator.name, estimate=diag, batch=len(uploads),
                         estimate_seconds=seconds)
-            replies.append(self._personalized(upload.agent, alpha, info, vector))
+            if not together:
+                replies.append(self._personalized(upload.agent, alpha, info, vector))
+                continue
+            # Each reply starts from the clusters as they are after its own upload; the
+            # trainings themselves read only the proxy sets, so they can run together later.
+            request = self._request(alpha, vector)
+            self.personalizer.fix_start(request)
+            queued.append((upload.agent, alpha, info, request, self.uploads_applied))
+        for i in range(0, len(queued), self.reply_batch):
+            chunk = queued[i:i + self.reply_batch]
+            made = self.personalizer.personalize_many([q[3] for q in chunk])
+            for (agent, alpha, info, _, epoch), (u, diag) in zip(chunk, made, strict=True):
+                info.update(personalization=self.personalizer.name, personalize=diag)
+                replies.append(self._reply(agent, alpha, info, u, epoch))
         return replies
 
     def apply(self, upload: Upload, alpha: list[float] | None = None, sent: Tensor | None = None) -> Reply:

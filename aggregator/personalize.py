@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.func import functional_call
+from torch.func import functional_call, grad, vmap
 
 from aggregator.evaluator import ProxyEvaluator, vector_digest
 from fedmq.config import CDFLSettings
@@ -55,6 +55,10 @@ class PersonalizeRequest:
     upload: Tensor | None
     """The agent's uploaded vector (None for a join)."""
     seed: int = 0
+    start: Tensor | None = None
+    """Where training starts, chosen when the clusters were as this reply must see them (set
+    by fix_start before replies queued behind later cluster updates are trained together)."""
+    start_info: dict[str, Any] | None = None
 
 
 class Personalizer(ABC):
@@ -63,6 +67,18 @@ class Personalizer(ABC):
     @abstractmethod
     def personalize(self, request: PersonalizeRequest) -> tuple[Tensor, dict[str, Any]]:
         """The vector to send and diagnostics (seconds, steps)."""
+
+    def trains_together(self) -> bool:
+        """Whether personalize_many trains several replies in one batched pass."""
+        return False
+
+    def fix_start(self, request: PersonalizeRequest) -> None:
+        """Record in `request` what the reply takes from the clusters now (before they move on);
+        only personalizers that train together need it."""
+        return None
+
+    def personalize_many(self, requests: Sequence[PersonalizeRequest]) -> list[tuple[Tensor, dict[str, Any]]]:
+        return [self.personalize(r) for r in requests]
 
 
 STARTS = ("upload", "mixture", "dominant", "blend")
@@ -149,6 +165,8 @@ class DistillPersonalizer(Personalizer):
 
     def start_vector(self, request: PersonalizeRequest) -> tuple[Tensor, dict[str, Any]]:
         """Where the reply's training starts (CPU float32), and what was chosen."""
+        if request.start is not None:
+            return request.start, dict(request.start_info or {})
         if self.start == "dominant":
             k = max(range(len(request.alpha)), key=lambda i: float(request.alpha[i]))
             return request.clusters[k].clone(), {"start": "dominant", "cluster": k}
@@ -215,6 +233,89 @@ class DistillPersonalizer(Personalizer):
                     steps += 1
         out = w.detach().to("cpu", torch.float32)
         return out, {"steps": steps, "seconds": time.perf_counter() - t0, **chosen}
+
+
+    def fix_start(self, request: PersonalizeRequest) -> None:
+        request.start, request.start_info = self.start_vector(request)
+
+    def trains_together(self) -> bool:
+        # Teachers read the clusters, which later uploads of a batch have moved by then.
+        return self.kd_weight == 0 and self.epochs > 0
+
+    def personalize_many(self, requests: Sequence[PersonalizeRequest]) -> list[tuple[Tensor, dict[str, Any]]]:
+        """Train the replies together: one vmapped gradient per mini-batch over all replicas.
+
+        The same draws, batch weights and SGD-with-momentum as `personalize`, per request (so
+        the same vectors up to float rounding); replicas whose epochs have different lengths
+        (a cluster with alpha ~0 drops out of the draw) are trained in separate groups.
+        """
+        if not self.trains_together() or len(requests) < 2:
+            return [self.personalize(r) for r in requests]
+        ev = self.evaluator
+        weights = [self._sample_weights(r) for r in requests]
+        keeps = [torch.nonzero(w > 1e-6 * w.max()).flatten().cpu() for w in weights]
+        groups: dict[int, list[int]] = {}
+        for i, keep in enumerate(keeps):
+            groups.setdefault(self.samples or len(keep), []).append(i)
+        out: list[tuple[Tensor, dict[str, Any]] | None] = [None] * len(requests)
+        for members in groups.values():
+            t0 = time.perf_counter()
+            starts = [self.start_vector(requests[i]) for i in members]
+            vectors, steps = self._train_together(
+                torch.stack([v for v, _ in starts]).to(ev.device), [weights[i] for i in members],
+                [keeps[i] for i in members], [int(requests[i].seed) for i in members])
+            seconds = (time.perf_counter() - t0) / len(members)
+            for j, i in enumerate(members):
+                out[i] = (vectors[j], {"steps": steps, "seconds": seconds, "batched": len(members), **starts[j][1]})
+        return [o for o in out if o is not None]
+
+    def _sample_weights(self, request: PersonalizeRequest) -> Tensor:
+        ev = self.evaluator
+        alpha = torch.tensor([float(a) for a in request.alpha], dtype=torch.float32, device=ev.device)
+        sizes = torch.tensor(ev.sizes, dtype=torch.float32, device=ev.device)
+        return (alpha / sizes)[ev.set_of_sample]
+
+    def _train_together(self, starts: Tensor, weights: list[Tensor], keeps: list[Tensor],
+                        seeds: list[int]) -> tuple[Tensor, int]:
+        ev = self.evaluator
+        device = ev.device
+        x = ev.x.contiguous() if ev.x.ndim != 4 else ev.x
+        y = ev.y
+        module, unflatten, rho = ev.module, ev.spec.unflatten, self.rho
+
+        def loss_fn(w: Tensor, start: Tensor, xb: Tensor, yb: Tensor, bw: Tensor) -> Tensor:
+            logits = functional_call(module, unflatten(w), (xb,))
+            loss = (F.cross_entropy(logits, yb, reduction="none") * bw).sum()
+            if rho > 0:
+                loss = loss + 0.5 * rho * (w - start).pow(2).sum()
+            return loss
+
+        step_fn = vmap(grad(loss_fn))
+        gens = [torch.Generator().manual_seed(s) for s in seeds]
+        W = starts.clone()
+        buf: Tensor | None = None
+        steps = 0
+        with torch.enable_grad():
+            for _ in range(self.epochs):
+                if self.samples:
+                    orders = torch.stack([torch.multinomial(w.cpu(), self.samples, replacement=True, generator=g)
+                                          for w, g in zip(weights, gens, strict=True)]).to(device)
+                else:
+                    orders = torch.stack([k[torch.randperm(len(k), generator=g)]
+                                          for k, g in zip(keeps, gens, strict=True)]).to(device)
+                for i in range(0, orders.shape[1], self.batch_size):
+                    idx = orders[:, i:i + self.batch_size]  # [B, b]
+                    if self.samples:
+                        bw = torch.full(idx.shape, 1.0 / idx.shape[1], device=device)
+                    else:
+                        bw = torch.stack([w[row] for w, row in zip(weights, idx, strict=True)])
+                        bw = bw / bw.sum(dim=1, keepdim=True)
+                    g = step_fn(W, starts, x[idx], y[idx], bw)
+                    # torch.optim.SGD with momentum: buf = g at the first step, then m buf + g
+                    buf = g if buf is None else buf.mul_(self.momentum).add_(g)
+                    W = W - self.lr * buf
+                    steps += 1
+        return W.detach().to("cpu", torch.float32), steps
 
 
 def _proxy(evaluator: ProxyEvaluator | None, name: str) -> ProxyEvaluator:

@@ -181,13 +181,15 @@ def make_uploads(clusters: torch.Tensor, n: int, seed: int) -> list[Upload]:
             for i in range(n)]
 
 
-def random_world(n_proxy: int, seed: int = 0) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-    """K proxy sets of random 28x28 inputs and labels, and K freshly initialized cnn28 vectors
-    (random inputs cost the same as real ones)."""
+def random_world(n_proxy: int, seed: int = 0,
+                 arch: str = ARCH) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """K proxy sets of random inputs and labels of the model's shape (28x28 for cnn28), and K
+    freshly initialized vectors (random inputs cost the same as real ones)."""
     g = torch.Generator().manual_seed(seed)
-    proxies = [(torch.randn(n_proxy, 1, 28, 28, generator=g), torch.randint(0, 10, (n_proxy,), generator=g))
-               for _ in range(K)]
-    return proxies, torch.stack([to_vector(build_model(ARCH, seed=k)) for k in range(K)])
+    spec = model_spec(arch)
+    proxies = [(torch.randn(n_proxy, *spec.input_shape, generator=g),
+                torch.randint(0, spec.num_classes, (n_proxy,), generator=g)) for _ in range(K)]
+    return proxies, torch.stack([to_vector(build_model(arch, seed=k)) for k in range(K)])
 
 
 def run(quick: bool = False) -> dict:

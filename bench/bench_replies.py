@@ -36,6 +36,12 @@ VARIANTS: dict[str, dict] = {
     "distill-ep8": {"personalization": "distill"},
 }
 """Name -> CDFLSettings fields that differ from the defaults."""
+QUEUED = {"default, 8 queued, one by one": ("cnn28", 1), "default, 8 queued, trained together": ("cnn28", 8),
+          "digits-cnn, 8 queued, one by one": ("digits-cnn", 1),
+          "digits-cnn, 8 queued, trained together": ("digits-cnn", 8)}
+"""Name -> (model, cdfl.reply_batch) for 8 uploads handled by one `update_many`, as the engine
+does with a queue: torch.func batched replies against the same queue one reply at a time, on
+cnn28 (compute-bound on a CPU) and the 14 k-parameter digits model (overhead-bound)."""
 
 
 def run(quick: bool = False) -> dict:
@@ -50,12 +56,32 @@ def run(quick: bool = False) -> dict:
     sketch = data_sketch(agent_x)
     out: dict = {"device": device, "torch_threads": torch.get_num_threads(), "arch": ARCH, "K": K,
                  "proxy_per_cluster": n_proxy, "uploads_per_variant": uploads_per_variant, "variants": {}}
-    for name, fields in VARIANTS.items():
+    runs = [(name, fields, 0, ARCH) for name, fields in VARIANTS.items()]
+    runs += [(name, {"reply_batch": batch}, 8, arch) for name, (arch, batch) in QUEUED.items()]
+    worlds = {ARCH: (spec, proxies, clusters, sketch)}
+    for name, fields, queued, arch in runs:
+        if arch not in worlds:
+            arch_proxies, arch_clusters = random_world(n_proxy, arch=arch)
+            worlds[arch] = (model_spec(arch), arch_proxies, arch_clusters,
+                            data_sketch(torch.cat([arch_proxies[0][0][:300], arch_proxies[1][0][:100]])))
+        spec, proxies, clusters, sketch = worlds[arch]
         settings = CDFLSettings(clusters=K, tau0=1000, **fields)
         strategy = CDFL.from_settings(spec, clusters, proxies, settings, device=device)
         strategy.join("warm-up")
         strategy.update(Upload("warm-up", clusters[0] + 0.01, tau=0, sketch=sketch))
         seconds, parts = [], {"estimate": [], "reply": [], "refresh": []}
+        if queued:
+            ups = [Upload(f"agent{i}", clusters[i % K] + 0.01 * torch.randn(spec.numel, generator=g),
+                          tau=strategy.uploads_applied, sketch=sketch, base=clusters[i % K]) for i in range(queued)]
+            t0 = time.perf_counter()
+            strategy.update_many(ups)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            s_per = (time.perf_counter() - t0) / queued
+            out["variants"][name] = {"settings": fields, "arch": arch, "queued": queued,
+                                     "s_per_upload": round(s_per, 4)}
+            print(f"{name:28s} {s_per:8.3f} s/upload", flush=True)
+            continue
         for i in range(uploads_per_variant):
             v = clusters[i % K] + 0.01 * torch.randn(spec.numel, generator=g)
             t0 = time.perf_counter()
@@ -74,4 +100,9 @@ def run(quick: bool = False) -> dict:
     base = out["variants"][DEFAULT]["s_per_upload"]
     for row in out["variants"].values():
         row["x_default"] = round(row["s_per_upload"] / base, 3)
+    v = out["variants"]
+    for prefix in ("default", "digits-cnn"):
+        v[f"{prefix}, 8 queued, trained together"]["speedup_vs_one_by_one"] = round(
+            v[f"{prefix}, 8 queued, one by one"]["s_per_upload"]
+            / v[f"{prefix}, 8 queued, trained together"]["s_per_upload"], 2)
     return out

@@ -213,6 +213,8 @@ class CDFLSettings:
     """finetune/distill: SGD learning rate (momentum 0.9)."""
     personalize_samples: int = 0
     """finetune/distill: proxy samples per epoch, drawn with replacement in proportion to alpha (0 = every sample of the clusters with alpha > 0, weighted by alpha). Caps a reply's cost whatever K and the proxy sizes are."""
+    reply_batch: int = 1
+    """finetune: train up to this many queued uploads' replies together (one torch.func vmapped gradient per mini-batch over all of them; the same replies up to float rounding). 1 = one at a time. On this 2-core CPU it pays for the 14 k-parameter digits model (1.6-3.9x at 8) and not for cnn28 (0.9x: already compute-bound); a GPU is where it is meant to pay (not measured: no GPU lent). See `python -m bench replies`."""
     personalize_kd_weight: float = 0.5
     """distill: weight of the specialist teachers' tempered softmax against the true labels."""
     personalize_temperature: float = 2.0
@@ -381,7 +383,7 @@ class AggregatorSettings:
     takeover_grace_s: float = 60.0
     """Of two aggregators on one fleet, the one that started later (each says when, in its status) exits with a clear message instead of taking the MQTT session in turns with the other (which serves on and logs a warning). A status without a start time (an older aggregator) makes us the newcomer within this many seconds of our own start."""
     max_queued_per_agent: int = 4
-    """An agent's uploads waiting beyond this many are refused at once (`rate_limited`, acknowledged), so one agent's flood neither fills the inbox nor delays the others (who are served in turn, one message each per batch). An agent waits for each reply, so it has one. 0 = no quota."""
+    """An agent's uploads waiting beyond this many (copies of one message, re-sent while the aggregator was down, count once) are refused at once (`rate_limited`, acknowledged), so one agent's flood neither fills the inbox nor delays the others (who are served in turn, one message each per batch). An agent waits for each reply, so it has one. 0 = no quota."""
     pretrain_shared: bool = True
     """Pre-train one model on every cluster's pretrain pool first (about as many samples as one cluster model sees), then specialize each cluster from it (at lr 0.01): the clusters then share a basin, so their parameter mixtures, the CDFL reply's start, are models too. false: each cluster from the same seeded init on its own pool (sharper specialists that do not average; FedSoft-Async's argmin is surer with them)."""
     pretrain_epochs: int = 0

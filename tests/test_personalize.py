@@ -310,3 +310,41 @@ def test_default_reply_carries_another_agents_upload_and_the_frozen_control_does
     assert not torch.equal(reply_to_b(CDFLSettings(**small), steps[0]), reply_to_b(CDFLSettings(**small), steps[1]))
     frozen = CDFLSettings(**small, beta0=0.0, server_lr=0.0)
     assert torch.equal(reply_to_b(frozen, steps[0]), reply_to_b(frozen, steps[1]))
+
+
+@pytest.mark.parametrize("samples", [0, 96])
+def test_replies_trained_together_match_replies_trained_one_by_one(world, samples):
+    """cdfl.reply_batch: queued uploads' replies trained in one vmapped pass are the replies made
+    one at a time, each from the clusters after its own upload, up to float rounding."""
+    _, w, proxies = world
+    base = w.mean(0)
+    uploads = [Upload(f"a{i}", base + 0.02 * torch.randn(SPEC.numel, generator=torch.Generator().manual_seed(i)),
+                      tau=0, base=base) for i in range(4)]
+
+    def replies(reply_batch: int) -> list:
+        settings = CDFLSettings(clusters=K, tau0=100, estimator="metrics", personalize_epochs=2,
+                                personalize_samples=samples, reply_batch=reply_batch)
+        s = CDFL.from_settings(SPEC, w, proxies, settings, device="cpu")
+        for u in uploads:
+            s.join(u.agent)
+        return s.update_many(uploads)
+
+    one, together = replies(1), replies(4)
+    assert [r.info["personalize"].get("batched") for r in together] == [4] * 4
+    for a, b in zip(one, together, strict=True):
+        assert a.epoch == b.epoch and a.alpha == b.alpha
+        torch.testing.assert_close(a.vectors[0], b.vectors[0], atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(one[0].vectors[0], one[3].vectors[0])  # the replies do differ
+
+
+def test_personalize_many_groups_replies_whose_epochs_differ(world):
+    """alpha = [1, 0] leaves cluster 1's samples out of the draw: a shorter epoch, its own group."""
+    _, w, proxies = world
+    p = make_personalizer("finetune", ProxyEvaluator(SPEC, proxies, device="cpu"), epochs=1, start="mixture")
+    requests = [PersonalizeRequest(w, alpha, None, seed=i) for i, alpha in enumerate([[0.6, 0.4], [1.0, 0.0], [0.3, 0.7]])]
+    for r in requests:
+        p.fix_start(r)
+    made = p.personalize_many(requests)
+    assert [d["batched"] for _, d in made] == [2, 1, 2]
+    for r, (v, _) in zip(requests, made, strict=True):
+        torch.testing.assert_close(v, p.personalize(r)[0], atol=1e-5, rtol=1e-4)
