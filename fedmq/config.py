@@ -214,7 +214,7 @@ class CDFLSettings:
     personalize_samples: int = 0
     """finetune/distill: proxy samples per epoch, drawn with replacement in proportion to alpha (0 = every sample of the clusters with alpha > 0, weighted by alpha). Caps a reply's cost whatever K and the proxy sizes are."""
     reply_batch: int = 1
-    """finetune: train up to this many queued uploads' replies together (one torch.func vmapped gradient per mini-batch over all of them; the same replies up to float rounding). 1 = one at a time. On this 2-core CPU it pays for the 14 k-parameter digits model (1.6-3.9x at 8) and not for cnn28 (0.9x: already compute-bound); a GPU is where it is meant to pay (not measured: no GPU lent). See `python -m bench replies`."""
+    """finetune: train up to this many queued uploads' replies together (one torch.func vmapped gradient per mini-batch over all of them; the same replies up to float rounding). 1 = one at a time. On this 2-core CPU it pays for the 14 k-parameter digits model (3.2x with 8 queued) and not for cnn28 (0.8x: one reply already keeps both cores busy); a GPU is where it is meant to pay (not measured: no GPU lent). See `python -m bench replies`."""
     personalize_kd_weight: float = 0.5
     """distill: weight of the specialist teachers' tempered softmax against the true labels."""
     personalize_temperature: float = 2.0
