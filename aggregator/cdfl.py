@@ -69,7 +69,8 @@ class SoftClusters(Strategy):
     def __init__(self, spec: ModelSpec, clusters: Tensor | Sequence[Tensor], *, tau0: int = 0,
                  beta0: float = 0.025, hinge_a: float = 10.0, hinge_b: float = 5.0,
                  update_rule: str = "alpha", update_power: float = 2.0, server_lr: float = 1.0,
-                 delta_hinge_a: float = 0.1, delta_tau0: int = 0, staleness_cap: int = 1) -> None:
+                 delta_hinge_a: float = 0.1, delta_tau0: int = 0, staleness_cap: int = 1,
+                 delta_moves_head: bool = True) -> None:
         super().__init__()
         if update_rule not in UPDATE_RULES:
             raise ValueError(f"update_rule must be one of {', '.join(UPDATE_RULES)}, got {update_rule!r}")
@@ -87,6 +88,13 @@ class SoftClusters(Strategy):
         self.server_lr = float(server_lr)
         self.delta_hinge_a = float(delta_hinge_a)
         self.delta_tau0 = int(delta_tau0)
+        self.delta_body: Tensor | None = None
+        """delta rule without the head: 1 for the parameters an agent's step moves, 0 for the
+        output layer's (the last two entries of the spec: weight and bias)."""
+        if not delta_moves_head:
+            head = sum(math.prod(shape) for shape in spec.shapes[-2:])
+            self.delta_body = torch.ones(spec.numel)
+            self.delta_body[spec.numel - head:] = 0.0
         self.spec = spec
         self.clusters = w.detach().to("cpu", torch.float32).clone()
         self.k = int(w.shape[0])
@@ -144,6 +152,8 @@ class SoftClusters(Strategy):
         step = None
         if base is not None:
             step = vector - base.to(vector.dtype)
+            if self.delta_body is not None:
+                step = step * self.delta_body
             info["rule"] = "delta"
         for k, beta in enumerate(betas):
             if beta <= 0.0:
@@ -201,10 +211,11 @@ class CDFL(SoftClusters):
                  personalize_options: dict[str, Any] | None = None, seed: int = 0,
                  refresh_steps: int = 0, refresh_lr: float = 0.01, reply_uses_upload: bool = True,
                  server_lr: float = 1.0, delta_hinge_a: float = 0.1, delta_tau0: int = 0,
-                 staleness_cap: int = 1, reply_batch: int = 1) -> None:
+                 staleness_cap: int = 1, reply_batch: int = 1, delta_moves_head: bool = True) -> None:
         super().__init__(spec, clusters, tau0=tau0, beta0=beta0, hinge_a=hinge_a, hinge_b=hinge_b,
                          update_rule=update_rule, update_power=update_power, server_lr=server_lr,
-                         delta_hinge_a=delta_hinge_a, delta_tau0=delta_tau0, staleness_cap=staleness_cap)
+                         delta_hinge_a=delta_hinge_a, delta_tau0=delta_tau0, staleness_cap=staleness_cap,
+                         delta_moves_head=delta_moves_head)
         if refresh_steps < 0 or refresh_lr <= 0:
             raise ValueError(f"need cluster_refresh_steps >= 0 and cluster_refresh_lr > 0, "
                              f"got {refresh_steps} and {refresh_lr}")
@@ -263,7 +274,8 @@ class CDFL(SoftClusters):
                    refresh_steps=settings.cluster_refresh_steps, refresh_lr=settings.cluster_refresh_lr,
                    reply_uses_upload=settings.reply_uses_upload, server_lr=settings.server_lr,
                    delta_hinge_a=settings.delta_hinge_a, delta_tau0=settings.delta_tau0,
-                   staleness_cap=settings.staleness_cap, reply_batch=settings.reply_batch, **kwargs)
+                   staleness_cap=settings.staleness_cap, reply_batch=settings.reply_batch,
+                   delta_moves_head=settings.delta_moves_head, **kwargs)
 
     @property
     def reply_is_trained(self) -> bool:

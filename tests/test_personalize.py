@@ -289,6 +289,23 @@ def test_delta_rule_adds_the_agents_step_to_each_cluster_in_its_share(world):
     torch.testing.assert_close(s.clusters[0], 0.5 * (w[0] + 0.5 * 0.8 * step) + 0.5 * base)
 
 
+def test_delta_rule_without_the_head_moves_only_the_layers_below_it(world):
+    """cdfl.delta_moves_head = false: the agent's step reaches every parameter but the output
+    layer's weight and bias, which stay where the cluster's own proxy refresh puts them."""
+    _, w, proxies = world
+    settings = CDFLSettings(clusters=K, tau0=100, server_lr=0.5, update_rule="delta", personalization="mixture",
+                            cluster_refresh_steps=0, delta_moves_head=False)
+    s = CDFL.from_settings(SPEC, w, proxies, settings, device="cpu")
+    s.join("a")
+    base = w.mean(0)
+    step = 0.01 * torch.randn(SPEC.numel, generator=torch.Generator().manual_seed(3))
+    s.apply(Upload("a", base + step, tau=0, base=base), alpha=[0.8, 0.2])
+    head = sum(math.prod(shape) for shape in SPEC.shapes[-2:])
+    assert SPEC.names[-2:] == ("fc2.weight", "fc2.bias")
+    torch.testing.assert_close(s.clusters[0, :-head], w[0, :-head] + 0.5 * 0.8 * step[:-head])
+    assert torch.equal(s.clusters[:, -head:], w[:, -head:])
+
+
 def test_default_reply_carries_another_agents_upload_and_the_frozen_control_does_not(world):
     """Issue 15 with today's defaults (mixture start, delta rule): agent b's reply depends on what
     agent a uploaded before it, and does not once the clusters are frozen (beta0 = server_lr =
