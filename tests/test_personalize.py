@@ -276,7 +276,8 @@ def test_delta_rule_adds_the_agents_step_to_each_cluster_in_its_share(world):
     learning; without a base (an older aggregator state) the paper's pull is used."""
     _, w, proxies = world
     s = CDFL.from_settings(SPEC, w, proxies, CDFLSettings(clusters=K, tau0=100, beta0=0.5, server_lr=0.5, update_rule="delta",
-                                                          personalization="mixture", cluster_refresh_steps=0),
+                                                          personalization="mixture", cluster_refresh_steps=0,
+                                                          delta_moves_head=True),
                            device="cpu")
     s.join("a")
     base = w.mean(0)
