@@ -88,13 +88,9 @@ class SoftClusters(Strategy):
         self.server_lr = float(server_lr)
         self.delta_hinge_a = float(delta_hinge_a)
         self.delta_tau0 = int(delta_tau0)
-        self.delta_body: Tensor | None = None
-        """delta rule without the head: 1 for the parameters an agent's step moves, 0 for the
-        output layer's (the last two entries of the spec: weight and bias)."""
-        if not delta_moves_head:
-            head = sum(math.prod(shape) for shape in spec.shapes[-2:])
-            self.delta_body = torch.ones(spec.numel)
-            self.delta_body[spec.numel - head:] = 0.0
+        self.delta_head_size = 0 if delta_moves_head else sum(math.prod(shape) for shape in spec.shapes[-2:])
+        """delta rule: how many trailing values (the output layer's weight and bias, the last two
+        entries of the spec) an agent's step leaves alone; 0 = none."""
         self.spec = spec
         self.clusters = w.detach().to("cpu", torch.float32).clone()
         self.k = int(w.shape[0])
@@ -152,8 +148,8 @@ class SoftClusters(Strategy):
         step = None
         if base is not None:
             step = vector - base.to(vector.dtype)
-            if self.delta_body is not None:
-                step = step * self.delta_body
+            if self.delta_head_size:
+                step[-self.delta_head_size:] = 0.0
             info["rule"] = "delta"
         for k, beta in enumerate(betas):
             if beta <= 0.0:

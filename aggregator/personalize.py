@@ -192,9 +192,7 @@ class DistillPersonalizer(Personalizer):
         if self.epochs == 0:  # the start is the reply (e.g. a blend of upload and clusters, untrained)
             return start, {"steps": 0, "seconds": time.perf_counter() - t0, **chosen}
         start = start.to(device)
-        alpha = torch.tensor([float(a) for a in request.alpha], dtype=torch.float32, device=device)
-        sizes = torch.tensor(ev.sizes, dtype=torch.float32, device=device)
-        weights = (alpha / sizes)[ev.set_of_sample]  # [N_total]
+        weights = self._sample_weights(request)  # [N_total]
         teacher = self._teacher_logits(request.clusters) if self.kd_weight > 0 else None
         x = ev.x.contiguous() if ev.x.ndim != 4 else ev.x
         y = ev.y
@@ -204,16 +202,11 @@ class DistillPersonalizer(Personalizer):
         steps = 0
         T = self.temperature
         module = ev.module
-        # Only samples that matter: a cluster with weight ~0 only costs time.
-        keep = torch.nonzero(weights > 1e-6 * weights.max()).flatten().cpu()
+        keep = self._kept(weights)
         draw_weights = weights.cpu()  # the CPU generator draws from CPU weights
         with torch.enable_grad():
             for _ in range(self.epochs):
-                if self.samples:
-                    draw = torch.multinomial(draw_weights, self.samples, replacement=True, generator=gen)
-                    order = draw.to(device)
-                else:
-                    order = keep[torch.randperm(len(keep), generator=gen)].to(device)
+                order = self._epoch_order(draw_weights, keep, gen).to(device)
                 for i in range(0, len(order), self.batch_size):
                     idx = order[i:i + self.batch_size]
                     logits = functional_call(module, ev.spec.unflatten(w), (x[idx],))
@@ -234,7 +227,6 @@ class DistillPersonalizer(Personalizer):
         out = w.detach().to("cpu", torch.float32)
         return out, {"steps": steps, "seconds": time.perf_counter() - t0, **chosen}
 
-
     def fix_start(self, request: PersonalizeRequest) -> None:
         request.start, request.start_info = self.start_vector(request)
 
@@ -253,7 +245,7 @@ class DistillPersonalizer(Personalizer):
             return [self.personalize(r) for r in requests]
         ev = self.evaluator
         weights = [self._sample_weights(r) for r in requests]
-        keeps = [torch.nonzero(w > 1e-6 * w.max()).flatten().cpu() for w in weights]
+        keeps = [self._kept(w) for w in weights]
         groups: dict[int, list[int]] = {}
         for i, keep in enumerate(keeps):
             groups.setdefault(self.samples or len(keep), []).append(i)
@@ -269,7 +261,20 @@ class DistillPersonalizer(Personalizer):
                 out[i] = (vectors[j], {"steps": steps, "seconds": seconds, "batched": len(members), **starts[j][1]})
         return [o for o in out if o is not None]
 
+    @staticmethod
+    def _kept(weights: Tensor) -> Tensor:
+        """Only samples that matter (CPU indices): a cluster with weight ~0 only costs time."""
+        return torch.nonzero(weights > 1e-6 * weights.max()).flatten().cpu()
+
+    def _epoch_order(self, draw_weights: Tensor, keep: Tensor, gen: torch.Generator) -> Tensor:
+        """One epoch's sample indices (CPU): `samples` draws in proportion to the weights, or
+        every kept sample once, shuffled."""
+        if self.samples:
+            return torch.multinomial(draw_weights, self.samples, replacement=True, generator=gen)
+        return keep[torch.randperm(len(keep), generator=gen)]
+
     def _sample_weights(self, request: PersonalizeRequest) -> Tensor:
+        """Sample i of D_k weighs alpha_k / |D_k| ([N_total], on the evaluator's device)."""
         ev = self.evaluator
         alpha = torch.tensor([float(a) for a in request.alpha], dtype=torch.float32, device=ev.device)
         sizes = torch.tensor(ev.sizes, dtype=torch.float32, device=ev.device)
@@ -292,17 +297,14 @@ class DistillPersonalizer(Personalizer):
 
         step_fn = vmap(grad(loss_fn))
         gens = [torch.Generator().manual_seed(s) for s in seeds]
+        draw_weights = [w.cpu() for w in weights]
         W = starts.clone()
         buf: Tensor | None = None
         steps = 0
         with torch.enable_grad():
             for _ in range(self.epochs):
-                if self.samples:
-                    orders = torch.stack([torch.multinomial(w.cpu(), self.samples, replacement=True, generator=g)
-                                          for w, g in zip(weights, gens, strict=True)]).to(device)
-                else:
-                    orders = torch.stack([k[torch.randperm(len(k), generator=g)]
-                                          for k, g in zip(keeps, gens, strict=True)]).to(device)
+                orders = torch.stack([self._epoch_order(w, k, g) for w, k, g
+                                      in zip(draw_weights, keeps, gens, strict=True)]).to(device)
                 for i in range(0, orders.shape[1], self.batch_size):
                     idx = orders[:, i:i + self.batch_size]  # [B, b]
                     if self.samples:
