@@ -88,9 +88,9 @@ class SoftClusters(Strategy):
         self.server_lr = float(server_lr)
         self.delta_hinge_a = float(delta_hinge_a)
         self.delta_tau0 = int(delta_tau0)
-        self.delta_head_size = 0 if delta_moves_head else sum(math.prod(shape) for shape in spec.shapes[-2:])
-        """delta rule: how many trailing values (the output layer's weight and bias, the last two
-        entries of the spec) an agent's step leaves alone; 0 = none."""
+        self.delta_head = None if delta_moves_head else spec.head
+        """delta rule: the span of the output layer (its weight and bias, the spec's last two
+        parameters) that an agent's step leaves alone; None = none."""
         self.spec = spec
         self.clusters = w.detach().to("cpu", torch.float32).clone()
         self.k = int(w.shape[0])
@@ -148,8 +148,8 @@ class SoftClusters(Strategy):
         step = None
         if base is not None:
             step = vector - base.to(vector.dtype)
-            if self.delta_head_size:
-                step[-self.delta_head_size:] = 0.0
+            if self.delta_head is not None:
+                step[self.delta_head[0]:self.delta_head[1]] = 0.0
             info["rule"] = "delta"
         for k, beta in enumerate(betas):
             if beta <= 0.0:

@@ -1,16 +1,26 @@
-"""The model zoo and ModelSpec: a model travels as a flat float32 vector plus its spec.
+"""Models: the zoo, models by reference, and ModelSpec (a model travels as a flat float32 vector).
 
-A ModelSpec names the architecture and lists parameter names, shapes and dtype; its hash
+A ModelSpec names the architecture and lists the state's names, shapes and dtype; its hash
 identifies it on the wire, so an update for another architecture is refused before any
-tensor is touched. The zoo holds plain conv nets with no BatchNorm, so a model's state is
-its parameters alone and a parameter-space mixture of models is well defined.
+tensor is touched.
+
+A model is a zoo name (plain conv nets, state = parameters) or a reference
+(`torchvision:mobilenet_v3_small?num_classes=10`, `mypkg.nets:make_model?width=16`,
+docs/models.md). A referenced model's vector is its parameters followed by its floating-point
+buffers (batch-norm running statistics): the statistics travel with the weights and are
+averaged with them, as FedAvg over a state dict does, but no server-side gradient step
+moves them (`ModelSpec.unflatten` detaches them); the server runs its models in eval mode,
+so every proxy loss uses the statistics the devices measured.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import math
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,10 +40,26 @@ class ModelSpec:
     input_shape: tuple[int, ...]
     num_classes: int
     dtype: str = "float32"
+    trainable: int | None = None
+    """How many of `names` are parameters; the rest are running statistics (None: all)."""
 
     @property
     def numel(self) -> int:
         return sum(math.prod(s) for s in self.shapes)
+
+    @property
+    def param_numel(self) -> int:
+        """Values of the vector that are parameters: they come first, statistics after them."""
+        if self.trainable is None:
+            return self.numel
+        return sum(math.prod(s) for s in self.shapes[:self.trainable])
+
+    @property
+    def head(self) -> tuple[int, int]:
+        """[start, end) of the output layer (the last two parameters: its weight and bias)."""
+        names = self.names[:self.trainable] if self.trainable is not None else self.names
+        end = self.param_numel
+        return end - sum(math.prod(s) for s in self.shapes[:len(names)][-2:]), end
 
     @property
     def canonical_json(self) -> str:
@@ -47,6 +73,8 @@ class ModelSpec:
             "num_classes": self.num_classes,
             "dtype": self.dtype,
         }
+        if self.trainable is not None:  # zoo specs (no statistics) keep their published hashes
+            doc["trainable"] = self.trainable
         return json.dumps(doc, sort_keys=True, separators=(",", ":"))
 
     @property
@@ -55,7 +83,10 @@ class ModelSpec:
         return hashlib.sha256(self.canonical_json.encode()).hexdigest()[:16]
 
     def unflatten(self, vector: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Views of `vector` shaped as the named parameters (for torch.func.functional_call)."""
+        """Views of `vector` shaped as the named parameters (for torch.func.functional_call).
+
+        Running statistics come detached: no gradient step moves them (batch norm in eval
+        mode is not differentiable in them), so their entries of any gradient are 0."""
         if vector.shape[-1] != self.numel:
             raise ValueError(f"{self.arch}: vector has {vector.shape[-1]} values, spec has {self.numel}")
         out: dict[str, torch.Tensor] = {}
@@ -63,7 +94,8 @@ class ModelSpec:
         lead = vector.shape[:-1]
         for name, shape in zip(self.names, self.shapes, strict=True):
             n = math.prod(shape)
-            out[name] = vector[..., offset : offset + n].reshape(*lead, *shape)
+            view = vector[..., offset : offset + n].reshape(*lead, *shape)
+            out[name] = view if self.trainable is None or len(out) < self.trainable else view.detach()
             offset += n
         return out
 
@@ -142,81 +174,251 @@ DEFAULT_MODEL_FOR_DATASET = {
     "svhn": "cnn32-10",
     "cifar10": "cnn32-10",
     "cifar100": "cnn32",
+    "shapes": "cnn32-10",
 }
 
 
-def resolve_model_name(model: str, dataset: str) -> str:
-    """`auto` picks the zoo entry that fits the dataset; an unknown name is a clear error."""
-    if model == "auto":
+MODEL_HELP = ("a zoo name (" + ", ".join(ZOO) + "), auto, torchvision:NAME[?key=value&...] or "
+              "module.path:factory[?key=value&...] (docs/models.md)")
+
+
+@dataclass(frozen=True)
+class ModelReference:
+    """A model outside the zoo: a torchvision builder or a factory by import path, with its
+    keyword arguments and the input shape it is fed (`input=CxHxW`)."""
+
+    source: str
+    """`torchvision` or the factory's import path `module.path:attr`."""
+    name: str
+    """The torchvision model name, or the factory's import path again."""
+    kwargs: tuple[tuple[str, bool | int | float | str], ...]
+    input_shape: tuple[int, ...] | None
+
+    def __str__(self) -> str:
+        """The canonical form (keys sorted): what state files, specs and logs carry."""
+        args = [(k, _format_value(v)) for k, v in self.kwargs]
+        if self.input_shape is not None:
+            args.append(("input", "x".join(map(str, self.input_shape))))
+        query = "&".join(f"{k}={v}" for k, v in sorted(args))
+        head = f"torchvision:{self.name}" if self.source == "torchvision" else self.name
+        return head + (f"?{query}" if query else "")
+
+    def with_defaults(self, input_shape: tuple[int, ...], num_classes: int) -> ModelReference:
+        """Fill what the dataset decides: the input shape, and torchvision's num_classes."""
+        kwargs = dict(self.kwargs)
+        if self.source == "torchvision":
+            kwargs.setdefault("num_classes", num_classes)
+        return ModelReference(self.source, self.name, tuple(sorted(kwargs.items())),
+                              self.input_shape or tuple(input_shape))
+
+    def build(self) -> nn.Module:
+        if self.source == "torchvision":
+            from torchvision import models as tvm
+
+            if self.name not in tvm.list_models():
+                raise UsageError(f"torchvision has no model {self.name!r}; see torchvision.models.list_models()")
+            try:  # weights=None: nothing is downloaded; the fleet trains from scratch
+                model = tvm.get_model(self.name, weights=None, **dict(self.kwargs))
+            except (TypeError, ValueError) as exc:
+                raise UsageError(f"model {self}: torchvision refused its arguments: {exc}") from None
+        else:
+            factory = _import_factory(self.name)
+            try:
+                model = factory(**dict(self.kwargs))
+            except TypeError as exc:
+                raise UsageError(f"model {self}: the factory refused its arguments: {exc}") from None
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"model {self}: the factory returned {type(model).__name__}, not a torch nn.Module")
+        return model
+
+
+def _parse_value(text: str) -> bool | int | float | str:
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
         try:
-            return DEFAULT_MODEL_FOR_DATASET[dataset.lower().replace("-", "").replace("_", "")
-                                             if dataset not in DEFAULT_MODEL_FOR_DATASET else dataset]
-        except KeyError:
-            raise UsageError(f"no default model for dataset {dataset!r}; pass --model, one of "
-                             f"{', '.join(sorted(ZOO))}") from None
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _format_value(value: bool | int | float | str) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def is_reference(model: str) -> bool:
+    """Whether `model` names a model outside the zoo (`torchvision:...` or `module:factory`)."""
+    return ":" in model
+
+
+def parse_reference(text: str) -> ModelReference:
+    """`torchvision:NAME?k=v&...` or `module.path:factory?k=v&...`; UsageError if malformed."""
+    head, _, query = text.strip().partition("?")
+    kwargs: dict[str, bool | int | float | str] = {}
+    input_shape = None
+    for item in filter(None, query.split("&")):
+        key, eq, value = item.partition("=")
+        if not eq or not key.isidentifier():
+            raise UsageError(f"model {text!r}: {item!r} is not key=value")
+        if key == "input":
+            try:
+                input_shape = tuple(int(d) for d in value.lower().split("x"))
+            except ValueError:
+                input_shape = ()
+            if not input_shape or min(input_shape) < 1:
+                raise UsageError(f"model {text!r}: input must be CxHxW, e.g. input=3x32x32; got {value!r}")
+        else:
+            kwargs[key] = _parse_value(value)
+    source, _, name = head.partition(":")
+    if source == "torchvision":
+        if not name.isidentifier():
+            raise UsageError(f"model {text!r}: torchvision:NAME needs a model name, e.g. torchvision:resnet18")
+        return ModelReference("torchvision", name, tuple(sorted(kwargs.items())), input_shape)
+    if not all(part.isidentifier() for part in source.split(".")) or not name.isidentifier():
+        raise UsageError(f"unknown model {text!r}; use {MODEL_HELP}")
+    return ModelReference(head, head, tuple(sorted(kwargs.items())), input_shape)
+
+
+def _import_factory(path: str) -> Callable[..., nn.Module]:
+    """`module.path:attr`, imported; the working directory is searched too (as uvicorn does),
+    so a project's own `mypkg/nets.py` works from the console scripts."""
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if os.getcwd() in sys.path or exc.name != module_name.split(".")[0]:
+            raise UsageError(f"model {path}: cannot import {module_name!r}: {exc}") from None
+        sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc2:
+            raise UsageError(f"model {path}: cannot import {module_name!r} (searched the working directory "
+                             f"too): {exc2}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise UsageError(f"model {path}: {module_name} has no callable {attr!r}")
+    return factory
+
+
+def resolve_model_name(model: str, dataset: str) -> str:
+    """The model's canonical name: `auto` picks the zoo entry that fits the dataset, a
+    reference gets the dataset's input shape (and torchvision its class count) unless it
+    names them, and is built once to check it; an unknown name is a clear error."""
+    if model == "auto" or is_reference(model):
+        key = dataset.lower().replace("-", "").replace("_", "") if dataset not in DEFAULT_MODEL_FOR_DATASET else dataset
+        default = DEFAULT_MODEL_FOR_DATASET.get(key)
+        if model == "auto":
+            if default is None:
+                raise UsageError(f"no default model for dataset {dataset!r}; pass --model: {MODEL_HELP}")
+            return default
+        ref = parse_reference(model)
+        if default is not None:
+            ref = ref.with_defaults(ZOO[default].input_shape, ZOO[default].num_classes)
+        elif ref.input_shape is None:
+            raise UsageError(f"model {model!r}: dataset {dataset!r} has no known image shape; add "
+                             f"input=CxHxW to the model, e.g. {model}{'&' if '?' in model else '?'}input=3x32x32")
+        name = str(ref)
+        model_spec(name)  # builds it once: a bad reference stops here, with one line
+        return name
     if model not in ZOO:
-        raise UsageError(f"unknown model {model!r}; use one of {', '.join(sorted(ZOO))} (or auto)")
+        raise UsageError(f"unknown model {model!r}; use {MODEL_HELP}")
     return model
 
 
 def resolve_dataset_and_model(dataset: str, model: str) -> dict[str, str | int]:
-    """What `--dry-run` checks and shows: the dataset's key, the zoo model and its parameter count.
+    """What `--dry-run` checks and shows: the dataset's key, the model and its parameter count.
 
     Raises UsageError for an unknown dataset or model, as a real start would (without
-    loading any data)."""
+    loading any data; a referenced model is built once)."""
     from fedmq.data.sources import canonical_dataset
 
     key = canonical_dataset(dataset)
     name = resolve_model_name(model, dataset)
-    return {"dataset": key, "model": name, "parameters": model_spec(name).numel}
+    spec = model_spec(name)
+    out: dict[str, str | int] = {"dataset": key, "model": name, "parameters": spec.param_numel}
+    if spec.param_numel < spec.numel:
+        out["statistics"] = spec.numel - spec.param_numel
+    return out
 
 
 def build_model(name: str, seed: int | None = None) -> nn.Module:
-    """A fresh model from the zoo; `seed` makes its initial weights reproducible."""
-    if name not in ZOO:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(ZOO))}")
-    entry = ZOO[name]
+    """A fresh model (zoo name or canonical reference); `seed` makes its initial weights reproducible."""
+    if name in ZOO:
+        entry = ZOO[name]
+        make: Callable[[], nn.Module] = lambda: entry.factory(entry.num_classes)  # noqa: E731
+    elif is_reference(name):
+        make = parse_reference(name).build
+    else:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(ZOO))} or a reference")
     if seed is None:
-        return entry.factory(entry.num_classes)
+        return make()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return entry.factory(entry.num_classes)
+        return make()
+
+
+def state_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
+    """(name, tensor, is_parameter) of what a vector holds: the parameters, then the
+    floating-point buffers the state dict keeps (batch-norm running means and variances;
+    an integer `num_batches_tracked` stays local: it only matters with momentum=None)."""
+    out = [(n, p, True) for n, p in model.named_parameters()]
+    persistent = model.state_dict(keep_vars=True).keys()
+    out += [(n, b, False) for n, b in model.named_buffers() if n in persistent and b.is_floating_point()]
+    return out
 
 
 def spec_of(model: nn.Module, arch: str) -> ModelSpec:
-    entry = ZOO[arch]
-    names, shapes = [], []
-    for name, p in model.named_parameters():
-        names.append(name)
-        shapes.append(tuple(p.shape))
-    return ModelSpec(arch, tuple(names), tuple(shapes), entry.input_shape, entry.num_classes)
+    """The spec of `model` (built as `arch`): the zoo's shapes, or for a reference the input
+    shape it names and the class count one forward pass shows."""
+    tensors = state_tensors(model)
+    names = tuple(n for n, _, _ in tensors)
+    shapes = tuple(tuple(t.shape) for _, t, _ in tensors)
+    params = sum(1 for _, _, is_param in tensors if is_param)
+    if arch in ZOO:
+        entry = ZOO[arch]
+        return ModelSpec(arch, names, shapes, entry.input_shape, entry.num_classes,
+                         trainable=None if params == len(names) else params)
+    ref = parse_reference(arch)
+    if ref.input_shape is None:
+        raise UsageError(f"model {arch!r} names no input shape; add input=CxHxW")
+    try:
+        with torch.no_grad():
+            out = model.eval()(torch.zeros(2, *ref.input_shape))
+    except Exception as exc:  # any failure of a user's forward is that model's problem, said in one line
+        raise UsageError(f"model {arch}: a forward pass on inputs (N, {', '.join(map(str, ref.input_shape))}) "
+                         f"failed: {type(exc).__name__}: {exc}") from None
+    if not isinstance(out, torch.Tensor) or out.ndim != 2:
+        raise UsageError(f"model {arch}: forward must return logits (N, classes), got "
+                         f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}")
+    return ModelSpec(arch, names, shapes, ref.input_shape, int(out.shape[1]), trainable=params)
 
 
 _SPEC_CACHE: dict[str, ModelSpec] = {}
 
 
 def model_spec(name: str) -> ModelSpec:
-    """The spec of a zoo model (cached; building the model once is cheap)."""
+    """The spec of a model by name (cached; built once)."""
     if name not in _SPEC_CACHE:
         _SPEC_CACHE[name] = spec_of(build_model(name, seed=0), name)
     return _SPEC_CACHE[name]
 
 
 def to_vector(model: nn.Module) -> torch.Tensor:
-    """All parameters, in named_parameters order, as one detached float32 CPU vector."""
-    return torch.cat([p.detach().reshape(-1).float().cpu() for p in model.parameters()])
+    """The model's state (parameters, then running statistics) as one detached float32 CPU vector."""
+    return torch.cat([t.detach().reshape(-1).float().cpu() for _, t, _ in state_tensors(model)])
 
 
 def load_vector(model: nn.Module, vector: torch.Tensor) -> nn.Module:
-    """Copy a flat vector into the model's parameters in place; shape-checked."""
-    params = list(model.parameters())
-    total = sum(p.numel() for p in params)
+    """Copy a flat vector into the model's state in place; shape-checked."""
+    tensors = [t for _, t, _ in state_tensors(model)]
+    total = sum(t.numel() for t in tensors)
     if vector.ndim != 1 or vector.numel() != total:
         raise ValueError(f"vector of shape {tuple(vector.shape)} does not fit a model of {total} values")
     offset = 0
     with torch.no_grad():
-        for p in params:
-            n = p.numel()
-            p.copy_(vector[offset : offset + n].view_as(p).to(p.dtype))
+        for t in tensors:
+            n = t.numel()
+            t.copy_(vector[offset : offset + n].view_as(t).to(t.dtype))
             offset += n
     return model

@@ -64,9 +64,12 @@ def _fresh_export(model_name: str, vector: torch.Tensor, exporter: str) -> Any:
     example = torch.zeros(2, *spec.input_shape)
     if exporter == "dynamo":
         program = torch.onnx.export(
-            model, (example,), None, dynamo=True, external_data=False, verbose=False,
+            # optimize=False: the optimizer folds batch norm into the convolutions, and the
+            # graph would no longer hold every state tensor under its name (ONNX Runtime
+            # fuses them itself when it loads the graph).
+            model, (example,), None, dynamo=True, external_data=False, verbose=False, optimize=False,
             input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
-            dynamic_shapes={INPUT_NAME: {0: torch.export.Dim("batch")}})
+            dynamic_shapes=({0: torch.export.Dim("batch")},))  # by position: forward's argument may have any name
         return program.model_proto
     buffer = io.BytesIO()
     with warnings.catch_warnings():

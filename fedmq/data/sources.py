@@ -30,7 +30,7 @@ class DatasetNotFound(FileNotFoundError, RuntimeFailure):
 
 
 class UnknownDataset(UsageError):
-    """A dataset name that is neither one of DATASETS nor folder:NAME."""
+    """A dataset name that is none of DATASETS, folder:NAME or module.path:factory."""
 
 
 @dataclass(repr=False)
@@ -108,12 +108,13 @@ _EXPECTED_FILES: dict[str, list[str]] = {
     "usps": ["usps.bz2", "usps.t.bz2"],
 }
 
-DATASETS: tuple[str, ...] = ("digits", "synthetic", "mnist", "fashionmnist", "cifar10", "cifar100", "svhn",
-                             "usps")
-"""Names `load_dataset` accepts, besides `folder:NAME` (a directory of PNG/JPEG images)."""
+DATASETS: tuple[str, ...] = ("digits", "synthetic", "shapes", "mnist", "fashionmnist", "cifar10", "cifar100",
+                             "svhn", "usps")
+"""Names `load_dataset` accepts, besides `folder:NAME` (a directory of PNG/JPEG images) and
+`module.path:factory` (a dataset factory by import path, docs/models.md)."""
 
-OFFLINE: tuple[str, ...] = ("digits", "synthetic")
-"""Datasets made in the process (no data root): scikit-learn's digits and our generated task."""
+OFFLINE: tuple[str, ...] = ("digits", "synthetic", "shapes")
+"""Datasets made in the process (no data root): scikit-learn's digits and our generated tasks."""
 
 _cache: dict[tuple[str, str, bool], Dataset] = {}
 _cache_lock = threading.Lock()
@@ -147,8 +148,19 @@ def clear_cache() -> None:
         _cache.clear()
 
 
+def is_factory(name: str) -> bool:
+    """Whether `name` is a dataset factory by import path (`module.path:attr`)."""
+    return ":" in name and not name.lower().startswith("folder:")
+
+
 def canonical_dataset(name: str) -> str:
-    """The dataset's key (`Fashion-MNIST` -> fashionmnist, `folder:NAME`); UnknownDataset if none."""
+    """The dataset's key (`Fashion-MNIST` -> fashionmnist, `folder:NAME`, `module.path:factory`);
+    UnknownDataset if none."""
+    if is_factory(name):
+        module, _, attr = name.strip().partition(":")
+        if not all(p.isidentifier() for p in module.split(".")) or not attr.isidentifier():
+            raise UnknownDataset(f"dataset {name!r}: a factory is module.path:function, e.g. mypkg.data:load")
+        return name.strip()
     if name.lower().startswith("folder:"):
         sub = name.split(":", 1)[1].strip()
         if not sub or Path(sub).is_absolute() or ".." in Path(sub).parts:
@@ -156,7 +168,8 @@ def canonical_dataset(name: str) -> str:
         return f"folder:{sub}"
     key = name.lower().replace("-", "").replace("_", "")
     if key not in DATASETS:
-        raise UnknownDataset(f"unknown dataset {name!r}; use one of {', '.join(DATASETS)}, or folder:NAME")
+        raise UnknownDataset(f"unknown dataset {name!r}; use one of {', '.join(DATASETS)}, folder:NAME "
+                             f"or module.path:factory")
     return key
 
 
@@ -181,6 +194,10 @@ def _load_uncached(name: str, root: str, train: bool, download: bool) -> Dataset
         return _load_digits(train)
     if name == "synthetic":
         return _load_synthetic(train)
+    if name == "shapes":
+        return _load_shapes(train)
+    if is_factory(name):
+        return _load_factory(name, root, train)
     if name.startswith("folder:"):
         return _load_folder(name, root, train)
     expected = _EXPECTED_FILES[name]
@@ -284,6 +301,95 @@ def _load_synthetic(train: bool) -> Dataset:
     x = x + rng.normal(0.0, 0.25, x.shape)
     return Dataset(torch.from_numpy(x[:, None].astype(np.float32)),
                    torch.from_numpy(labels.astype(np.int64)), 10, "synthetic")
+
+
+SHAPES = ("disc", "square", "triangle", "ring", "cross", "hbar", "vbar", "diamond", "x", "frame")
+
+
+def _load_shapes(train: bool) -> Dataset:
+    """A generated 10-class task of 32x32 colour images: 6000 train and 1500 test images.
+
+    The offline stand-in for a colour dataset (`--dataset shapes`, the real-sized model's
+    scenario, docs/models.md): class = the shape drawn (SHAPES), with a random colour, size
+    (radius 5-11 px), centre (within 4 px of the middle) and background colour, plus
+    Gaussian pixel noise sigma 0.1; colour says nothing about the class. Deterministic.
+    """
+    n = 6000 if train else 1500
+    rng = np.random.default_rng(31 if train else 32)
+    labels = rng.integers(0, len(SHAPES), n)
+    yy, xx = np.mgrid[0:32, 0:32].astype(np.float32)
+    images = np.empty((n, 3, 32, 32), dtype=np.float32)
+    for i, c in enumerate(labels):
+        cy, cx = 15.5 + rng.uniform(-4, 4, 2)
+        r = rng.uniform(5, 11)
+        dy, dx = (yy - cy) / r, (xx - cx) / r
+        ay, ax = np.abs(dy), np.abs(dx)
+        mask = {
+            "disc": dy ** 2 + dx ** 2 <= 1,
+            "square": np.maximum(ay, ax) <= 0.8,
+            "triangle": (dy <= 0.8) & (ax <= (dy + 1) / 2),
+            "ring": np.abs(np.sqrt(dy ** 2 + dx ** 2) - 0.75) <= 0.22,
+            "cross": ((ay <= 0.25) | (ax <= 0.25)) & (np.maximum(ay, ax) <= 1),
+            "hbar": (ay <= 0.3) & (ax <= 1),
+            "vbar": (ax <= 0.3) & (ay <= 1),
+            "diamond": ay + ax <= 1,
+            "x": (np.abs(dy - dx) <= 0.3) | (np.abs(dy + dx) <= 0.3),
+            "frame": (np.maximum(ay, ax) <= 0.9) & (np.maximum(ay, ax) >= 0.6),
+        }[SHAPES[c]]
+        if SHAPES[c] == "x":
+            mask &= np.maximum(ay, ax) <= 0.9
+        background, colour = rng.uniform(0, 1, (2, 3, 1, 1))
+        colour = np.where(np.abs(colour - background) < 0.3, 1.0 - background, colour)
+        images[i] = np.where(mask[None], colour[:, :, 0][:, :, None], background[:, :, 0][:, :, None])
+    images += rng.normal(0.0, 0.1, images.shape).astype(np.float32)
+    x = np.clip(images, 0, 1)
+    mean, std = (0.5, 0.5, 0.5), (0.3, 0.3, 0.3)
+    return _normalized(x, labels, len(SHAPES), "shapes", mean, std, scale=1.0)
+
+
+def _load_factory(name: str, root: str, train: bool) -> Dataset:
+    """A dataset factory by import path: `factory(train=..., data_dir=...)` returns a fedmq
+    Dataset (used as is), an (x, y) pair of tensors or arrays, or a torch Dataset of
+    (image, label) items; images in [0, 1] are normalized with the train split's
+    per-channel statistics, and the class count is the train split's largest label + 1."""
+    from fedmq.models import _import_factory
+
+    factory = _import_factory(name)
+    try:
+        made = factory(train=train, data_dir=root)
+    except TypeError as exc:
+        raise UsageError(f"dataset {name}: call it as factory(train=bool, data_dir=str): {exc}") from None
+    if isinstance(made, Dataset):
+        return made
+    if isinstance(made, tuple) and len(made) == 2:
+        x, y = (torch.as_tensor(np.asarray(v)) if not isinstance(v, torch.Tensor) else v for v in made)
+    elif hasattr(made, "__getitem__") and hasattr(made, "__len__"):
+        items = [made[i] for i in range(len(made))]
+        if not items:
+            raise ValueError(f"dataset {name}: the {'train' if train else 'test'} split is empty")
+        x = torch.stack([torch.as_tensor(item[0]) for item in items])
+        y = torch.as_tensor([int(item[1]) for item in items])
+    else:
+        raise UsageError(f"dataset {name}: the factory returned {type(made).__name__}; return a torch Dataset "
+                         f"of (image, label), an (x, y) pair, or a fedmq Dataset")
+    if x.ndim == 3:
+        x = x[:, None]
+    if x.ndim != 4 or y.ndim != 1 or len(x) != len(y):
+        raise ValueError(f"dataset {name}: need images (N, C, H, W) and labels (N,), got {tuple(x.shape)} "
+                         f"and {tuple(y.shape)}")
+    images = x.float().numpy()
+    labels = y.long().numpy()
+    if train:
+        mean = tuple(float(v) for v in images.mean(axis=(0, 2, 3)))
+        std = tuple(float(max(v, 1e-6)) for v in images.std(axis=(0, 2, 3)))
+        num_classes = int(labels.max()) + 1
+    else:
+        ref = load_dataset(name, data_dir=root, train=True)
+        mean, std, num_classes = ref.mean, ref.std, ref.num_classes
+    if labels.min() < 0 or labels.max() >= num_classes:
+        raise ValueError(f"dataset {name}: labels must lie in [0, {num_classes}) (the train split's), "
+                         f"got {int(labels.min())}..{int(labels.max())}")
+    return _normalized(images, labels, num_classes, name, mean, std, scale=1.0)
 
 
 def _load_digits(train: bool) -> Dataset:
