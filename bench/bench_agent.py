@@ -90,26 +90,29 @@ def _update_cost(quick: bool) -> dict:
     return out
 
 
-def _onnx_cost(quick: bool) -> dict:
-    vector = to_vector(build_model(MODEL, seed=1))
+def onnx_cost(quick: bool, model: str = MODEL) -> dict:
+    """Export times (fresh, and a weight swap into the cached graph) and inference latency,
+    ONNX Runtime against torch, one thread, batch 1 and 256."""
+    shape = model_spec(model).input_shape
+    vector = to_vector(build_model(model, seed=1))
     export = {}
     for label, exporter in [("dynamo_first_in_process_s", "dynamo"), ("dynamo_again_s", "dynamo"),
                             ("legacy_s", "legacy")]:
-        blob, info = export_onnx(MODEL, vector, exporter=exporter, reuse_graph=False)
+        blob, info = export_onnx(model, vector, exporter=exporter, reuse_graph=False)
         export[label] = round(info.seconds, 3)
         export["onnx_bytes"] = len(blob)
-    export_onnx(MODEL, vector, exporter="dynamo")  # fills the graph cache
-    _, info = export_onnx(MODEL, to_vector(build_model(MODEL, seed=2)), exporter="dynamo")
+    export_onnx(model, vector, exporter="dynamo")  # fills the graph cache
+    _, info = export_onnx(model, to_vector(build_model(model, seed=2)), exporter="dynamo")
     export["weight_swap_into_cached_graph_s"] = round(info.seconds, 4)
     t0 = time.perf_counter()
-    onnx_predictor = OnnxPredictor(MODEL, vector, intra_op_num_threads=1)
+    onnx_predictor = OnnxPredictor(model, vector, intra_op_num_threads=1)
     export["predictor_with_cached_graph_s"] = round(time.perf_counter() - t0, 3)
     export["providers"] = onnx_predictor.providers
 
-    torch_predictor = TorchPredictor(MODEL, vector)
+    torch_predictor = TorchPredictor(model, vector)
     latency = {}
     for batch, repeats in [(1, 50 if quick else 300), (256, 5 if quick else 30)]:
-        x = np.random.default_rng(batch).standard_normal((batch, 1, 28, 28)).astype(np.float32)
+        x = np.random.default_rng(batch).standard_normal((batch, *shape)).astype(np.float32)
         assert np.abs(onnx_predictor.predict(x) - torch_predictor.predict(x)).max() < 1e-4
         latency[f"batch{batch}"] = {
             "onnxruntime_ms": _median_ms(lambda x=x: onnx_predictor.predict(x), repeats),
@@ -158,7 +161,7 @@ def run(quick: bool) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        figures = {"update": _update_cost(quick), "onnx": _onnx_cost(quick)}
+        figures = {"update": _update_cost(quick), "onnx": onnx_cost(quick)}
         if not quick:
             figures["trainer_defaults_sweep"] = _trainer_sweep()
     finally:

@@ -181,15 +181,15 @@ def make_uploads(clusters: torch.Tensor, n: int, seed: int) -> list[Upload]:
             for i in range(n)]
 
 
-def random_world(n_proxy: int, seed: int = 0,
-                 arch: str = ARCH) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+def random_world(n_proxy: int, seed: int = 0, arch: str = ARCH,
+                 k: int = K) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
     """K proxy sets of random inputs and labels of the model's shape (28x28 for cnn28), and K
     freshly initialized vectors (random inputs cost the same as real ones)."""
     g = torch.Generator().manual_seed(seed)
     spec = model_spec(arch)
     proxies = [(torch.randn(n_proxy, *spec.input_shape, generator=g),
-                torch.randint(0, spec.num_classes, (n_proxy,), generator=g)) for _ in range(K)]
-    return proxies, torch.stack([to_vector(build_model(arch, seed=k)) for k in range(K)])
+                torch.randint(0, spec.num_classes, (n_proxy,), generator=g)) for _ in range(k)]
+    return proxies, torch.stack([to_vector(build_model(arch, seed=i)) for i in range(k)])
 
 
 def run(quick: bool = False) -> dict:

@@ -44,6 +44,28 @@ does with a queue: torch.func batched replies against the same queue one reply a
 cnn28 (compute-bound on a CPU) and the 14 k-parameter digits model (overhead-bound)."""
 
 
+def time_uploads(strategy: CDFL, clusters: torch.Tensor, sketch: torch.Tensor, uploads: int, device: str,
+                 g: torch.Generator) -> dict:
+    """Median seconds per upload through `CDFL.update`, one at a time, and where they went."""
+    k = clusters.shape[0]
+    seconds: list[float] = []
+    parts: dict[str, list[float]] = {"estimate": [], "reply": [], "refresh": []}
+    for i in range(uploads):
+        v = clusters[i % k] + 0.01 * torch.randn(clusters.shape[1], generator=g)
+        t0 = time.perf_counter()
+        reply = strategy.update(Upload(f"agent{i}", v, tau=strategy.uploads_applied, sketch=sketch,
+                                       base=clusters[i % k]))  # the delta rule needs it
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - t0)
+        info = reply.info
+        parts["estimate"].append(info.get("estimate_seconds", 0.0))
+        parts["reply"].append(info.get("personalize", {}).get("seconds", 0.0))
+        parts["refresh"].append(info.get("refresh_seconds", 0.0))
+    return {"s_per_upload": round(statistics.median(seconds), 4),
+            **{f"{name}_s": round(statistics.median(x), 4) for name, x in parts.items()}}
+
+
 def run(quick: bool = False) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     n_proxy = 250 if quick else 1000
@@ -69,7 +91,6 @@ def run(quick: bool = False) -> dict:
         strategy = CDFL.from_settings(spec, clusters, proxies, settings, device=device)
         strategy.join("warm-up")
         strategy.update(Upload("warm-up", clusters[0] + 0.01, tau=0, sketch=sketch))
-        seconds, parts = [], {"estimate": [], "reply": [], "refresh": []}
         if queued:
             ups = [Upload(f"agent{i}", clusters[i % K] + 0.01 * torch.randn(spec.numel, generator=g),
                           tau=strategy.uploads_applied, sketch=sketch, base=clusters[i % K]) for i in range(queued)]
@@ -82,21 +103,9 @@ def run(quick: bool = False) -> dict:
                                      "s_per_upload": round(s_per, 4)}
             print(f"{name:28s} {s_per:8.3f} s/upload", flush=True)
             continue
-        for i in range(uploads_per_variant):
-            v = clusters[i % K] + 0.01 * torch.randn(spec.numel, generator=g)
-            t0 = time.perf_counter()
-            reply = strategy.update(Upload(f"agent{i}", v, tau=strategy.uploads_applied, sketch=sketch,
-                                           base=clusters[i % K]))  # the delta rule needs it
-            if device == "cuda":
-                torch.cuda.synchronize()
-            seconds.append(time.perf_counter() - t0)
-            info = reply.info
-            parts["estimate"].append(info.get("estimate_seconds", 0.0))
-            parts["reply"].append(info.get("personalize", {}).get("seconds", 0.0))
-            parts["refresh"].append(info.get("refresh_seconds", 0.0))
-        out["variants"][name] = {"settings": fields, "s_per_upload": round(statistics.median(seconds), 4),
-                                 **{f"{k}_s": round(statistics.median(x), 4) for k, x in parts.items()}}
-        print(f"{name:28s} {statistics.median(seconds):8.3f} s/upload", flush=True)
+        out["variants"][name] = {"settings": fields, **time_uploads(strategy, clusters, sketch, uploads_per_variant,
+                                                                    device, g)}
+        print(f"{name:28s} {out['variants'][name]['s_per_upload']:8.3f} s/upload", flush=True)
     base = out["variants"][DEFAULT]["s_per_upload"]
     for row in out["variants"].values():
         row["x_default"] = round(row["s_per_upload"] / base, 3)

@@ -130,7 +130,7 @@ class DataSettings:
     """Datasets and how agents' local data is drawn."""
 
     dataset: str = "digits"
-    """digits (bundled with scikit-learn, offline), mnist, fashionmnist, cifar10, cifar100, svhn, usps, or folder:NAME (PNG files in <data_dir>/NAME/{train,test}/<class>/)."""
+    """digits (bundled with scikit-learn, offline), synthetic and shapes (generated, offline; shapes is 32x32 colour), mnist, fashionmnist, cifar10, cifar100, svhn, usps, folder:NAME (PNG files in <data_dir>/NAME/{train,test}/<class>/), or module.path:factory (your loader, called as factory(train=..., data_dir=...); docs/models.md)."""
     data_dir: str = field(default_factory=default_data_dir)
     """Dataset root, in torchvision's own layout."""
     download: bool = False
@@ -503,7 +503,7 @@ class Config:
     fleet: str = "default"
     """Fleet name: the second topic level, fedmq/{fleet}/..."""
     model: str = "auto"
-    """Model zoo name, or auto (chosen from the dataset)."""
+    """Model zoo name (digits-cnn, cnn28, cnn32, cnn32-10), auto (chosen from the dataset), torchvision:NAME[?key=value&...] (e.g. torchvision:mobilenet_v3_small) or module.path:factory[?key=value&...] (your nn.Module; input=CxHxW where the dataset does not say). Agent and aggregator must name the same model: the spec hash refuses a mismatch. docs/models.md."""
     device: str = "auto"
     """auto, cpu or cuda for torch work."""
     seed: int = 0
@@ -663,8 +663,8 @@ def add_config_arguments(parser: Any, flags: tuple[str, ...] = ("broker", "fleet
         "log_level": ("LEVEL", "debug, info, progress, warning or error (default auto: progress for agent and aggregator)"),
         "device": ("DEV", "auto (default), cpu or cuda"),
         "data_dir": ("DIR", "dataset root in torchvision's layout (default: $FEDMQ_DATA_DIR or ~/.cache/fedmq/data)"),
-        "dataset": ("NAME", "digits (offline, default), synthetic (offline, generated), mnist, fashionmnist, cifar10, cifar100, svhn, usps, folder:NAME"),
-        "model": ("NAME", "model zoo name, or auto (default)"),
+        "dataset": ("NAME", "digits (offline, default), synthetic or shapes (offline, generated), mnist, fashionmnist, cifar10, cifar100, svhn, usps, folder:NAME, module.path:factory"),
+        "model": ("NAME", "zoo name, auto (default), torchvision:NAME[?k=v&...] or module.path:factory (docs/models.md)"),
         "seed": ("N", "random seed (default 0)"),
     }
     for name in flags:

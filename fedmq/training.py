@@ -96,14 +96,21 @@ def fit(model_name: str, start: torch.Tensor, x: torch.Tensor, y: torch.Tensor, 
     epochs_done = 0
     final_loss = math.nan
     stopped_early = False
+    starts = list(range(0, n, batch_size))
+    spec = model_spec(model_name)
+    if spec.param_numel < spec.numel and len(starts) > 1 and n - starts[-1] == 1:
+        # Batch norm cannot train on one sample (one value per channel after pooling): the
+        # last sample joins the batch before it. Zoo models (no statistics) keep their draws.
+        starts.pop()
+    ends = starts[1:] + [n]
     for epoch in range(epochs):
         order = torch.randperm(n, generator=generator)
         total, count = 0.0, 0
-        for i in range(0, n, batch_size):
+        for i, end in zip(starts, ends, strict=True):
             if max_seconds is not None and time.perf_counter() - t0 >= max_seconds:
                 stopped_early = True
                 break
-            idx = order[i:i + batch_size]
+            idx = order[i:end]
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(model(x[idx]), y[idx])
             loss.backward()

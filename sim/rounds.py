@@ -599,7 +599,8 @@ def add_round_arguments(p: argparse.ArgumentParser, *, agents: int, slow_share: 
     p.add_argument("--dataset", default="digits",
                    help="digits (default, offline), synthetic, or any fedmq dataset (mnist, ... with --data-dir)")
     p.add_argument("--data-dir", default=None, metavar="DIR", help="dataset root (torchvision layout)")
-    p.add_argument("--model", default="auto", help="model zoo name, or auto (default: fits the dataset)")
+    p.add_argument("--model", default="auto", help="zoo name, auto (default: fits the dataset), torchvision:NAME[?k=v&...] or "
+                   "module.path:factory[?k=v&...] (docs/models.md)")
     p.add_argument("--agents", type=int, default=agents)
     p.add_argument("--slow-share", type=float, default=slow_share)
     p.add_argument("--slow-factor", type=float, default=FleetSpec.slow_factor)

@@ -6,9 +6,10 @@ the defaults that keep it within this machine's means. Every draw takes a numpy 
 seeded by (run seed, agent, cycle), so an agent's data in cycle c is the same in every run
 of the same seed, whatever the thread timing.
 
-- `rotated-digits|mnist|fashionmnist|cifar100`: cluster k is the dataset rotated by
+- `rotated-digits|mnist|fashionmnist|cifar100|shapes`: cluster k is the dataset rotated by
   k * 360 / K; an agent's mixture is 40-90 % from a random primary cluster (DESIGN.md).
-  Only digits is offline; the others need their files under `--data-dir`.
+  Digits and shapes (generated 32x32 colour) are offline; the others need their files
+  under `--data-dir`.
 - `digits-domains`: three digit sources, which offline means scikit-learn's digits as
   printed, inverted (a night camera) and bold (dilated strokes: a different pen). A car's
   mixture moves along its route: the share of each domain follows a cosine of the car's
@@ -60,6 +61,9 @@ SCENARIOS: dict[str, Scenario] = {
     "rotated-fashionmnist": Scenario("rotated-fashionmnist", "fashionmnist", "rotated",
                                      "FashionMNIST rotated by k*360/K"),
     "rotated-cifar100": Scenario("rotated-cifar100", "cifar100", "rotated", "CIFAR-100 rotated by k*360/K"),
+    "rotated-shapes": Scenario("rotated-shapes", "shapes", "rotated",
+                               "generated 32x32 colour shapes (offline), cluster k rotated by k*360/K: "
+                               "the scenario for real-sized models (docs/models.md)"),
     "digits-domains": Scenario("digits-domains", "digits", "domains",
                                "digits printed / inverted / bold, mixed along each car's route",
                                fixed_clusters=3, defaults=DIGITS_DEFAULTS),

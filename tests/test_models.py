@@ -153,12 +153,12 @@ def test_a_torchvision_fleet_over_mosquitto_with_a_reply_in_several_chunks(mosqu
     common = ["--broker", mosquitto.url, "--fleet", "tv", "--dataset", "shapes", "--model", MOBILENET,
               # 256 kB pieces: the int8 reply (1.4 MB) spans 6; the default 8 MiB would hold it whole.
               "--set", "protocol.chunk_bytes=262144"]
-    aggregator = CliProcess(
-        ["fedmq", "aggregator", *common, "--clusters", "2", "--state-dir", str(tmp_path / "agg"),
-         # CI time: the defaults (10,000 samples of pre-training per cluster, 8-epoch replies)
-         # take 2 min to start and 45 s per reply here; docs/models.md measures them.
-         "--set", "data.proxy_per_cluster=100", "--set", "data.pretrain_per_cluster=200",
-         "--set", "aggregator.pretrain_epochs=2", "--set", "cdfl.personalize_epochs=2"], cwd=tmp_path)
+    server = ["fedmq", "aggregator", *common, "--clusters", "2", "--state-dir", str(tmp_path / "agg"),
+              # CI time: the defaults (10,000 samples of pre-training per cluster, 8-epoch replies)
+              # take 2 min to start and 45 s per reply here; docs/models.md measures them.
+              "--set", "data.proxy_per_cluster=100", "--set", "data.pretrain_per_cluster=200",
+              "--set", "aggregator.pretrain_epochs=2", "--set", "cdfl.personalize_epochs=2"]
+    aggregator = CliProcess(server, cwd=tmp_path)
     agent = None
     try:
         aggregator.wait_for(r"^aggregator cdfl on ", timeout=600)
@@ -172,8 +172,20 @@ def test_a_torchvision_fleet_over_mosquitto_with_a_reply_in_several_chunks(mosqu
         for proc in (agent, aggregator):
             assert proc.stop() == 0, proc.output[-3000:]
             assert "Traceback" not in proc.output, proc.output[-3000:]
+        # The snapshot and journal of a batch-norm model bring the fleet back where it was.
+        aggregator = CliProcess(server, cwd=tmp_path)
+        aggregator.wait_for(r"^aggregator cdfl on .* epoch=1$", timeout=300)
+        assert aggregator.stop() == 0 and "Traceback" not in aggregator.output, aggregator.output[-3000:]
     finally:
         for proc in (agent, aggregator):
             if proc is not None:
                 proc.kill()
 
+
+
+def test_batch_norm_trains_when_the_last_batch_would_hold_one_sample() -> None:
+    """MobileNetV3 pools to 1x1: batch norm on one sample has one value per channel and fails."""
+    name = resolve_model_name(MOBILENET, "shapes")
+    data = load_dataset("shapes")
+    result = fit(name, to_vector(build_model(name, seed=0)), data.x[:33], data.y[:33], epochs=1, batch_size=32)
+    assert result.samples_seen == 33 and np.isfinite(result.final_loss)

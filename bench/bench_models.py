@@ -1,0 +1,146 @@
+"""A real-sized model end to end: MobileNetV3-small (torchvision, 1.5 M parameters and batch
+norm) on the generated 32x32 colour `shapes` set, as docs/models.md brings it.
+
+1. Bytes: one agent's trained update (1,000 local samples, 2 epochs, the agent's defaults)
+   and one reply, per codec, as msgpack wire maps (what the protocol carries).
+2. Aggregator seconds per upload for each CDFL reply variant (`CDFL.update`: estimate,
+   cluster update, reply), K = 2, 1,000 proxy samples per cluster, this CPU or CUDA.
+3. Agent: ONNX export and ONNX Runtime against torch inference (bench_agent's measurement).
+4. The deployment as a user runs it: `fedmq aggregator` and `fedmq agent` processes with
+   their defaults on a real Mosquitto: the aggregator's start (pre-training), the agent's
+   upload-to-reply latency, bytes up and down, and the agent's peak memory (VmHWM).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgpack
+import torch
+
+from bench.bench_agent import onnx_cost
+from bench.bench_aggregator import random_world
+from bench.bench_replies import DEFAULT, VARIANTS, time_uploads
+from fedmq import codecs
+from fedmq.broker import MosquittoBroker
+from fedmq.data import load_dataset
+from fedmq.models import build_model, model_spec, resolve_model_name, to_vector
+from fedmq.sketch import data_sketch
+from fedmq.training import fit
+
+MODEL = "torchvision:mobilenet_v3_small"
+DATASET = "shapes"
+REPLY_VARIANTS = ("paper (mixture, no refresh)", DEFAULT, "finetune-ep2", "samples256")
+
+
+def wire_bytes(name: str) -> dict:
+    data = load_dataset(DATASET)
+    start = to_vector(build_model(name, seed=0))
+    t0 = time.perf_counter()
+    trained = fit(name, start, data.x[:1000], data.y[:1000], epochs=2, lr=0.01, momentum=0.9).vector
+    out: dict = {"agent_training_s": round(time.perf_counter() - t0, 2), "values": int(trained.numel())}
+    for codec in codecs.CODECS:
+        wire = codecs.encode(trained.numpy(), codec, base=start.numpy())
+        out[f"{codec}_bytes"] = len(msgpack.packb(wire, use_bin_type=True))
+    return out
+
+
+def reply_costs(name: str, quick: bool) -> dict:
+    from aggregator.cdfl import CDFL
+    from fedmq.config import CDFLSettings
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    n_proxy = 200 if quick else 1000
+    proxies, clusters = random_world(n_proxy, arch=name, k=2)
+    sketch = data_sketch(torch.cat([proxies[0][0][:300], proxies[1][0][:100]]))
+    g = torch.Generator().manual_seed(1)
+    out: dict = {"device": device, "K": 2, "proxy_per_cluster": n_proxy, "variants": {}}
+    for variant in REPLY_VARIANTS:
+        settings = CDFLSettings(clusters=2, tau0=1000, **VARIANTS[variant])
+        strategy = CDFL.from_settings(model_spec(name), clusters, proxies, settings, device=device)
+        strategy.join("warm-up")
+        out["variants"][variant] = time_uploads(strategy, clusters, sketch, 1 if quick else 2, device, g)
+        print(f"reply {variant:34s} {out['variants'][variant]['s_per_upload']:8.2f} s/upload", flush=True)
+    return out
+
+
+def _peak_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM"):
+                return round(int(line.split()[1]) / 1024, 1)
+    return float("nan")
+
+
+def _wait(proc: subprocess.Popen, lines: list[str], pattern: str, timeout: float) -> re.Match[str]:
+    regex = re.compile(pattern)
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"exited before {pattern!r}:\n" + "".join(lines[-20:]))
+        lines.append(line)
+        match = regex.search(line)
+        if match:
+            return match
+    raise RuntimeError(f"no {pattern!r} in {timeout:.0f} s:\n" + "".join(lines[-20:]))
+
+
+def deployment(quick: bool) -> dict:
+    """`fedmq aggregator` + one `fedmq agent` with MobileNetV3-small, defaults, over Mosquitto."""
+    fedmq = str(Path(sys.executable).parent / "fedmq")
+    extra = ["--set", "data.pretrain_per_cluster=200", "--set", "aggregator.pretrain_epochs=1"] if quick else []
+    with MosquittoBroker.dev() as broker, tempfile.TemporaryDirectory() as tmp:
+        common = ["--broker", broker.url, "--fleet", "bench-models", "--dataset", DATASET, "--model", MODEL]
+        popen = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, "cwd": tmp}
+        t0 = time.perf_counter()
+        agg = subprocess.Popen([fedmq, "aggregator", *common, "--clusters", "2", "--state-dir", f"{tmp}/agg",
+                                *extra], **popen)
+        agent = None
+        agg_lines: list[str] = []
+        agent_lines: list[str] = []
+        try:
+            _wait(agg, agg_lines, r"^aggregator cdfl on ", 1800)
+            started = time.perf_counter() - t0
+            agent = subprocess.Popen([fedmq, "agent", *common, "--id", "van-1", "--state-dir", f"{tmp}/van-1"],
+                                     **popen)
+            _wait(agent, agent_lines, r"model\.installed .*via=join", 600)
+            agent.send_signal(signal.SIGUSR1)
+            trained = _wait(agent, agent_lines, r"train\.done .* seconds=([0-9.]+) .*acc_held=([0-9.]+) "
+                            r"acc_trained=([0-9.]+)", 600)
+            done = _wait(agent, agent_lines, r"model\.installed .*via=update .*accuracy=([0-9.]+) .*"
+                         r"uploaded=(\d+) waited_s=([0-9.]+) downloaded=(\d+)", 1200)
+            applied = _wait(agg, agg_lines, r"update\.applied .* apply_s=([0-9.]+)", 60)
+            return {"aggregator_start_s": round(started, 1), "agent_training_s": float(trained.group(1)),
+                    "agent_accuracy_held_trained_received": [float(trained.group(2)), float(trained.group(3)),
+                                                             float(done.group(1))],
+                    "upload_bytes": int(done.group(2)), "reply_bytes": int(done.group(4)),
+                    "upload_to_reply_s": float(done.group(3)), "aggregator_apply_s": float(applied.group(1)),
+                    "agent_peak_rss_mb": _peak_mb(agent.pid), "aggregator_peak_rss_mb": _peak_mb(agg.pid)}
+        finally:
+            for proc in (agent, agg):
+                if proc is not None and proc.poll() is None:
+                    proc.terminate()
+                    proc.wait(60)
+
+
+def run(quick: bool = False) -> dict:
+    name = resolve_model_name(MODEL, DATASET)
+    spec = model_spec(name)
+    out: dict = {"model": name, "parameters": spec.param_numel, "statistics": spec.numel - spec.param_numel,
+                 "fp32_mb": round(spec.numel * 4 / 2**20, 2)}
+    out["bytes"] = wire_bytes(name)
+    print(f"bytes {out['bytes']}", flush=True)
+    out["replies"] = reply_costs(name, quick)
+    out["agent_onnx"] = onnx_cost(quick, name)
+    print(f"onnx {out['agent_onnx']}", flush=True)
+    out["deployment"] = deployment(quick)
+    print(f"deployment {out['deployment']}", flush=True)
+    return out
