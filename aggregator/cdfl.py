@@ -151,11 +151,17 @@ class SoftClusters(Strategy):
             if self.delta_head is not None:
                 step[self.delta_head[0]:self.delta_head[1]] = 0.0
             info["rule"] = "delta"
+        stats = self.spec.param_numel  # running statistics from here on: averaged, never stepped
         for k, beta in enumerate(betas):
             if beta <= 0.0:
                 continue
             if step is not None:
-                self.clusters[k].add_(step, alpha=beta)
+                # A step on a variance can make it negative (w_k's is smaller than base - v's):
+                # statistics take the pull rule instead, a convex mixture (beta <= 1 here).
+                self.clusters[k][:stats].add_(step[:stats], alpha=beta)
+                if stats < self.spec.numel:
+                    b = min(beta, 1.0)
+                    self.clusters[k][stats:].mul_(1.0 - b).add_(vector[stats:], alpha=b)
             else:
                 self.clusters[k].mul_(1.0 - beta).add_(vector, alpha=beta)
             self._changed(k)

@@ -86,7 +86,8 @@ class ModelSpec:
         """Views of `vector` shaped as the named parameters (for torch.func.functional_call).
 
         Running statistics come detached: no gradient step moves them (batch norm in eval
-        mode is not differentiable in them), so their entries of any gradient are 0."""
+        mode is not differentiable in them), so their entries of any gradient are 0; running
+        variances come clamped at 0."""
         if vector.shape[-1] != self.numel:
             raise ValueError(f"{self.arch}: vector has {vector.shape[-1]} values, spec has {self.numel}")
         out: dict[str, torch.Tensor] = {}
@@ -95,7 +96,11 @@ class ModelSpec:
         for name, shape in zip(self.names, self.shapes, strict=True):
             n = math.prod(shape)
             view = vector[..., offset : offset + n].reshape(*lead, *shape)
-            out[name] = view if self.trainable is None or len(out) < self.trainable else view.detach()
+            if self.trainable is not None and len(out) >= self.trainable:
+                view = view.detach()
+                if name.endswith("running_var"):  # a lossy codec or a step may leave one below 0
+                    view = view.clamp(min=0.0)
+            out[name] = view
             offset += n
         return out
 
@@ -411,14 +416,16 @@ def to_vector(model: nn.Module) -> torch.Tensor:
 
 def load_vector(model: nn.Module, vector: torch.Tensor) -> nn.Module:
     """Copy a flat vector into the model's state in place; shape-checked."""
-    tensors = [t for _, t, _ in state_tensors(model)]
-    total = sum(t.numel() for t in tensors)
+    named = state_tensors(model)
+    total = sum(t.numel() for _, t, _ in named)
     if vector.ndim != 1 or vector.numel() != total:
         raise ValueError(f"vector of shape {tuple(vector.shape)} does not fit a model of {total} values")
     offset = 0
     with torch.no_grad():
-        for t in tensors:
+        for name, t, is_param in named:
             n = t.numel()
             t.copy_(vector[offset : offset + n].view_as(t).to(t.dtype))
+            if not is_param and name.endswith("running_var"):
+                t.clamp_(min=0.0)  # as ModelSpec.unflatten: a lossy codec may leave one below 0
             offset += n
     return model

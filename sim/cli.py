@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+import time
 from pathlib import Path
 
 from tqdm import tqdm
@@ -223,11 +224,15 @@ def run_experiments(args: argparse.Namespace) -> int:
     bar = tqdm(total=total, desc="updates", unit="upd", dynamic_ncols=True,
                disable=not sys.stderr.isatty())  # a bar in a log file is one huge line
     try:
-        for sp in specs:
+        for i, sp in enumerate(specs):
             bar.set_postfix_str(sp.label)
+            t0 = time.perf_counter()
             result = run_fleet(sp, cfg, broker_url=cfg.broker.url if args.broker else None,
                                progress=bar.update)
             write_run(result, args.out)
+            if bar.disable:  # no bar in a log: one line per finished run instead
+                print(f"run {i + 1}/{len(specs)} {sp.label}: {len(result.updates)} updates in "
+                      f"{time.perf_counter() - t0:.0f} s", flush=True)
     finally:
         bar.close()
     report, paths, text = write_report(args.out, command)

@@ -116,6 +116,11 @@ def test_batch_norm_statistics_travel_with_the_weights_and_no_server_step_moves_
     trained = fit(name, start, d.x, d.y, epochs=1, lr=0.05).vector
     assert not torch.equal(trained[p:], start[p:])  # the device's statistics are in what it sends
     assert torch.equal(to_vector(load_vector(build_model(name), trained)), trained)
+    negative = trained.clone()
+    negative[p:] = -1.0  # a lossy codec's rounding can push a tiny variance below 0: used as 0
+    assert all((t >= 0).all() for n, t in spec.unflatten(negative).items() if n.endswith("running_var"))
+    assert all((b >= 0).all() for n, b in load_vector(build_model(name), negative).named_buffers()
+               if n.endswith("running_var"))
     stale = torch.cat([trained[:p], start[p:]])  # the same weights with other statistics
     test = clusters.take(1, 300, np.random.default_rng(0), split="test")
     assert evaluate(name, trained, test.x, test.y) != evaluate(name, stale, test.x, test.y)
@@ -189,3 +194,33 @@ def test_batch_norm_trains_when_the_last_batch_would_hold_one_sample() -> None:
     data = load_dataset("shapes")
     result = fit(name, to_vector(build_model(name, seed=0)), data.x[:33], data.y[:33], epochs=1, batch_size=32)
     assert result.samples_seen == 33 and np.isfinite(result.final_loss)
+
+
+
+def test_the_delta_rule_mixes_statistics_and_never_makes_a_variance_negative(bars) -> None:
+    """w_k += b (v - base) on a running variance goes below 0 when w_k's is smaller than
+    base's - v's (a MobileNetV3 fleet's replies turned NaN so): statistics take the pull rule,
+    w_k := (1 - b) w_k + b v, while the parameters take the step."""
+    from aggregator.cdfl import CDFL
+    from aggregator.strategy import Upload
+    from fedmq.config import CDFLSettings
+
+    name, _, start, proxies = bars
+    spec = model_spec(name)
+    p = spec.param_numel
+    var = torch.cat([torch.full((int(np.prod(shape)),), n.endswith("running_var"))
+                     for n, shape in zip(spec.names, spec.shapes, strict=True)])
+    clusters = torch.stack([start, start])
+    clusters[:, var] = 0.1
+    base, upload = start.clone(), start.clone()
+    base[var], upload[var] = 2.0, 0.5  # v - base = -1.5 on every variance
+    step = 0.01 * torch.randn(p, generator=torch.Generator().manual_seed(0))
+    upload[:p] += step
+    settings = CDFLSettings(clusters=2, tau0=100, update_rule="delta", server_lr=0.5, personalization="mixture",
+                            cluster_refresh_steps=0, delta_moves_head=True)
+    strategy = CDFL.from_settings(spec, clusters, proxies, settings, device="cpu")
+    strategy.join("car-1")
+    strategy.apply(Upload("car-1", upload, tau=0, base=base), alpha=[0.8, 0.2])
+    for k, b in enumerate((0.5 * 0.8, 0.5 * 0.2)):
+        torch.testing.assert_close(strategy.clusters[k, :p], clusters[k, :p] + b * step)
+        torch.testing.assert_close(strategy.clusters[k, var], torch.full((int(var.sum()),), (1 - b) * 0.1 + b * 0.5))
