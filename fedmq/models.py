@@ -23,6 +23,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -227,7 +228,7 @@ class ModelReference:
             except (TypeError, ValueError) as exc:
                 raise UsageError(f"model {self}: torchvision refused its arguments: {exc}") from None
         else:
-            factory = _import_factory(self.name)
+            factory = import_factory(self.name)
             try:
                 model = factory(**dict(self.kwargs))
             except TypeError as exc:
@@ -285,24 +286,30 @@ def parse_reference(text: str) -> ModelReference:
     return ModelReference(head, head, tuple(sorted(kwargs.items())), input_shape)
 
 
-def _import_factory(path: str) -> Callable[..., nn.Module]:
+def import_factory(path: str, what: str = "model") -> Callable[..., Any]:
     """`module.path:attr`, imported; the working directory is searched too (as uvicorn does),
     so a project's own `mypkg/nets.py` works from the console scripts."""
     module_name, _, attr = path.partition(":")
+    top = module_name.split(".")[0]
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if os.getcwd() in sys.path or exc.name != module_name.split(".")[0]:
-            raise UsageError(f"model {path}: cannot import {module_name!r}: {exc}") from None
+        if exc.name != top:  # the top-level package exists, maybe another one of that name
+            where = getattr(sys.modules.get(top), "__path__", None)
+            raise UsageError(f"{what} {path}: cannot import {module_name!r}: {exc}"
+                             + (f" (the package {top!r} found is {list(where)[0]}: another package's?)"
+                                if where else "")) from None
+        if os.getcwd() in sys.path:
+            raise UsageError(f"{what} {path}: cannot import {module_name!r}: {exc}") from None
         sys.path.insert(0, os.getcwd())
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc2:
-            raise UsageError(f"model {path}: cannot import {module_name!r} (searched the working directory "
+            raise UsageError(f"{what} {path}: cannot import {module_name!r} (searched the working directory "
                              f"too): {exc2}") from None
     factory = getattr(module, attr, None)
     if not callable(factory):
-        raise UsageError(f"model {path}: {module_name} has no callable {attr!r}")
+        raise UsageError(f"{what} {path}: {module_name} has no callable {attr!r}")
     return factory
 
 

@@ -1,7 +1,7 @@
 """Your model, your data (docs/models.md): torchvision models and factories by import path,
 batch-norm statistics, dataset factories, and fleets over a real Mosquitto that run them.
 
-The factory example is the one docs/models.md documents (examples/my_fleet.py); its fleet
+The factory example is the one docs/models.md documents (recipes/my_fleet.py); its fleet
 block runs as written in tests/test_documented_commands.py.
 """
 
@@ -28,8 +28,8 @@ from fedmq.training import evaluate, fit
 from tests.cli_process import BIN, ROOT, CliProcess, cli_env
 
 MOBILENET = "torchvision:mobilenet_v3_small"
-BARS_DATA = "examples.my_fleet:load_bars"
-BARS_MODEL = "examples.my_fleet:make_model?input=1x16x16&width=8"
+BARS_DATA = "recipes.my_fleet:load_bars"
+BARS_MODEL = "recipes.my_fleet:make_model?input=1x16x16&width=8"
 
 
 def test_a_torchvision_reference_takes_the_datasets_shape_and_its_hash_covers_the_architecture() -> None:
@@ -50,10 +50,10 @@ def test_a_torchvision_reference_takes_the_datasets_shape_and_its_hash_covers_th
 @pytest.mark.parametrize("model, dataset, says", [
     ("torchvision:nosuchnet", "shapes", "torchvision has no model 'nosuchnet'"),
     ("nosuchpkg.nets:make", "shapes", "cannot import 'nosuchpkg.nets'"),
-    ("examples.my_fleet:nothing", "shapes", "no callable 'nothing'"),
-    ("examples.my_fleet:make_model?width=eight", "digits", "refused its arguments"),
+    ("recipes.my_fleet:nothing", "shapes", "no callable 'nothing'"),
+    ("recipes.my_fleet:make_model?width=eight", "digits", "refused its arguments"),
     ("torchvision:mobilenet_v3_small", "digits", "forward pass on inputs (N, 1, 8, 8) failed"),
-    ("examples.my_fleet:make_model", BARS_DATA, "add input=CxHxW"),
+    ("recipes.my_fleet:make_model", BARS_DATA, "add input=CxHxW"),
     ("torchvision:resnet18?input=3x", "shapes", "input must be CxHxW"),
     ("torchvision:resnet18?depth", "shapes", "'depth' is not key=value"),
 ])
@@ -93,7 +93,7 @@ def test_a_dataset_factory_is_normalized_by_its_train_split() -> None:
     assert train.num_classes == test.num_classes == 4 and test.mean == train.mean
     assert abs(float(train.x.mean())) < 1e-4 and abs(float(train.x.std()) - 1) < 1e-3
     with pytest.raises(UsageError, match="module.path:function"):
-        load_dataset("examples.my_fleet:load bars")
+        load_dataset("recipes.my_fleet:load bars")
 
 
 @pytest.fixture(scope="module")

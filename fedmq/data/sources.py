@@ -352,9 +352,9 @@ def _load_factory(name: str, root: str, train: bool) -> Dataset:
     Dataset (used as is), an (x, y) pair of tensors or arrays, or a torch Dataset of
     (image, label) items; images in [0, 1] are normalized with the train split's
     per-channel statistics, and the class count is the train split's largest label + 1."""
-    from fedmq.models import _import_factory
+    from fedmq.models import import_factory
 
-    factory = _import_factory(name)
+    factory = import_factory(name, "dataset")
     try:
         made = factory(train=train, data_dir=root)
     except TypeError as exc:

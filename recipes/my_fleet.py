@@ -1,7 +1,7 @@
 """A team's own model and data, brought to fedmq by import path (docs/models.md).
 
-    fedmq agent --model "examples.my_fleet:make_model?width=8" \
-                --dataset examples.my_fleet:load_bars ...
+    fedmq agent --model "recipes.my_fleet:make_model?width=8" \
+                --dataset recipes.my_fleet:load_bars ...
 
 `make_model` is any function returning an nn.Module; its keyword arguments come from the
 reference's query string. It has batch norm on purpose: fedmq sends the running statistics
