@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -54,6 +55,7 @@ from fedmq.algorithms import ASYNC_AGENT
 from fedmq.config import AgentSettings, Config
 from fedmq.logs import PROGRESS, event, get_logger
 from fedmq.models import build_model, model_spec, resolve_model_name, to_vector
+from fedmq.privacy import BudgetSpent
 
 log = get_logger("agent")
 
@@ -182,6 +184,7 @@ class DeviceAgent:
         self._started_at = clock()
         self._last_save = 0.0
         self._drift_seen_at: int | None = None
+        self._said_budget_spent = False
         """monitor.observed when the pending drift was first seen (samples since then are new data)."""
 
     # ------------------------------------------------------------------ lifecycle
@@ -216,6 +219,9 @@ class DeviceAgent:
                                    reply_timeout_s=self.settings.reply_timeout_s, retries=2)
             self.agent.counters.update({k: self.counters[k] for k in ("resends", "errors", "rejected")
                                         if k in self.counters})
+            self.agent.privacy.load_state_dict(self.state.privacy)
+            if self.agent.privacy.enabled:
+                self.agent.counters["epsilon"] = round(self.agent.privacy.spent(), 4)
             self.agent.start()
             if self.state.vector is not None:
                 self.agent.restore(max(self.state.tau, 0), self.state.vector)
@@ -308,7 +314,36 @@ class DeviceAgent:
         if (self.monitor.drift_pending and not self.monitor.trigger_pending and seen is not None
                 and self.monitor.observed - seen < self.settings.samples_after_drift):
             return False
-        return self.profile.can_update((now - self._started_at) * self.settings.time_scale)
+        return (self.profile.can_update((now - self._started_at) * self.settings.time_scale)
+                and not self._budget_spent())
+
+    def _budget_spent(self) -> bool:
+        """With DP on: whether the next upload would take epsilon past privacy.epsilon. The
+        agent then stops uploading (it keeps predicting) and says so, once per start."""
+        if self.agent is None or not self.agent.privacy.enabled:
+            return False
+        try:
+            self.agent.privacy.check(self._planned_release())
+        except BudgetSpent as exc:
+            if not self._said_budget_spent:
+                self._said_budget_spent = True
+                self.agent.counters["budget_spent"] = 1
+                event(log, "privacy.budget_spent", level=logging.WARNING, agent=self.agent_id,
+                      epsilon=self.agent.privacy.spent(), budget=self.agent.privacy.epsilon,
+                      action="uploads stopped; predicting on", detail=str(exc))
+                self.agent.publish_status()
+            self.monitor.update_started(self.clock())  # the request is answered: no upload
+            return True
+        return False
+
+    def _planned_release(self) -> list[tuple[float, float, int]]:
+        """What the next upload charges: DP-SGD over the training samples, and the sketch."""
+        assert self.agent is not None
+        s, privacy = self.settings, self.agent.privacy
+        n = min(len(self.buffer), s.train_on_newest or len(self.buffer))
+        batches = s.epochs * max(1, math.ceil(n / s.batch_size))
+        return privacy.training(max(n, 1), s.batch_size, batches) + (
+            privacy.sketch_release() if self.agent.sends_sketch() else [])
 
     def update(self) -> Cycle:
         """One update cycle now (train, persist the upload, send it, install the reply)."""
@@ -324,11 +359,14 @@ class DeviceAgent:
         x, y = self.buffer.tensors(last=s.train_on_newest or None)
         acc_held, _ = evaluate(self.model_name, held, x, y)
         alpha: list[float] | None = None
+        private = self.agent is not None and self.agent.privacy.enabled
+        seed = self.cfg.seed + self.counters.get("cycles", 0)
         knobs = dict(epochs=s.epochs, batch_size=s.batch_size, lr=s.lr, optimizer=s.optimizer,
-                     momentum=s.momentum, weight_decay=s.weight_decay, rho=s.rho,
-                     seed=self.cfg.seed + self.counters.get("cycles", 0),
+                     momentum=s.momentum, weight_decay=s.weight_decay, rho=s.rho, seed=seed,
                      max_seconds=s.max_train_seconds or None,
-                     on_epoch=lambda _epoch, _loss: not self._stop.is_set())
+                     on_epoch=lambda _epoch, _loss: not self._stop.is_set(),
+                     # DP-SGD's noise must not be predictable from the state: fresh entropy
+                     dp=self.agent.privacy.sgd(int.from_bytes(os.urandom(8), "little")) if private else None)
         event(log, "train.started", agent=self.agent_id, trigger=trigger, samples=len(y), tau=self.state.tau)
         if self.algorithm == "fedsoft-async" and self.agent is not None and self.agent.installed is not None:
             clusters = self.agent.installed.clusters
@@ -337,6 +375,9 @@ class DeviceAgent:
             result = train_fedsoft(self.model_name, start, clusters, alpha, x, y, **knobs)
         else:
             result = train_local(self.model_name, held, x, y, **knobs)
+        if private:
+            assert self.agent is not None
+            self.agent.privacy.spend(self.agent.privacy.training(len(y), s.batch_size, result.steps))
         acc_trained, _ = evaluate(self.model_name, result.vector, x, y)
         self._count("cycles")
         cycle = Cycle(trigger, len(y), self.state.tau, acc_held, acc_trained, result.seconds,
@@ -480,6 +521,7 @@ class DeviceAgent:
         if self.agent is not None:
             for k in ("resends", "errors", "rejected"):
                 self.counters[k] = self.agent.counters.get(k, 0)
+            self.state.privacy = self.agent.privacy.state_dict()
         self.state.monitor = self.monitor.state_dict()
         self.state.counters = dict(self.counters)
         self.state.save(self.state_dir)

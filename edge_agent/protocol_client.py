@@ -96,6 +96,10 @@ class EdgeAgent:
         self.channel = Channel(self.transport, cfg.protocol)
         self.counters: dict[str, float] = {"uploads": 0, "resends": 0, "errors": 0, "rejected": 0,
                                          "joins": 0}
+        self.privacy = cfg.privacy.mechanisms()
+        """DP of what this agent sends, and the epsilon it has spent (privacy.epsilon; off by default)."""
+        if self.privacy.enabled:
+            self.counters["epsilon"] = 0.0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -312,21 +316,38 @@ class EdgeAgent:
         """The upload of `vector`, encoded as a delta against the installed model.
 
         With the training `inputs`, a CDFL upload carries their data sketch (fedmq/sketch.py)
-        unless `agent.send_sketch` is off."""
+        unless `agent.send_sketch` is off. With DP on (privacy.epsilon) `vector` must come from
+        DP-SGD, whose steps the trainer charged; the sketch is noised and charged here
+        (BudgetSpent if that would take epsilon past the budget), and `alpha` and `metrics`
+        (computed from the data, noiseless) are left out."""
         if self.installed is None:
             raise AgentError("not_joined", "join before uploading")
+        with_sketch = inputs is not None and self.sends_sketch()
+        summary = None
+        if self.privacy.enabled:  # `vector` comes from DP-SGD (DeviceAgent): the sketch is the rest
+            if with_sketch:
+                assert inputs is not None
+                self.privacy.check(self.privacy.sketch_release())
+                summary = self.privacy.sketch(sketch.data_sketch(inputs), inputs.shape[0]).astype("<f2").tobytes()
+                self.privacy.spend(self.privacy.sketch_release())
+            self.counters["epsilon"] = round(self.privacy.spent(), 4)
+            alpha, metrics = None, None
+        elif with_sketch:
+            assert inputs is not None
+            summary = sketch.data_sketch(inputs).astype("<f2").tobytes()
         c = self.cfg.codec
         base = self.installed.vector.numpy() if (c.delta and self.installed.kind != "clusters") else None
         wire = codecs.encode(vector.detach().cpu().numpy(), c.name, base=base, zstd=c.zstd,
                              feedback=self.feedback, **c.encoder_params())
-        summary = None
-        if inputs is not None and self.cfg.agent.send_sketch and self.algorithm == "cdfl":
-            summary = sketch.data_sketch(inputs).astype("<f2").tobytes()
         return protocol.Update(agent=self.agent_id, msg_id=protocol.new_msg_id(),
                                sent_at=protocol.now(), model=self.spec.hash,
                                tau=self.installed.epoch, tensor=wire, n_samples=n_samples,
                                alpha=alpha, metrics=metrics or {}, sketch=summary,
                                sketch_method=sketch.METHOD if summary is not None else "")
+
+    def sends_sketch(self) -> bool:
+        """Whether an upload with its training inputs carries their sketch."""
+        return self.cfg.agent.send_sketch and self.algorithm == "cdfl"
 
     def upload(self, env: protocol.Update, *, resend: bool = False) -> tuple[Installed, int]:
         """Send an update until answered; install the reply. Returns (installed, bytes up).

@@ -73,6 +73,8 @@ class AgentState:
     counters: dict[str, int] = field(default_factory=dict)
     reference_accuracy: float | None = None
     saved_at: float = 0.0
+    privacy: list[list[float]] = field(default_factory=list)
+    """UplinkPrivacy.state_dict(): every DP release so far (the epsilon spent survives restarts)."""
     msg_id_floor: str = ""
     """protocol.msg_id_floor() when saved: after a restart the agent's msg_ids sort above
     every one it sent before, even if the clock went back (the aggregator needs them rising)."""
@@ -98,7 +100,7 @@ class AgentState:
         doc = {"agent_id": self.agent_id, "model_name": self.model_name, "spec_hash": self.spec_hash,
                "vector": vector, "tau": self.tau, "pending": pending, "monitor": self.monitor,
                "counters": self.counters, "reference_accuracy": self.reference_accuracy,
-               "saved_at": self.saved_at, "msg_id_floor": self.msg_id_floor}
+               "saved_at": self.saved_at, "msg_id_floor": self.msg_id_floor, "privacy": self.privacy}
         return msgpack.packb(doc, use_bin_type=True)
 
     @classmethod
@@ -121,7 +123,8 @@ class AgentState:
                    spec_hash=str(doc["spec_hash"]), vector=vector, tau=int(doc["tau"]), pending=pending,
                    monitor=dict(doc["monitor"]), counters={str(k): int(v) for k, v in doc["counters"].items()},
                    reference_accuracy=None if ref is None else float(ref), saved_at=float(doc["saved_at"]),
-                   msg_id_floor=str(doc.get("msg_id_floor", "")))
+                   msg_id_floor=str(doc.get("msg_id_floor", "")),
+                   privacy=[[float(m), float(q), int(n)] for m, q, n in doc.get("privacy", [])])
 
     def to_bytes(self) -> bytes:
         body = self._body()

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from fedmq.privacy import DpSgd
 from fedmq.training import (
     OPTIMIZERS,
     EpochCallback,
@@ -35,7 +36,8 @@ __all__ = ["OPTIMIZERS", "EpochCallback", "TrainResult", "estimate_alpha_argmin"
 def train_local(model_name: str, start: torch.Tensor, x: torch.Tensor, y: torch.Tensor, *,
                 epochs: int = 2, batch_size: int = 32, lr: float = 0.01, optimizer: str = "sgd",
                 momentum: float = 0.9, weight_decay: float = 0.0, rho: float = 0.1, seed: int = 0,
-                max_seconds: float | None = None, on_epoch: EpochCallback | None = None) -> TrainResult:
+                max_seconds: float | None = None, on_epoch: EpochCallback | None = None,
+                dp: DpSgd | None = None) -> TrainResult:
     """Train from the received model `start` (u) on local data; loss + (rho/2)||v - u||^2.
 
     Deterministic given `seed` (it fixes the batch order; there is no other randomness).
@@ -46,14 +48,15 @@ def train_local(model_name: str, start: torch.Tensor, x: torch.Tensor, y: torch.
     start = start.detach().float().cpu()
     return fit(model_name, start, x, y, anchors=[(start, rho)], epochs=epochs,
                batch_size=batch_size, lr=lr, optimizer=optimizer, momentum=momentum,
-               weight_decay=weight_decay, seed=seed, max_seconds=max_seconds, on_epoch=on_epoch)
+               weight_decay=weight_decay, seed=seed, max_seconds=max_seconds, on_epoch=on_epoch, dp=dp)
 
 
 def train_fedsoft(model_name: str, start: torch.Tensor, cluster_vectors: Sequence[torch.Tensor],
                   alpha: Sequence[float], x: torch.Tensor, y: torch.Tensor, *, epochs: int = 2,
                   batch_size: int = 32, lr: float = 0.01, optimizer: str = "sgd", momentum: float = 0.9,
                   weight_decay: float = 0.0, rho: float = 0.1, seed: int = 0,
-                  max_seconds: float | None = None, on_epoch: EpochCallback | None = None) -> TrainResult:
+                  max_seconds: float | None = None, on_epoch: EpochCallback | None = None,
+                dp: DpSgd | None = None) -> TrainResult:
     """FedSoft-Async local step: loss + sum_k alpha_k (rho/2)||v - w_k||^2, from `start`.
 
     `start` is usually the alpha-mixture of the cluster models or the agent's own model.
@@ -66,7 +69,7 @@ def train_fedsoft(model_name: str, start: torch.Tensor, cluster_vectors: Sequenc
     anchors = [(w, rho * float(a)) for w, a in zip(cluster_vectors, alpha, strict=True)]
     return fit(model_name, start.detach().float().cpu(), x, y, anchors=anchors, epochs=epochs,
                batch_size=batch_size, lr=lr, optimizer=optimizer, momentum=momentum,
-               weight_decay=weight_decay, seed=seed, max_seconds=max_seconds, on_epoch=on_epoch)
+               weight_decay=weight_decay, seed=seed, max_seconds=max_seconds, on_epoch=on_epoch, dp=dp)
 
 
 def estimate_alpha_argmin(model_name: str, cluster_vectors: Sequence[torch.Tensor], x: torch.Tensor,

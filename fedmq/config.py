@@ -19,9 +19,12 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedmq.errors import UsageError
+
+if TYPE_CHECKING:
+    from fedmq.privacy import UplinkPrivacy
 
 
 class ConfigError(UsageError):
@@ -473,6 +476,32 @@ class AgentSettings:
 
 
 @dataclass
+class PrivacySettings:
+    """Differential privacy of what an agent sends (fedmq/privacy.py, docs/privacy.md)."""
+
+    epsilon: float = 0.0
+    """The agent's lifetime budget (record level: one sample changed): with it, the agent trains with DP-SGD and noises its sketch on the device, sends no accuracy figures or own alpha, and stops uploading, saying so, when the next upload would spend more. 0 = DP off (the default): docs/privacy.md says what an upload then exposes."""
+    delta: float = 1e-5
+    """The delta of the (epsilon, delta) guarantee."""
+    clip: float = 1.0
+    """DP-SGD: L2 norm each sample's gradient is clipped to."""
+    noise_multiplier: float = 1.0
+    """DP-SGD: the noise added to a batch's summed gradients has standard deviation this x clip."""
+    sketch_noise_multiplier: float = 1.0
+    """Sketch noise: its standard deviation is this x 2 sqrt(1024) / n for n samples."""
+
+    def mechanisms(self, seed: int | None = None) -> UplinkPrivacy:
+        """The agent's mechanisms and accountant; ConfigError for values out of range."""
+        from fedmq.privacy import UplinkPrivacy
+
+        try:
+            return UplinkPrivacy(self.epsilon, self.delta, self.clip, self.noise_multiplier,
+                                 self.sketch_noise_multiplier, seed)
+        except ValueError as exc:
+            raise ConfigError(f"privacy: {exc}") from None
+
+
+@dataclass
 class MetricsSettings:
     """The aggregator's Prometheus endpoint (`--metrics-port`); docs/deploy.md lists the metrics."""
 
@@ -521,6 +550,7 @@ class Config:
     fedbuff: FedBuffSettings = field(default_factory=FedBuffSettings)
     aggregator: AggregatorSettings = field(default_factory=AggregatorSettings)
     agent: AgentSettings = field(default_factory=AgentSettings)
+    privacy: PrivacySettings = field(default_factory=PrivacySettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
 
 
@@ -697,6 +727,7 @@ def dry_run_json(cfg: Config) -> str:
     from fedmq.transport import parse_broker_url
 
     parse_broker_url(cfg.broker.url)
+    cfg.privacy.mechanisms()  # out-of-range DP settings fail here, as at a start
     doc = dataclasses.asdict(cfg)
     doc["broker"]["url"] = mask_secrets(cfg.broker.url)
     return json.dumps({**doc, "resolved": resolve_dataset_and_model(cfg.data.dataset, cfg.model)}, indent=2)

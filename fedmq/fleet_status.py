@@ -183,13 +183,18 @@ def render_table(fleet: str, aggregator: Presence | None, agents: list[Presence]
         extra = " ".join(f"{k}={v}" for k, v in sorted(aggregator.counters.items()))
         lines.append(f"aggregator: {aggregator.state} {aggregator.algorithm} epoch={aggregator.epoch} "
                      f"since {_ago(aggregator.sent_at, now)}" + (f" {extra}" if extra else ""))
-    header = ("AGENT", "STATE", "TAU", "LAST ACC", "LAST UPLOAD", "UPLOADS", "STATUS SENT")
+    private = any("epsilon" in a.counters for a in agents)  # a column only where DP is on
+    header = ("AGENT", "STATE", "TAU", "LAST ACC", "LAST UPLOAD", "UPLOADS", *(("EPSILON",) if private else ()),
+              "STATUS SENT")
     rows = [header]
     for a in agents:
         acc = a.last_accuracy
         uploads = a.counters.get("uploads", "-")
+        eps = a.counters.get("epsilon")
+        privacy = (("-" if eps is None else f"{eps:.3g}" + (" spent" if a.counters.get("budget_spent") else ""),)
+                   if private else ())
         rows.append((a.name, a.state, str(a.epoch), "-" if acc is None else f"{acc:.3f}",
-                     _ago(a.last_upload_at, now), str(uploads), _ago(a.sent_at, now)))
+                     _ago(a.last_upload_at, now), str(uploads), *privacy, _ago(a.sent_at, now)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from fedmq.models import build_model, load_vector, model_spec, to_vector
+from fedmq.privacy import DpSgd, private_gradients
 
 OPTIMIZERS = ("sgd", "adam")
 
@@ -30,6 +31,8 @@ class TrainResult:
     seconds: float
     final_loss: float
     stopped_early: bool = False
+    steps: int = 0
+    """Mini-batches taken (what DP-SGD's accountant charges)."""
 
 
 EpochCallback = Callable[[int, float], "bool | None"]
@@ -56,14 +59,16 @@ def fit(model_name: str, start: torch.Tensor, x: torch.Tensor, y: torch.Tensor, 
         anchors: Sequence[tuple[torch.Tensor, float]] = (), epochs: int = 1, batch_size: int = 32,
         lr: float = 0.01, optimizer: str = "sgd", momentum: float = 0.9, weight_decay: float = 0.0,
         seed: int = 0, max_seconds: float | None = None,
-        on_epoch: EpochCallback | None = None) -> TrainResult:
+        on_epoch: EpochCallback | None = None, dp: DpSgd | None = None) -> TrainResult:
     """Train from `start` on (x, y); each anchor (w, c) adds (c/2)||v - w||^2 to the loss.
 
     Anchors are folded into one proximal centre: sum_k c_k (v - w_k) = C (v - w_bar) with
     C = sum_k c_k and w_bar = sum_k c_k w_k / C, and that gradient is added to the
     parameters' gradients directly (no second pass); `final_loss` is the data loss alone.
     Deterministic given `seed`. `max_seconds` stops at the first batch boundary past the
-    budget; `on_epoch(epoch, mean_loss)` may return False to stop after that epoch.
+    budget; `on_epoch(epoch, mean_loss)` may return False to stop after that epoch. `dp`:
+    DP-SGD (fedmq/privacy.py), per-sample gradients clipped and noised; `steps` in the result
+    counts the mini-batches, what the privacy accountant charges.
     """
     center, rho = _fold_anchors(anchors)
     _check_data(model_name, x, y)
@@ -93,11 +98,16 @@ def fit(model_name: str, start: torch.Tensor, x: torch.Tensor, y: torch.Tensor, 
     generator = torch.Generator().manual_seed(seed)
     n = x.shape[0]
     samples_seen = 0
+    steps = 0
     epochs_done = 0
     final_loss = math.nan
     stopped_early = False
     starts = list(range(0, n, batch_size))
     spec = model_spec(model_name)
+    if dp is not None and spec.param_numel < spec.numel:
+        raise ValueError(f"{model_name}: DP-SGD needs per-sample gradients, which batch norm does not have "
+                         "(it mixes the samples of a batch); use a model without it (e.g. GroupNorm)")
+    noise = torch.Generator().manual_seed(dp.seed) if dp is not None else None
     if spec.param_numel < spec.numel and len(starts) > 1 and n - starts[-1] == 1:
         # Batch norm cannot train on one sample (one value per channel after pooling): the
         # last sample joins the batch before it. Zoo models (no statistics) keep their draws.
@@ -112,8 +122,13 @@ def fit(model_name: str, start: torch.Tensor, x: torch.Tensor, y: torch.Tensor, 
                 break
             idx = order[i:end]
             opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x[idx]), y[idx])
-            loss.backward()
+            if dp is not None:
+                assert noise is not None
+                loss = private_gradients(model, x[idx], y[idx], dp, noise)
+            else:
+                loss = loss_fn(model(x[idx]), y[idx])
+                loss.backward()
+            steps += 1
             if centers:
                 with torch.no_grad():
                     for p, c in zip(params, centers, strict=True):
@@ -131,7 +146,7 @@ def fit(model_name: str, start: torch.Tensor, x: torch.Tensor, y: torch.Tensor, 
             stopped_early = epochs_done < epochs
             break
     return TrainResult(to_vector(model), epochs_done, samples_seen, time.perf_counter() - t0,
-                       final_loss, stopped_early)
+                       final_loss, stopped_early, steps)
 
 
 def _fold_anchors(anchors: Sequence[tuple[torch.Tensor, float]]) -> tuple[torch.Tensor | None, float]:

@@ -1,0 +1,134 @@
+"""Differential privacy of the uplink (fedmq/privacy.py, docs/privacy.md): the accountant
+against the library's Gaussian mechanism, DP-SGD and the sketch's noise, and an
+agent whose budget is spent stopping its uploads over a real Mosquitto."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+from opacus.accountants import RDPAccountant
+from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+
+from edge_agent.protocol_client import EdgeAgent
+from fedmq.config import ConfigError, load_config
+from fedmq.data import load_dataset
+from fedmq.models import build_model, to_vector
+from fedmq.privacy import BudgetSpent, DpSgd, UplinkPrivacy
+from fedmq.sketch import data_sketch
+from fedmq.training import fit
+from tests.cli_process import BIN, CliProcess, cli_env
+
+
+def test_the_accountant_matches_the_librarys_mechanisms() -> None:
+    """Five uploads of DP-SGD (60 batches of 32 of 1000 samples) and a sketch (the Gaussian
+    mechanism at sample rate 1: RDP alpha / (2 sigma^2), in closed form), composed."""
+    privacy = UplinkPrivacy(100.0, delta=1e-5, noise_multiplier=1.3, sketch_noise_multiplier=0.9)
+    for _ in range(5):
+        privacy.spend(privacy.training(1000, 32, 60) + privacy.sketch_release())
+    orders = np.array(RDPAccountant.DEFAULT_ALPHAS, dtype=float)
+    rdp = 5 * orders / (2 * 0.9**2) + np.asarray(compute_rdp(q=0.032, noise_multiplier=1.3, steps=300, orders=orders))
+    expected, _ = get_privacy_spent(orders=orders, rdp=rdp, delta=1e-5)
+    assert math.isclose(privacy.spent(), expected, rel_tol=1e-9)
+    again = UplinkPrivacy(100.0, noise_multiplier=1.3, sketch_noise_multiplier=0.9)
+    again.load_state_dict(privacy.state_dict())  # what the agent's state file keeps
+    assert again.spent() == privacy.spent()
+    assert privacy.spent(privacy.sketch_release()) > privacy.spent() > UplinkPrivacy(1.0).spent() == 0.0
+
+
+def test_bad_privacy_settings_are_one_line() -> None:
+    with pytest.raises(ConfigError, match="noise multipliers must be > 0"):
+        load_config(None, {"privacy.epsilon": 4, "privacy.noise_multiplier": 0}).privacy.mechanisms()
+    with pytest.raises(ConfigError, match="0 < delta < 1"):
+        load_config(None, {"privacy.epsilon": 4, "privacy.delta": 2}).privacy.mechanisms()
+
+
+def test_dp_sgd_clips_each_sample_and_adds_the_noise_it_is_charged_for() -> None:
+    """One batch of 64, plain SGD: the step is lr (sum of clipped per-sample gradients +
+    N(0, (sigma C)^2)) / 64, so two runs that differ only in sigma differ by lr sigma C / 64 per value."""
+    data = load_dataset("digits")
+    x, y = data.x[:64], data.y[:64]
+    start = to_vector(build_model("digits-cnn", seed=0))
+    knobs = dict(epochs=1, batch_size=64, lr=0.5, momentum=0.0, seed=0)
+    plain = fit("digits-cnn", start, x, y, **knobs).vector
+    clipped = fit("digits-cnn", start, x, y, **knobs, dp=DpSgd(0.01, 1e-9, seed=1))
+    noisy = fit("digits-cnn", start, x, y, **knobs, dp=DpSgd(0.01, 4.0, seed=1)).vector
+    assert clipped.steps == 1
+    assert float((clipped.vector - start).norm()) <= 0.5 * 0.01 * (1 + 1e-4) < float((plain - start).norm())
+    assert abs(float((noisy - clipped.vector).std()) / (0.5 * 4.0 * 0.01 / 64) - 1) < 0.05
+    with pytest.raises(ValueError, match="batch norm"):
+        fit("recipes.my_fleet:make_model?input=1x16x16", torch.zeros(1604), torch.zeros(4, 1, 16, 16),
+            torch.zeros(4, dtype=torch.long), dp=DpSgd(1.0, 1.0, 0))
+
+
+def envelope(dp: bool, n: int = 1000):
+    cfg = load_config(None, {"privacy.epsilon": 50.0 if dp else 0.0, "privacy.sketch_noise_multiplier": 2.0})
+    agent = EdgeAgent(cfg, "car-1")
+    received = to_vector(build_model("digits-cnn", seed=0))
+    agent.restore(0, received)
+    x = load_dataset("digits").x[:n]
+    env = agent.update_envelope(received, n, alpha=[0.7, 0.3], metrics={"acc_trained": 0.9}, inputs=x)
+    sketch = np.frombuffer(env.sketch, dtype="<f2").astype(np.float64)
+    return agent, env, sketch - data_sketch(x)
+
+
+def test_with_dp_on_the_sketch_never_leaves_without_noise_nor_the_figures_without_it() -> None:
+    agent, env, sketch_noise = envelope(dp=True)
+    assert abs(float(sketch_noise.std()) / (2.0 * 2 * 32 / 1000) - 1) < 0.1  # sigma_s x 2 sqrt(D) / n
+    assert env.alpha is None and not env.metrics  # computed from the data with no noise: not sent
+    assert agent.counters["epsilon"] == round(agent.privacy.spent(), 4) > 0
+    _, plain, sketch_off = envelope(dp=False)  # the control: the exact sketch and the figures
+    assert float(np.abs(sketch_off).max()) < 1e-3 and plain.alpha == [0.7, 0.3] and plain.metrics
+
+
+def test_an_agent_whose_budget_is_spent_stops_uploading_and_says_so(mosquitto, tmp_path) -> None:
+    """Budget 11 at the default multipliers (1, 1), 200 samples per upload: two uploads spend
+    10.2, a third would spend 12.7. The third request is refused on the device, and a restart
+    remembers."""
+    common = ["--broker", mosquitto.url, "--fleet", "dp"]
+    aggregator = CliProcess(["fedmq", "aggregator", *common, "--state-dir", str(tmp_path / "agg")], cwd=tmp_path)
+    agent_argv = ["fedmq", "agent", *common, "--id", "car-1", "--state-dir", str(tmp_path / "car-1"),
+                  "--set", "privacy.epsilon=11",
+                  "--set", "agent.train_on_newest=200"]  # a fixed n: the epsilon per upload is known
+    agent = None
+    try:
+        aggregator.wait_for(r"^aggregator cdfl on ", timeout=300)
+        agent = CliProcess(agent_argv, cwd=tmp_path)
+        agent.wait_for(r"model\.installed .*via=join", timeout=300)
+        for n in (1, 2):
+            agent.proc.send_signal(signal.SIGUSR1)
+            agent.wait_for(rf"model\.installed .*via=update epoch={n} ", timeout=300)
+        agent.proc.send_signal(signal.SIGUSR1)
+        spent = agent.wait_for(r"privacy\.budget_spent .*epsilon=([0-9.]+) budget=11", timeout=120)
+        assert 10.2 < float(spent.group(1)) < 10.3, spent.group(0)
+        status = subprocess.run([str(BIN / "fedmq"), "fleet", "status", *common, "--json"], env=cli_env(),
+                                capture_output=True, text=True, timeout=120)
+        counters = json.loads(status.stdout)["agents"][0]["counters"]
+        assert counters["uploads"] == 2 and counters["budget_spent"] == 1 and 10.2 < counters["epsilon"] < 10.3
+        assert agent.stop() == 0
+        agent = CliProcess(agent_argv, cwd=tmp_path)  # the spent epsilon is in the state file
+        agent.wait_for(r"^agent car-1 ", timeout=120)
+        agent.proc.send_signal(signal.SIGUSR1)
+        agent.wait_for(r"privacy\.budget_spent ", timeout=120)
+        assert agent.stop() == 0 and "Traceback" not in agent.output, agent.output[-3000:]
+        assert len([ln for ln in aggregator.output.splitlines() if "update.applied" in ln]) == 2
+        assert aggregator.stop() == 0
+    finally:
+        for proc in (agent, aggregator):
+            if proc is not None:
+                proc.kill()
+
+
+
+def test_budget_spent_is_a_runtime_failure_with_the_numbers() -> None:
+    privacy = UplinkPrivacy(8.0)
+    upload = privacy.training(200, 32, 14) + privacy.sketch_release()
+    privacy.check(upload)
+    privacy.spend(upload)
+    with pytest.raises(BudgetSpent, match=r"epsilon 7.24 of 8 .* would make it 10.2"):
+        privacy.check(upload)
