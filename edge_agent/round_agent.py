@@ -33,6 +33,7 @@ from edge_agent.deadline import DeadlineLearner, RealEpochRunner, RoundWork, Tra
 from fedmq import codecs, protocol
 from fedmq.channel import Channel, Refused
 from fedmq.config import Config
+from fedmq.errors import UsageError
 from fedmq.logs import event, get_logger
 from fedmq.models import model_spec, resolve_model_name
 from fedmq.transport import Message, MqttTransport, Will
@@ -65,6 +66,9 @@ class RoundAgent:
         self.agent_id = protocol.validate_id(agent_id, "agent id")
         self.fleet = cfg.fleet
         self.algorithm = algorithm
+        if cfg.privacy.epsilon > 0:  # never send an update without the noise that was asked for
+            raise UsageError(f"privacy.epsilon: differential privacy is built for the asynchronous agents "
+                             f"(cdfl, fedsoft-async), not yet for {algorithm} rounds (docs/privacy.md)")
         self.model_name = resolve_model_name(cfg.model, cfg.data.dataset)
         self.spec = model_spec(self.model_name)
         if algorithm == "catafed":

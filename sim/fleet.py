@@ -41,6 +41,7 @@ import torch
 
 from fedmq.algorithms import ASYNC_SERVER
 from fedmq.config import Config
+from fedmq.errors import UsageError
 from fedmq.logs import event, get_logger
 from fedmq.transport import NetworkLoop, use_network
 from sim.scenarios import Scenario, apply_defaults, build_clusters, draw_cycle, get_scenario
@@ -432,6 +433,9 @@ def run_fleet(spec: RunSpec, base: Config | None = None, *, broker_url: str | No
     from fedmq.training import evaluate
 
     scenario, cfg = configure(spec, base)
+    if cfg.privacy.epsilon > 0:  # its agents train without DP-SGD: their updates would go out plain
+        raise UsageError("privacy.epsilon: the simulator does not train with DP-SGD yet; run DP agents with "
+                         "`fedmq agent` (docs/privacy.md)")
     n_agents = spec.resolved_agents()
     clusters = clusters or build_clusters(scenario, cfg, spec.clusters)
     model_name = resolve_model_name(cfg.model, cfg.data.dataset)

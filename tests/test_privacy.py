@@ -132,3 +132,16 @@ def test_budget_spent_is_a_runtime_failure_with_the_numbers() -> None:
     privacy.spend(upload)
     with pytest.raises(BudgetSpent, match=r"epsilon 7.24 of 8 .* would make it 10.2"):
         privacy.check(upload)
+
+
+def test_paths_without_dp_sgd_refuse_a_privacy_budget_instead_of_sending_plain_updates() -> None:
+    from edge_agent.round_agent import RoundAgent
+    from fedmq.errors import UsageError
+    from sim.fleet import RunSpec, run_fleet
+
+    cfg = load_config(None, {"privacy.epsilon": 4.0})
+    data = load_dataset("digits")
+    with pytest.raises(UsageError, match="not yet for catafed rounds"):
+        RoundAgent(cfg, "van-1", data.x[:50], data.y[:50], algorithm="catafed")
+    with pytest.raises(UsageError, match="simulator does not train with DP-SGD"):
+        run_fleet(RunSpec(clusters=2, agents=2, updates_per_agent=1), cfg)
