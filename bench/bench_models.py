@@ -2,7 +2,8 @@
 norm) on the generated 32x32 colour `shapes` set, as docs/models.md brings it.
 
 1. Bytes: one agent's trained update (1,000 local samples, 2 epochs, the agent's defaults)
-   and one reply, per codec, as msgpack wire maps (what the protocol carries).
+   and one reply (another model, as a delta against the one the agent holds), per codec, as
+   msgpack wire maps (what the protocol carries).
 2. Aggregator seconds per upload for each CDFL reply variant (`CDFL.update`: estimate,
    cluster update, reply), K = 2, 1,000 proxy samples per cluster, this CPU or CUDA.
 3. Agent: ONNX export and ONNX Runtime against torch inference (bench_agent's measurement).
@@ -45,9 +46,12 @@ def wire_bytes(name: str) -> dict:
     t0 = time.perf_counter()
     trained = fit(name, start, data.x[:1000], data.y[:1000], epochs=2, lr=0.01, momentum=0.9).vector
     out: dict = {"agent_training_s": round(time.perf_counter() - t0, 2), "values": int(trained.numel())}
+    # A reply: another model (here trained on other samples) as a delta against the one the agent holds.
+    reply = fit(name, start, data.x[1000:2000], data.y[1000:2000], epochs=2, lr=0.01, momentum=0.9).vector
     for codec in codecs.CODECS:
-        wire = codecs.encode(trained.numpy(), codec, base=start.numpy())
-        out[f"{codec}_bytes"] = len(msgpack.packb(wire, use_bin_type=True))
+        for what, vector in (("upload", trained), ("reply", reply)):
+            wire = codecs.encode(vector.numpy(), codec, base=start.numpy())
+            out[f"{what}_{codec}_bytes"] = len(msgpack.packb(wire, use_bin_type=True))
     return out
 
 

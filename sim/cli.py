@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(r, ("broker", "fleet", "log_level", "data_dir", "seed"))
     r.add_argument("--scenario", default="rotated-digits",
                    help="rotated-digits (default), rotated-mnist, rotated-fashionmnist, rotated-cifar100, "
-                        "digits-domains")
+                        "rotated-shapes, digits-domains, or rotated (the dataset --set data.dataset=NAME names)")
     r.add_argument("--methods", default="cdfl,fedsoft-async,local",
                    help="comma list of cdfl, fedsoft-async, fedasync, fedbuff, local (default cdfl,fedsoft-async,local)")
     r.add_argument("--clusters", default="3", help="K, or a comma list (default 3)")

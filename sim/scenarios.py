@@ -38,6 +38,7 @@ DOMAINS: tuple[str, ...] = ("printed", "inverted", "bold")
 class Scenario:
     name: str
     dataset: str
+    """Empty: the config's data.dataset (the generic `rotated` scenario)."""
     kind: str
     """rotated or domains."""
     description: str
@@ -64,6 +65,9 @@ SCENARIOS: dict[str, Scenario] = {
     "rotated-shapes": Scenario("rotated-shapes", "shapes", "rotated",
                                "generated 32x32 colour shapes (offline), cluster k rotated by k*360/K: "
                                "the scenario for real-sized models (docs/models.md)"),
+    "rotated": Scenario("rotated", "", "rotated",
+                        "the dataset data.dataset names (--set data.dataset=NAME: folder:NAME or "
+                        "module.path:factory too), cluster k rotated by k*360/K"),
     "digits-domains": Scenario("digits-domains", "digits", "domains",
                                "digits printed / inverted / bold, mixed along each car's route",
                                fixed_clusters=3, defaults=DIGITS_DEFAULTS),
@@ -159,10 +163,10 @@ def describe_plan(scenario_name: str, cfg: Config, clusters: list[int]) -> str:
     """
     scenario = get_scenario(scenario_name)
     cfg = copy.deepcopy(cfg)
-    cfg.data.dataset = scenario.dataset
+    cfg.data.dataset = scenario.dataset or cfg.data.dataset
     apply_defaults(scenario, cfg)
-    lines = [f"scenario {scenario.name}: {scenario.description}; dataset {scenario.dataset}"
-             + ("" if scenario.dataset == "digits" else f" from {cfg.data.data_dir}")]
+    lines = [f"scenario {scenario.name}: {scenario.description}; dataset {cfg.data.dataset}"
+             + ("" if cfg.data.dataset in ("digits", "shapes") else f" from {cfg.data.data_dir}")]
     for k in clusters:
         c = build_clusters(scenario, cfg, k)
         lines.append(f"  K={k}: {len(c.train_data)} train / {len(c.test_data)} test images, per cluster "
