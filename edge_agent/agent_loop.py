@@ -184,8 +184,8 @@ class DeviceAgent:
         self._started_at = clock()
         self._last_save = 0.0
         self._drift_seen_at: int | None = None
-        self._said_budget_spent = False
         """monitor.observed when the pending drift was first seen (samples since then are new data)."""
+        self._said_budget_spent = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -501,7 +501,7 @@ class DeviceAgent:
               accuracy=acc, alpha=alpha, **extra, backend=self.predictor.backend if self.predictor else None)
         self.save()
         if self.agent is not None:
-            if acc is not None:
+            if acc is not None and not self.agent.privacy.enabled:  # with DP on, no noiseless figures leave
                 self.agent.counters["last_accuracy"] = round(float(acc), 4)
             self.agent.publish_status()
 

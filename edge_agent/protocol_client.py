@@ -29,6 +29,7 @@ import torch
 from fedmq import codecs, protocol, sketch
 from fedmq.channel import Channel, Received, Refused
 from fedmq.config import Config
+from fedmq.errors import UsageError
 from fedmq.logs import event, get_logger
 from fedmq.models import ModelSpec, model_spec, resolve_model_name
 from fedmq.transport import Message, MqttTransport, Will
@@ -98,6 +99,11 @@ class EdgeAgent:
                                          "joins": 0}
         self.privacy = cfg.privacy.mechanisms()
         """DP of what this agent sends, and the epsilon it has spent (privacy.epsilon; off by default)."""
+        if self.privacy.enabled and algorithm != "cdfl":
+            # FedSoft-Async starts its training from a mixture weighted by its own alpha, computed
+            # from the data with no noise: DP-SGD's guarantee needs a data-independent start.
+            raise UsageError(f"privacy.epsilon: differential privacy is built for cdfl agents, not yet "
+                             f"for {algorithm} (docs/privacy.md)")
         if self.privacy.enabled:
             self.counters["epsilon"] = 0.0
 

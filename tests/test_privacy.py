@@ -145,3 +145,11 @@ def test_paths_without_dp_sgd_refuse_a_privacy_budget_instead_of_sending_plain_u
         RoundAgent(cfg, "van-1", data.x[:50], data.y[:50], algorithm="catafed")
     with pytest.raises(UsageError, match="simulator does not train with DP-SGD"):
         run_fleet(RunSpec(clusters=2, agents=2, updates_per_agent=1), cfg)
+
+
+def test_fedsoft_async_agents_refuse_a_budget() -> None:
+    """Their training starts from a mixture weighted by their own noiseless alpha."""
+    from fedmq.errors import UsageError
+
+    with pytest.raises(UsageError, match="built for cdfl agents"):
+        EdgeAgent(load_config(None, {"privacy.epsilon": 4.0}), "car-1", algorithm="fedsoft-async")
