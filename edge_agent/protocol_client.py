@@ -328,19 +328,17 @@ class EdgeAgent:
         (computed from the data, noiseless) are left out."""
         if self.installed is None:
             raise AgentError("not_joined", "join before uploading")
-        with_sketch = inputs is not None and self.sends_sketch()
         summary = None
-        if self.privacy.enabled:  # `vector` comes from DP-SGD (DeviceAgent): the sketch is the rest
-            if with_sketch:
-                assert inputs is not None
+        if inputs is not None and self.sends_sketch():
+            values = sketch.data_sketch(inputs)
+            if self.privacy.enabled:  # `vector` comes from DP-SGD (DeviceAgent): the sketch is the rest
                 self.privacy.check(self.privacy.sketch_release())
-                summary = self.privacy.sketch(sketch.data_sketch(inputs), inputs.shape[0]).astype("<f2").tobytes()
+                values = self.privacy.sketch(values, inputs.shape[0])
                 self.privacy.spend(self.privacy.sketch_release())
+            summary = values.astype("<f2").tobytes()
+        if self.privacy.enabled:
             self.counters["epsilon"] = round(self.privacy.spent(), 4)
             alpha, metrics = None, None
-        elif with_sketch:
-            assert inputs is not None
-            summary = sketch.data_sketch(inputs).astype("<f2").tobytes()
         c = self.cfg.codec
         base = self.installed.vector.numpy() if (c.delta and self.installed.kind != "clusters") else None
         wire = codecs.encode(vector.detach().cpu().numpy(), c.name, base=base, zstd=c.zstd,

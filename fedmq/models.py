@@ -51,16 +51,13 @@ class ModelSpec:
     @property
     def param_numel(self) -> int:
         """Values of the vector that are parameters: they come first, statistics after them."""
-        if self.trainable is None:
-            return self.numel
-        return sum(math.prod(s) for s in self.shapes[:self.trainable])
+        return sum(math.prod(s) for s in self.shapes[:self.trainable])  # [:None]: all
 
     @property
     def head(self) -> tuple[int, int]:
         """[start, end) of the output layer (the last two parameters: its weight and bias)."""
-        names = self.names[:self.trainable] if self.trainable is not None else self.names
         end = self.param_numel
-        return end - sum(math.prod(s) for s in self.shapes[:len(names)][-2:]), end
+        return end - sum(math.prod(s) for s in self.shapes[:self.trainable][-2:]), end
 
     @property
     def canonical_json(self) -> str:

@@ -257,7 +257,6 @@ def configure(spec: RunSpec, base: Config | None = None) -> tuple[Scenario, Conf
                          f"{scenario.fixed_clusters}")
     cfg = copy.deepcopy(base) if base is not None else Config()
     cfg.seed = spec.seed
-    cfg.data.dataset = scenario.dataset or cfg.data.dataset
     apply_defaults(scenario, cfg)
     cfg.cdfl.clusters = spec.clusters
     if cfg.cdfl.tau0 == 0:

@@ -109,7 +109,9 @@ class DomainClusters(RotatedClusters):
 
 
 def apply_defaults(scenario: Scenario, cfg: Config) -> None:
-    """Set the scenario's defaults on `cfg` where it still holds Config's own defaults."""
+    """Set the scenario's dataset on `cfg` (the generic `rotated` keeps data.dataset), then its
+    defaults where `cfg` still holds Config's own."""
+    cfg.data.dataset = scenario.dataset or cfg.data.dataset
     pristine = Config()
     for key, value in scenario.defaults:
         section, name = key.split(".")
@@ -163,7 +165,6 @@ def describe_plan(scenario_name: str, cfg: Config, clusters: list[int]) -> str:
     """
     scenario = get_scenario(scenario_name)
     cfg = copy.deepcopy(cfg)
-    cfg.data.dataset = scenario.dataset or cfg.data.dataset
     apply_defaults(scenario, cfg)
     lines = [f"scenario {scenario.name}: {scenario.description}; dataset {cfg.data.dataset}"
              + ("" if cfg.data.dataset in ("digits", "shapes") else f" from {cfg.data.data_dir}")]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -303,7 +303,22 @@ def _load_synthetic(train: bool) -> Dataset:
                    torch.from_numpy(labels.astype(np.int64)), 10, "synthetic")
 
 
-SHAPES = ("disc", "square", "triangle", "ring", "cross", "hbar", "vbar", "diamond", "x", "frame")
+_Mask = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+SHAPE_MASKS: dict[str, _Mask] = {
+    # (dy, dx) from the centre in radii, (ay, ax) their absolute values -> pixels inside
+    "disc": lambda dy, dx, ay, ax: dy ** 2 + dx ** 2 <= 1,
+    "square": lambda dy, dx, ay, ax: np.maximum(ay, ax) <= 0.8,
+    "triangle": lambda dy, dx, ay, ax: (dy <= 0.8) & (ax <= (dy + 1) / 2),
+    "ring": lambda dy, dx, ay, ax: np.abs(np.sqrt(dy ** 2 + dx ** 2) - 0.75) <= 0.22,
+    "cross": lambda dy, dx, ay, ax: ((ay <= 0.25) | (ax <= 0.25)) & (np.maximum(ay, ax) <= 1),
+    "hbar": lambda dy, dx, ay, ax: (ay <= 0.3) & (ax <= 1),
+    "vbar": lambda dy, dx, ay, ax: (ax <= 0.3) & (ay <= 1),
+    "diamond": lambda dy, dx, ay, ax: ay + ax <= 1,
+    "x": lambda dy, dx, ay, ax: (((np.abs(dy - dx) <= 0.3) | (np.abs(dy + dx) <= 0.3))
+                                 & (np.maximum(ay, ax) <= 0.9)),
+    "frame": lambda dy, dx, ay, ax: (np.maximum(ay, ax) <= 0.9) & (np.maximum(ay, ax) >= 0.6),
+}
+SHAPES = tuple(SHAPE_MASKS)
 
 
 def _load_shapes(train: bool) -> Dataset:
@@ -323,24 +338,10 @@ def _load_shapes(train: bool) -> Dataset:
         cy, cx = 15.5 + rng.uniform(-4, 4, 2)
         r = rng.uniform(5, 11)
         dy, dx = (yy - cy) / r, (xx - cx) / r
-        ay, ax = np.abs(dy), np.abs(dx)
-        mask = {
-            "disc": dy ** 2 + dx ** 2 <= 1,
-            "square": np.maximum(ay, ax) <= 0.8,
-            "triangle": (dy <= 0.8) & (ax <= (dy + 1) / 2),
-            "ring": np.abs(np.sqrt(dy ** 2 + dx ** 2) - 0.75) <= 0.22,
-            "cross": ((ay <= 0.25) | (ax <= 0.25)) & (np.maximum(ay, ax) <= 1),
-            "hbar": (ay <= 0.3) & (ax <= 1),
-            "vbar": (ax <= 0.3) & (ay <= 1),
-            "diamond": ay + ax <= 1,
-            "x": (np.abs(dy - dx) <= 0.3) | (np.abs(dy + dx) <= 0.3),
-            "frame": (np.maximum(ay, ax) <= 0.9) & (np.maximum(ay, ax) >= 0.6),
-        }[SHAPES[c]]
-        if SHAPES[c] == "x":
-            mask &= np.maximum(ay, ax) <= 0.9
+        mask = SHAPE_MASKS[SHAPES[c]](dy, dx, np.abs(dy), np.abs(dx))  # only the shape drawn
         background, colour = rng.uniform(0, 1, (2, 3, 1, 1))
         colour = np.where(np.abs(colour - background) < 0.3, 1.0 - background, colour)
-        images[i] = np.where(mask[None], colour[:, :, 0][:, :, None], background[:, :, 0][:, :, None])
+        images[i] = np.where(mask[None], colour, background)
     images += rng.normal(0.0, 0.1, images.shape).astype(np.float32)
     x = np.clip(images, 0, 1)
     mean, std = (0.5, 0.5, 0.5), (0.3, 0.3, 0.3)
