@@ -49,7 +49,7 @@ from edge_agent.profiles import DeviceProfile, get_profile
 from edge_agent.protocol_client import REJOIN_REASONS, AgentError, EdgeAgent, Installed
 from edge_agent.sources import DatasetSource, DataSource, DirectorySource, LocalBuffer
 from edge_agent.state import AgentState, PendingUpload
-from edge_agent.trainer import estimate_alpha_argmin, evaluate, train_fedsoft, train_local
+from edge_agent.trainer import evaluate, train_cycle
 from fedmq import protocol
 from fedmq.algorithms import ASYNC_AGENT
 from fedmq.config import AgentSettings, Config
@@ -339,11 +339,10 @@ class DeviceAgent:
     def _planned_release(self) -> list[tuple[float, float, int]]:
         """What the next upload charges: DP-SGD over the training samples, and the sketch."""
         assert self.agent is not None
-        s, privacy = self.settings, self.agent.privacy
+        s = self.settings
         n = min(len(self.buffer), s.train_on_newest or len(self.buffer))
-        batches = s.epochs * max(1, math.ceil(n / s.batch_size))
-        return privacy.training(max(n, 1), s.batch_size, batches) + (
-            privacy.sketch_release() if self.agent.sends_sketch() else [])
+        return self.agent.privacy.upload_releases(max(n, 1), s.batch_size, s.epochs, sketch=self.agent.sends_sketch(),
+                                                  alpha=self.algorithm == "fedsoft-async")
 
     def update(self) -> Cycle:
         """One update cycle now (train, persist the upload, send it, install the reply)."""
@@ -358,26 +357,18 @@ class DeviceAgent:
         assert held is not None
         x, y = self.buffer.tensors(last=s.train_on_newest or None)
         acc_held, _ = evaluate(self.model_name, held, x, y)
-        alpha: list[float] | None = None
-        private = self.agent is not None and self.agent.privacy.enabled
+        privacy = self.agent.privacy if self.agent is not None else None
         seed = self.cfg.seed + self.counters.get("cycles", 0)
         knobs = dict(epochs=s.epochs, batch_size=s.batch_size, lr=s.lr, optimizer=s.optimizer,
                      momentum=s.momentum, weight_decay=s.weight_decay, rho=s.rho, seed=seed,
                      max_seconds=s.max_train_seconds or None,
-                     on_epoch=lambda _epoch, _loss: not self._stop.is_set(),
-                     # DP-SGD's noise must not be predictable from the state: fresh entropy
-                     dp=self.agent.privacy.sgd(int.from_bytes(os.urandom(8), "little")) if private else None)
+                     on_epoch=lambda _epoch, _loss: not self._stop.is_set())
         event(log, "train.started", agent=self.agent_id, trigger=trigger, samples=len(y), tau=self.state.tau)
-        if self.algorithm == "fedsoft-async" and self.agent is not None and self.agent.installed is not None:
-            clusters = self.agent.installed.clusters
-            alpha = estimate_alpha_argmin(self.model_name, clusters, x, y)
-            start = sum(a * w for a, w in zip(alpha, clusters, strict=True))
-            result = train_fedsoft(self.model_name, start, clusters, alpha, x, y, **knobs)
-        else:
-            result = train_local(self.model_name, held, x, y, **knobs)
-        if private:
-            assert self.agent is not None
-            self.agent.privacy.spend(self.agent.privacy.training(len(y), s.batch_size, result.steps))
+        clusters = (self.agent.installed.clusters if self.algorithm == "fedsoft-async" and self.agent is not None
+                    and self.agent.installed is not None else None)
+        # DP-SGD's noise must not be predictable from the state: fresh entropy
+        result, alpha = train_cycle(self.model_name, self.algorithm, held, clusters, x, y, privacy=privacy,
+                                    dp_seed=int.from_bytes(os.urandom(8), "little"), **knobs)
         acc_trained, _ = evaluate(self.model_name, result.vector, x, y)
         self._count("cycles")
         cycle = Cycle(trigger, len(y), self.state.tau, acc_held, acc_trained, result.seconds,

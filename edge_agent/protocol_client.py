@@ -97,13 +97,14 @@ class EdgeAgent:
         self.channel = Channel(self.transport, cfg.protocol)
         self.counters: dict[str, float] = {"uploads": 0, "resends": 0, "errors": 0, "rejected": 0,
                                          "joins": 0}
-        self.privacy = cfg.privacy.mechanisms()
+        a = cfg.agent
+        self.privacy = cfg.privacy.mechanisms(plan=dict(
+            n=a.min_samples_to_train, batch_size=a.batch_size, epochs=a.epochs, sketch=self.sends_sketch(),
+            alpha=algorithm == "fedsoft-async"))
         """DP of what this agent sends, and the epsilon it has spent (privacy.epsilon; off by default)."""
-        if self.privacy.enabled and algorithm != "cdfl":
-            # FedSoft-Async starts its training from a mixture weighted by its own alpha, computed
-            # from the data with no noise: DP-SGD's guarantee needs a data-independent start.
-            raise UsageError(f"privacy.epsilon: differential privacy is built for cdfl agents, not yet "
-                             f"for {algorithm} (docs/privacy.md)")
+        if self.privacy.enabled and algorithm not in ("cdfl", "fedsoft-async"):
+            raise UsageError(f"privacy.epsilon: differential privacy is built for cdfl and fedsoft-async "
+                             f"agents, not for {algorithm} (docs/privacy.md)")
         if self.privacy.enabled:
             self.counters["epsilon"] = 0.0
 
@@ -324,21 +325,21 @@ class EdgeAgent:
         With the training `inputs`, a CDFL upload carries their data sketch (fedmq/sketch.py)
         unless `agent.send_sketch` is off. With DP on (privacy.epsilon) `vector` must come from
         DP-SGD, whose steps the trainer charged; the sketch is noised and charged here
-        (BudgetSpent if that would take epsilon past the budget), and `alpha` and `metrics`
-        (computed from the data, noiseless) are left out."""
+        (BudgetSpent if that would take epsilon past the budget); `metrics` (noiseless) are
+        left out, and so is an `alpha` that `privacy.release_alpha` did not noise."""
         if self.installed is None:
             raise AgentError("not_joined", "join before uploading")
         summary = None
         if inputs is not None and self.sends_sketch():
             values = sketch.data_sketch(inputs)
-            if self.privacy.enabled:  # `vector` comes from DP-SGD (DeviceAgent): the sketch is the rest
-                self.privacy.check(self.privacy.sketch_release())
-                values = self.privacy.sketch(values, inputs.shape[0])
-                self.privacy.spend(self.privacy.sketch_release())
+            if self.privacy.enabled:  # `vector` comes from DP-SGD (train_cycle): the sketch is the rest
+                values = self.privacy.release_sketch(values, inputs.shape[0])
             summary = values.astype("<f2").tobytes()
         if self.privacy.enabled:
             self.counters["epsilon"] = round(self.privacy.spent(), 4)
-            alpha, metrics = None, None
+            metrics = None
+            if alpha is not None and alpha != self.privacy.released_alpha:
+                alpha = None  # never a noiseless estimate
         c = self.cfg.codec
         base = self.installed.vector.numpy() if (c.delta and self.installed.kind != "clusters") else None
         wire = codecs.encode(vector.detach().cpu().numpy(), c.name, base=base, zstd=c.zstd,

@@ -17,10 +17,11 @@ improved every case, partly trained (+0.16 to +0.26) and good (+0.03 to +0.08) m
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from fedmq.privacy import DpSgd
+from fedmq.privacy import DpSgd, UplinkPrivacy
 from fedmq.training import (
     OPTIMIZERS,
     EpochCallback,
@@ -31,7 +32,8 @@ from fedmq.training import (
 )
 
 __all__ = ["OPTIMIZERS", "EpochCallback", "TrainResult", "estimate_alpha_argmin", "evaluate",
-           "per_sample_losses", "train_fedsoft", "train_local"]
+           "per_sample_losses", "train_cycle", "train_fedsoft", "train_local"]
+
 
 def train_local(model_name: str, start: torch.Tensor, x: torch.Tensor, y: torch.Tensor, *,
                 epochs: int = 2, batch_size: int = 32, lr: float = 0.01, optimizer: str = "sgd",
@@ -88,3 +90,32 @@ def estimate_alpha_argmin(model_name: str, cluster_vectors: Sequence[torch.Tenso
     winners = (losses == best).double()
     shares = (winners / winners.sum(dim=0, keepdim=True)).sum(dim=1) / x.shape[0]
     return [float(s) for s in shares]
+
+
+def train_cycle(model_name: str, algorithm: str, held: torch.Tensor, clusters: Sequence[torch.Tensor] | None,
+                x: torch.Tensor, y: torch.Tensor, *, privacy: UplinkPrivacy | None = None, dp_seed: int = 0,
+                **knobs: Any) -> tuple[TrainResult, list[float] | None]:
+    """One cycle's local training as every agent runs it: the device, the simulator, the ablation.
+
+    FedSoft-Async (`clusters`: the K received models) estimates alpha by argmin and trains from
+    the alpha-mixture toward each model; CDFL and Local train from the `held` model. With DP
+    on (`privacy.enabled`) alpha is released noisy (`UplinkPrivacy.release_alpha`), training
+    runs DP-SGD with noise seeded by `dp_seed`, and both are charged to `privacy`. `knobs` are
+    train_local's. Returns the result and the alpha to upload (None unless FedSoft-Async).
+    """
+    private = privacy is not None and privacy.enabled
+    dp = privacy.sgd(dp_seed) if privacy is not None and private else None
+    alpha: list[float] | None = None
+    if algorithm == "fedsoft-async":
+        if not clusters:
+            raise ValueError("fedsoft-async trains against the K cluster models: none received")
+        alpha = estimate_alpha_argmin(model_name, clusters, x, y)
+        if privacy is not None and private:
+            alpha = privacy.release_alpha(alpha, len(y))
+        start = sum(float(a) * w for a, w in zip(alpha, clusters, strict=True))
+        result = train_fedsoft(model_name, start, clusters, alpha, x, y, dp=dp, **knobs)
+    else:
+        result = train_local(model_name, held, x, y, dp=dp, **knobs)
+    if privacy is not None and private:
+        privacy.spend(privacy.training(len(y), knobs.get("batch_size", 32), result.steps))
+    return result, alpha

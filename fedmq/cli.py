@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("sim.cli", "simulated fleets: run experiments and report"),
     "broker": ("fedmq.broker_cli", "start a broker for development (Mosquitto or embedded)"),
     "creds": ("fedmq.creds", "make CA, server cert, per-agent passwords and ACL for the prod broker"),
+    "privacy": ("fedmq.privacy_cli", "plan differential privacy: the noise with which N uploads fit a budget"),
     "fleet": ("fedmq.fleet_status", "operator view of a fleet: `fleet status` lists agents online/offline, last tau, accuracy, upload"),
 }
 
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 def _verb(args: argparse.Namespace) -> str:
     """`fedmq sim run`, `fedmq fleet status`: the words a person typed, for the error line."""
     words = ["fedmq", args.command]
-    for attr in ("sim_command", "fleet_command"):
+    for attr in ("sim_command", "fleet_command", "privacy_command"):
         if getattr(args, attr, None):
             words.append(getattr(args, attr))
     return " ".join(words)

@@ -480,7 +480,7 @@ class PrivacySettings:
     """Differential privacy of what an agent sends (fedmq/privacy.py, docs/privacy.md)."""
 
     epsilon: float = 0.0
-    """The agent's lifetime budget (record level: one sample changed): with it, the agent trains with DP-SGD and noises its sketch on the device, sends no accuracy figures or own alpha, and stops uploading, saying so, when the next upload would spend more. 0 = DP off (the default): docs/privacy.md says what an upload then exposes."""
+    """The agent's lifetime budget (record level: one sample changed): with it, the agent trains with DP-SGD and noises its sketch (CDFL) or its mixture estimate (FedSoft-Async) on the device, sends no accuracy figures, and stops uploading, saying so, when the next upload would spend more. 0 = DP off (the default): docs/privacy.md says what an upload then exposes."""
     delta: float = 1e-5
     """The delta of the (epsilon, delta) guarantee."""
     clip: float = 1.0
@@ -489,14 +489,26 @@ class PrivacySettings:
     """DP-SGD: the noise added to a batch's summed gradients has standard deviation this x clip."""
     sketch_noise_multiplier: float = 1.0
     """Sketch noise: its standard deviation is this x 2 sqrt(1024) / n for n samples."""
+    alpha_noise_multiplier: float = 1.0
+    """FedSoft-Async's mixture estimate: noise of standard deviation this x sqrt(2) on each cluster's count of samples."""
+    uploads: int = 0
+    """N > 0: spread the budget over N uploads. The three noise multipliers are then ignored and set to the smallest common value with which N uploads of at least agent.min_samples_to_train samples fit in epsilon (`fedmq privacy plan` prints it); uploads of more samples spend less, so an agent may make more than N. 0: use the multipliers as set."""
 
-    def mechanisms(self, seed: int | None = None) -> UplinkPrivacy:
-        """The agent's mechanisms and accountant; ConfigError for values out of range."""
+    def mechanisms(self, seed: int | None = None, *, plan: dict[str, Any] | None = None) -> UplinkPrivacy:
+        """The agent's mechanisms and accountant; ConfigError for values out of range.
+
+        With privacy.uploads, `plan` (n, batch_size, epochs, sketch, alpha: what one upload
+        is) sets the noise multipliers by `fedmq.privacy.plan_noise`."""
         from fedmq.privacy import UplinkPrivacy
 
         try:
-            return UplinkPrivacy(self.epsilon, self.delta, self.clip, self.noise_multiplier,
-                                 self.sketch_noise_multiplier, seed)
+            if self.uploads < 0:
+                raise ValueError(f"uploads must be >= 0, got {self.uploads}")
+            mechanisms = UplinkPrivacy(self.epsilon, self.delta, self.clip, self.noise_multiplier,
+                                       self.sketch_noise_multiplier, self.alpha_noise_multiplier, seed)
+            if mechanisms.enabled and self.uploads and plan is not None:
+                mechanisms = mechanisms.planned(uploads=self.uploads, **plan)
+            return mechanisms
         except ValueError as exc:
             raise ConfigError(f"privacy: {exc}") from None
 

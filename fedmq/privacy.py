@@ -1,6 +1,7 @@
-"""Differential privacy for what an agent sends: its trained model and its data sketch.
+"""Differential privacy for what an agent sends: its trained model, its data sketch and
+FedSoft-Async's mixture estimate.
 
-Both mechanisms run on the device before anything leaves it (the broker and the aggregator
+All mechanisms run on the device before anything leaves it (the broker and the aggregator
 are not trusted with the data). They are accounted per agent over its lifetime by Opacus' RDP
 accountant, against the budget `privacy.epsilon` at `privacy.delta`, for record-level
 adjacency: one sample of the device's data changed.
@@ -16,9 +17,13 @@ adjacency: one sample of the device's data changed.
   [-1, 1] (cosines, fedmq/sketch.py). One sample replaced moves it by at most
   2 sqrt(D) / n in L2, so N(0, (sigma_s 2 sqrt(D) / n)^2) is added to every feature. The
   result is clipped back to [-1, 1], which is post-processing.
+- **FedSoft-Async's alpha: the Gaussian mechanism on the argmin counts** (`release_alpha`).
+  The agent trains from the released (noisy) mixture, so DP-SGD's start is data-independent
+  given what was released.
 
-With DP on, the accuracy figures and FedSoft's own mixture estimate are not sent: they are
-computed from the data with no noise. A resent upload (after a restart or a lost reply)
+`plan_noise` turns a budget into noise: the common multiplier with which U uploads fit
+(privacy.uploads). With DP on, the accuracy figures are not sent: they are computed from
+the data with no noise. A resent upload (after a restart or a lost reply)
 is the same bytes, so nothing more is spent. Batch-norm models are refused: per-sample
 gradients are not defined when batch norm mixes the samples of a batch.
 """
@@ -26,7 +31,8 @@ gradients are not defined when batch norm mixes the samples of a batch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -60,15 +66,19 @@ class UplinkPrivacy:
     clip: float = 1.0
     noise_multiplier: float = 1.0
     sketch_noise_multiplier: float = 1.0
+    alpha_noise_multiplier: float = 1.0
     seed: int | None = None
     """Sketch noise seed (None: fresh entropy; tests fix it)."""
     history: list[Step] = field(default_factory=list)
+    released_alpha: list[float] | None = field(default=None, compare=False)
+    """The last mixture estimate `release_alpha` noised: the only alpha an upload may carry with DP on."""
 
     def __post_init__(self) -> None:
         if self.epsilon < 0 or not 0 < self.delta < 1 or self.clip <= 0:
             raise ValueError(f"need epsilon >= 0, 0 < delta < 1, clip > 0; got {self.epsilon}, {self.delta}, {self.clip}")
-        if self.enabled and (self.noise_multiplier <= 0 or self.sketch_noise_multiplier <= 0):
-            raise ValueError("with DP on (privacy.epsilon > 0) both noise multipliers must be > 0")
+        if self.enabled and min(self.noise_multiplier, self.sketch_noise_multiplier,
+                                self.alpha_noise_multiplier) <= 0:
+            raise ValueError("with DP on (privacy.epsilon > 0) every noise multiplier must be > 0")
         self._rng = np.random.default_rng(self.seed)
 
     @property
@@ -92,6 +102,9 @@ class UplinkPrivacy:
     def sketch_release(self) -> list[Step]:
         return [(self.sketch_noise_multiplier, 1.0, 1)]
 
+    def alpha_release(self) -> list[Step]:
+        return [(self.alpha_noise_multiplier, 1.0, 1)]
+
     def check(self, planned: list[Step]) -> None:
         """BudgetSpent if the `planned` releases would take epsilon past the budget."""
         after = self.spent(planned)
@@ -113,11 +126,98 @@ class UplinkPrivacy:
         noisy = summary.astype(np.float64) + self._rng.normal(0.0, scale, summary.size)
         return np.clip(noisy, -1.0, 1.0).astype(np.float32)
 
+    def upload_releases(self, n: int, batch_size: int, epochs: int, *, sketch: bool, alpha: bool) -> list[Step]:
+        """What one upload of n samples charges: DP-SGD's epochs x ceil(n / B) steps, the
+        sketch (CDFL) and the mixture estimate (FedSoft-Async)."""
+        return (self.training(n, batch_size, epochs * max(1, math.ceil(n / batch_size)))
+                + (self.sketch_release() if sketch else []) + (self.alpha_release() if alpha else []))
+
+    def planned(self, *, n: int, uploads: int, batch_size: int, epochs: int, sketch: bool,
+                alpha: bool) -> UplinkPrivacy:
+        """A copy whose three noise multipliers are `plan_noise`'s: `uploads` uploads of at
+        least n samples each fit in the budget (privacy.uploads)."""
+        sigma = plan_noise(self.epsilon, self.delta, n=n, uploads=uploads, batch_size=batch_size,
+                           epochs=epochs, sketch=sketch, alpha=alpha)
+        return replace(self, noise_multiplier=sigma, sketch_noise_multiplier=sigma,
+                       alpha_noise_multiplier=sigma, history=list(self.history))
+
+    def release_sketch(self, summary: np.ndarray, n: int) -> np.ndarray:
+        """The sketch of n samples as it may leave the device: charged, then noised
+        (BudgetSpent, and nothing charged, if that would take epsilon past the budget)."""
+        self.check(self.sketch_release())
+        noisy = self.sketch(summary, n)
+        self.spend(self.sketch_release())
+        return noisy
+
+    def release_alpha(self, shares: list[float], n: int) -> list[float]:
+        """FedSoft's mixture estimate (each cluster's share of the n samples on which its model
+        has the lowest loss) as it may leave the device, charged like `release_sketch`.
+
+        One sample replaced moves one count down and another up: sqrt(2) in L2. N(0,
+        (sigma_a sqrt 2)^2) is added to each count, negatives are cut to 0 and the rest
+        normalized (post-processing). The agent's training then starts from this released
+        mixture, so its start depends on the data only through what DP released."""
+        self.check(self.alpha_release())
+        released = self.noisy_alpha(shares, n)
+        self.spend(self.alpha_release())
+        self.released_alpha = released
+        return released
+
+    def noisy_alpha(self, shares: list[float], n: int) -> list[float]:
+        """`release_alpha`'s mechanism alone, uncharged."""
+        counts = np.asarray(shares, dtype=np.float64) * n
+        noise = self._rng.normal(0.0, self.alpha_noise_multiplier * math.sqrt(2.0), counts.size)
+        noisy = np.clip(counts + noise, 0.0, None)
+        total = noisy.sum()
+        return [float(v) for v in (noisy / total if total > 0 else np.full(counts.size, 1.0 / counts.size))]
+
     def state_dict(self) -> list[list[float]]:
         return [[m, q, s] for m, q, s in self.history]
 
     def load_state_dict(self, history: list[list[float]]) -> None:
         self.history = [(float(m), float(q), int(s)) for m, q, s in history]
+
+
+def upload_releases(noise_multiplier: float, n: int, batch_size: int, epochs: int, *, sketch: bool = True,
+                    alpha: bool = False) -> list[Step]:
+    """One upload's releases with every mechanism at `noise_multiplier`."""
+    sigma = noise_multiplier
+    return UplinkPrivacy(1.0, noise_multiplier=sigma, sketch_noise_multiplier=sigma,
+                         alpha_noise_multiplier=sigma).upload_releases(n, batch_size, epochs, sketch=sketch, alpha=alpha)
+
+
+@lru_cache(maxsize=64)
+def plan_noise(epsilon: float, delta: float, *, n: int, uploads: int, batch_size: int = 32, epochs: int = 2,
+               sketch: bool = True, alpha: bool = False) -> float:
+    """The smallest common noise multiplier with which `uploads` uploads of n samples each fit
+    in (epsilon, delta): what to set privacy.noise_multiplier, sketch_noise_multiplier and
+    alpha_noise_multiplier to (`fedmq privacy plan`). Fewer samples per upload cost more
+    epsilon at a given multiplier, so plan with the smallest n an upload will have."""
+    import warnings
+
+    from opacus.accountants import RDPAccountant
+
+    if epsilon <= 0 or uploads < 1 or n < 1:
+        raise ValueError(f"need epsilon > 0, uploads >= 1, n >= 1; got {epsilon}, {uploads}, {n}")
+
+    def spent(sigma: float) -> float:
+        accountant = RDPAccountant()
+        accountant.history = upload_releases(sigma, n, batch_size, epochs, sketch=sketch, alpha=alpha) * uploads
+        with warnings.catch_warnings():  # "optimal order is the smallest alpha": only at sigma < 1
+            warnings.simplefilter("ignore")
+            return float(accountant.get_epsilon(delta))
+
+    lo, hi = 0.05, 1.0
+    while spent(hi) > epsilon:
+        lo, hi = hi, hi * 2
+        if hi > 1e5:
+            raise ValueError(f"epsilon {epsilon:g} at delta {delta:g} is out of reach for {uploads} uploads")
+    if spent(lo) <= epsilon:
+        return lo
+    while hi / lo > 1.005:  # bisection in log space to 0.5 %: spent() falls as sigma grows
+        mid = math.sqrt(lo * hi)
+        lo, hi = (lo, mid) if spent(mid) <= epsilon else (mid, hi)
+    return hi
 
 
 def private_gradients(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, dp: DpSgd,

@@ -34,6 +34,7 @@ import math
 import shlex
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,7 +48,7 @@ from fedmq.config import Config, add_config_arguments, config_from_args, load_co
 from fedmq.errors import ArgumentParser, run_main
 from fedmq.logs import event, get_logger, setup_logging
 from fedmq.sketch import data_sketch
-from sim.fleet import RunSpec, configure, kl_divergence, make_schedule
+from sim.fleet import RunSpec, agent_privacy, configure, dp_seed, kl_divergence, make_schedule
 from sim.scenarios import build_clusters, draw_cycle
 from sim.seeds import int_list, seed_list
 from sim.stats import paired_interval
@@ -220,7 +221,7 @@ def run_variant(fleet: Fleet, variant: Variant, estimators: Sequence[str] = ()) 
     from aggregator.bootstrap import make_strategy
     from aggregator.estimators import EstimationBatch, make_estimator
     from aggregator.strategy import Upload
-    from edge_agent.trainer import estimate_alpha_argmin, train_fedsoft, train_local
+    from edge_agent.trainer import train_cycle
     from fedmq.training import evaluate
 
     spec, name = fleet.spec, fleet.model_name
@@ -240,6 +241,13 @@ def run_variant(fleet: Fleet, variant: Variant, estimators: Sequence[str] = ()) 
                        "temperature": c.temperature}
             extra = {e: make_estimator(e, **options) for e in estimators}
     uniform_start = torch.stack(fleet.starts(cfg)).mean(0)
+    busiest = max(Counter(a for a, _ in fleet.schedule).values(), default=1)
+    privacy = {a: p for a in range(fleet.n_agents)
+               if (p := agent_privacy(cfg, variant.method, a, busiest, local.epochs, local.batch_size))}
+
+    def sketch_of(a: int, x: torch.Tensor) -> np.ndarray:
+        return privacy[a].release_sketch(data_sketch(x), len(x)) if a in privacy else data_sketch(x)
+
     held: dict[int, torch.Tensor] = {}
     held_clusters: dict[int, list[torch.Tensor]] = {}
     tau: dict[int, int] = {}
@@ -262,16 +270,10 @@ def run_variant(fleet: Fleet, variant: Variant, estimators: Sequence[str] = ()) 
         seed = int(np.random.default_rng([spec.seed, a, c, 1]).integers(2**31))
         rows["held"].append(evaluate(name, held[a], xt, yt)[0])
         cpu0 = time.thread_time()
-        alpha_own = None
-        if variant.method == "fedsoft-async":
-            ws = held_clusters[a]
-            alpha_own = estimate_alpha_argmin(name, ws, x, y)
-            mix = sum(float(al) * w for al, w in zip(alpha_own, ws, strict=True))
-            result = train_fedsoft(name, mix, ws, alpha_own, x, y, epochs=local.epochs, lr=local.lr,
-                                   rho=local.rho, seed=seed)
-        else:
-            result = train_local(name, held[a], x, y, epochs=local.epochs, lr=local.lr,
-                                 rho=local.rho, seed=seed)
+        result, alpha_own = train_cycle(name, variant.method, held[a], held_clusters.get(a), x, y,
+                                        privacy=privacy.get(a), dp_seed=dp_seed(spec.seed, a, c),
+                                        epochs=local.epochs, batch_size=local.batch_size, lr=local.lr,
+                                        rho=local.rho, seed=seed)
         rows["compute"].append(time.thread_time() - cpu0)
         acc_trained = evaluate(name, result.vector, xt, yt)[0]
         rows["trained"].append(acc_trained)
@@ -281,7 +283,7 @@ def run_variant(fleet: Fleet, variant: Variant, estimators: Sequence[str] = ()) 
             continue
         upload = Upload(f"sim-{a:05d}", result.vector, tau[a], n_samples=len(train), alpha=alpha_own,
                         base=held[a] if variant.method == "cdfl" else None,
-                        sketch=data_sketch(x) if variant.method == "cdfl" else None)
+                        sketch=sketch_of(a, x) if variant.method == "cdfl" else None)
         for e, est in extra.items():
             batch = EstimationBatch(evaluator=strategy.evaluator, clusters=strategy.clusters,
                                     versions=list(strategy.versions), vectors=result.vector[None],

@@ -31,6 +31,7 @@ import math
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,8 +42,8 @@ import torch
 
 from fedmq.algorithms import ASYNC_SERVER
 from fedmq.config import Config
-from fedmq.errors import UsageError
 from fedmq.logs import event, get_logger
+from fedmq.privacy import UplinkPrivacy
 from fedmq.transport import NetworkLoop, use_network
 from sim.scenarios import Scenario, apply_defaults, build_clusters, draw_cycle, get_scenario
 
@@ -317,6 +318,28 @@ def server_models(strategy: Any, k: int) -> list[torch.Tensor]:
     return models * k if len(models) == 1 else models
 
 
+def dp_seed(seed: int, agent: int, cycle: int) -> int:
+    """DP-SGD's noise seed for one simulated cycle: the run stays a pure function of its seed."""
+    return int(np.random.default_rng([seed, agent, cycle, 2]).integers(2**63))
+
+
+def agent_privacy(cfg: Config, method: str, agent: int, busiest: int, epochs: int,
+                  batch_size: int = 32) -> UplinkPrivacy | None:
+    """A simulated agent's DP mechanisms; None with DP off or for Local (which sends nothing).
+
+    The budget is spread over privacy.uploads uploads, or by default over the busiest agent's
+    count in the schedule, so that no agent runs out mid-run; planned for the scenario's
+    smallest draw (data.min_samples), which costs the most epsilon per upload. The sketch and
+    alpha noise is seeded by (seed, agent)."""
+    if cfg.privacy.epsilon <= 0 or method == "local":
+        return None
+    settings = copy.deepcopy(cfg.privacy)
+    settings.uploads = settings.uploads or busiest
+    return settings.mechanisms(seed=int(np.random.default_rng([cfg.seed, agent, 3]).integers(2**63)), plan=dict(
+        n=cfg.data.min_samples, batch_size=batch_size, epochs=epochs,
+        sketch=method == "cdfl" and cfg.agent.send_sketch, alpha=method == "fedsoft-async"))
+
+
 def agent_name(index: int) -> str:
     return f"sim-{index:05d}"
 
@@ -333,7 +356,7 @@ class CyclePlayer:
 
     def play(self, i: int, a: int, c: int, agent: Any, held: dict[int, torch.Tensor] | None) -> UpdateRecord:
         """`agent` is the EdgeAgent (None for Local, whose models live in `held`)."""
-        from edge_agent.trainer import estimate_alpha_argmin, train_fedsoft, train_local
+        from edge_agent.trainer import train_cycle
         from fedmq.training import evaluate
 
         spec, model_name = self.spec, self.model_name
@@ -344,16 +367,10 @@ class CyclePlayer:
         start = held[a] if local else agent.installed.vector
         acc_held = evaluate(model_name, start, xt, yt)[0]
         cpu0 = time.thread_time()
-        alpha_own = None
-        if spec.method == "fedsoft-async":
-            ws = agent.installed.clusters
-            alpha_own = estimate_alpha_argmin(model_name, ws, x, y)
-            mix = sum(float(al) * w for al, w in zip(alpha_own, ws, strict=True))
-            result = train_fedsoft(model_name, mix, ws, alpha_own, x, y, epochs=spec.local_epochs,
-                                   lr=spec.local_lr, rho=spec.rho, seed=seed)
-        else:
-            result = train_local(model_name, start, x, y, epochs=spec.local_epochs, lr=spec.local_lr,
-                                 rho=spec.rho, seed=seed)
+        result, alpha_own = train_cycle(
+            model_name, spec.method, start, None if local else agent.installed.clusters, x, y,
+            privacy=None if local else agent.privacy, dp_seed=dp_seed(spec.seed, a, c),
+            epochs=spec.local_epochs, lr=spec.local_lr, rho=spec.rho, seed=seed)
         compute_s = time.thread_time() - cpu0
         acc_before = evaluate(model_name, result.vector, xt, yt)[0]
         if local:
@@ -432,9 +449,6 @@ def run_fleet(spec: RunSpec, base: Config | None = None, *, broker_url: str | No
     from fedmq.training import evaluate
 
     scenario, cfg = configure(spec, base)
-    if cfg.privacy.epsilon > 0:  # its agents train without DP-SGD: their updates would go out plain
-        raise UsageError("privacy.epsilon: the simulator does not train with DP-SGD yet; run DP agents with "
-                         "`fedmq agent` (docs/privacy.md)")
     n_agents = spec.resolved_agents()
     clusters = clusters or build_clusters(scenario, cfg, spec.clusters)
     model_name = resolve_model_name(cfg.model, cfg.data.dataset)
@@ -472,6 +486,9 @@ def run_fleet(spec: RunSpec, base: Config | None = None, *, broker_url: str | No
             cfg.fleet = fleet_name(cfg.fleet, spec)
             engine = start_aggregator(cfg, clusters, stack, busy).engine
             agents = dict(enumerate(start_agents(cfg, spec, range(n_agents), stack)))
+            busiest = max(Counter(a for a, _ in schedule).values(), default=1)
+            for a, agent in agents.items():
+                agent.privacy = agent_privacy(cfg, spec.method, a, busiest, spec.local_epochs) or agent.privacy
             current_clusters = lambda: server_models(engine.strategy, len(test_sets))  # noqa: E731
 
         score_clusters(current_clusters(), 0)

@@ -82,6 +82,7 @@ RULES: list[Rule] = [
     Rule(r"^(\.venv/bin/)?fedmq --help$", "run", proof="usage: fedmq"),
     Rule(r"^fedmq sim ablation --help", "run", proof="usage:"),
     Rule(r"^fedmq broker --dry-run", "run", proof="mosquitto"),
+    Rule(r"^fedmq privacy plan ", "run", proof="noise multiplier"),
     Rule(r"^fedmq (agent|aggregator) .*--dry-run$", "run", proof='"resolved"'),
     Rule(r"^fedmq creds ", "run", proof=""),
     Rule(r"^fedmq sim report ", "run", proof="report:"),

@@ -19,7 +19,7 @@ from edge_agent.protocol_client import EdgeAgent
 from fedmq.config import ConfigError, load_config
 from fedmq.data import load_dataset
 from fedmq.models import build_model, to_vector
-from fedmq.privacy import BudgetSpent, DpSgd, UplinkPrivacy
+from fedmq.privacy import BudgetSpent, DpSgd, UplinkPrivacy, plan_noise, upload_releases
 from fedmq.sketch import data_sketch
 from fedmq.training import fit
 from tests.cli_process import BIN, CliProcess, cli_env
@@ -42,7 +42,7 @@ def test_the_accountant_matches_the_librarys_mechanisms() -> None:
 
 
 def test_bad_privacy_settings_are_one_line() -> None:
-    with pytest.raises(ConfigError, match="noise multipliers must be > 0"):
+    with pytest.raises(ConfigError, match="every noise multiplier must be > 0"):
         load_config(None, {"privacy.epsilon": 4, "privacy.noise_multiplier": 0}).privacy.mechanisms()
     with pytest.raises(ConfigError, match="0 < delta < 1"):
         load_config(None, {"privacy.epsilon": 4, "privacy.delta": 2}).privacy.mechanisms()
@@ -86,18 +86,20 @@ def test_with_dp_on_the_sketch_never_leaves_without_noise_nor_the_figures_withou
     assert float(np.abs(sketch_off).max()) < 1e-3 and plain.alpha == [0.7, 0.3] and plain.metrics
 
 
-def test_an_agent_whose_budget_is_spent_stops_uploading_and_says_so(mosquitto, tmp_path) -> None:
-    """Budget 11 at the default multipliers (1, 1), 200 samples per upload: two uploads spend
-    10.2, a third would spend 12.7. The third request is refused on the device, and a restart
-    remembers."""
-    common = ["--broker", mosquitto.url, "--fleet", "dp"]
+@pytest.mark.parametrize("algorithm", ["cdfl", "fedsoft-async"])
+def test_an_agent_whose_budget_is_spent_stops_uploading_and_says_so(mosquitto, tmp_path, algorithm) -> None:
+    """Budget 11 at the default multipliers (all 1), 200 samples per upload: two uploads spend
+    10.2 (DP-SGD plus the sketch, or plus FedSoft's alpha: the same Gaussian mechanism), a third
+    would spend 12.7. The third request is refused on the device, and a restart remembers."""
+    fleet = ["--broker", mosquitto.url, "--fleet", "dp"]
+    common = [*fleet, "--algorithm", algorithm]
     aggregator = CliProcess(["fedmq", "aggregator", *common, "--state-dir", str(tmp_path / "agg")], cwd=tmp_path)
     agent_argv = ["fedmq", "agent", *common, "--id", "car-1", "--state-dir", str(tmp_path / "car-1"),
                   "--set", "privacy.epsilon=11",
                   "--set", "agent.train_on_newest=200"]  # a fixed n: the epsilon per upload is known
     agent = None
     try:
-        aggregator.wait_for(r"^aggregator cdfl on ", timeout=300)
+        aggregator.wait_for(rf"^aggregator {algorithm} on ", timeout=300)
         agent = CliProcess(agent_argv, cwd=tmp_path)
         agent.wait_for(r"model\.installed .*via=join", timeout=300)
         for n in (1, 2):
@@ -106,7 +108,7 @@ def test_an_agent_whose_budget_is_spent_stops_uploading_and_says_so(mosquitto, t
         agent.proc.send_signal(signal.SIGUSR1)
         spent = agent.wait_for(r"privacy\.budget_spent .*epsilon=([0-9.]+) budget=11", timeout=120)
         assert 10.2 < float(spent.group(1)) < 10.3, spent.group(0)
-        status = subprocess.run([str(BIN / "fedmq"), "fleet", "status", *common, "--json"], env=cli_env(),
+        status = subprocess.run([str(BIN / "fedmq"), "fleet", "status", *fleet, "--json"], env=cli_env(),
                                 capture_output=True, text=True, timeout=120)
         counters = json.loads(status.stdout)["agents"][0]["counters"]
         assert counters["uploads"] == 2 and counters["budget_spent"] == 1 and 10.2 < counters["epsilon"] < 10.3
@@ -134,22 +136,67 @@ def test_budget_spent_is_a_runtime_failure_with_the_numbers() -> None:
         privacy.check(upload)
 
 
-def test_paths_without_dp_sgd_refuse_a_privacy_budget_instead_of_sending_plain_updates() -> None:
+def test_round_agents_refuse_a_privacy_budget_instead_of_sending_plain_updates() -> None:
     from edge_agent.round_agent import RoundAgent
     from fedmq.errors import UsageError
-    from sim.fleet import RunSpec, run_fleet
 
     cfg = load_config(None, {"privacy.epsilon": 4.0})
     data = load_dataset("digits")
     with pytest.raises(UsageError, match="not yet for catafed rounds"):
         RoundAgent(cfg, "van-1", data.x[:50], data.y[:50], algorithm="catafed")
-    with pytest.raises(UsageError, match="simulator does not train with DP-SGD"):
-        run_fleet(RunSpec(clusters=2, agents=2, updates_per_agent=1), cfg)
 
 
-def test_fedsoft_async_agents_refuse_a_budget() -> None:
-    """Their training starts from a mixture weighted by their own noiseless alpha."""
-    from fedmq.errors import UsageError
+def test_the_planned_noise_spends_the_budget_over_exactly_the_planned_uploads() -> None:
+    """plan_noise's multiplier: 12 uploads of 200 samples fit in epsilon 4 (within 1 %), a 13th
+    does not; an agent with privacy.uploads gets it for all three mechanisms."""
+    sigma = plan_noise(4.0, 1e-5, n=200, uploads=12)
+    one = upload_releases(sigma, 200, 32, 2, sketch=True)
+    privacy = UplinkPrivacy(4.0)
+    assert 3.96 < privacy.spent(one * 12) <= 4.0 < privacy.spent(one * 13)
+    agent = EdgeAgent(load_config(None, {"privacy.epsilon": 4.0, "privacy.uploads": 12}), "car-1")
+    p = agent.privacy
+    assert p.noise_multiplier == p.sketch_noise_multiplier == p.alpha_noise_multiplier == sigma
+    for _ in range(12):
+        p.check(p.upload_releases(200, 32, 2, sketch=True, alpha=False))
+        p.spend(p.upload_releases(200, 32, 2, sketch=True, alpha=False))
+    with pytest.raises(BudgetSpent):
+        p.check(p.upload_releases(200, 32, 2, sketch=True, alpha=False))
 
-    with pytest.raises(UsageError, match="built for cdfl agents"):
-        EdgeAgent(load_config(None, {"privacy.epsilon": 4.0}), "car-1", algorithm="fedsoft-async")
+
+def test_fedsoft_async_sends_only_the_alpha_dp_noised_and_starts_from_it() -> None:
+    """With DP on, FedSoft-Async's argmin counts get N(0, 2 sigma_a^2); a noiseless alpha given to
+    the envelope is dropped; train_cycle trains from the released mixture and charges both."""
+    from edge_agent.trainer import train_cycle
+
+    cfg = load_config(None, {"privacy.epsilon": 1e6, "privacy.alpha_noise_multiplier": 3.0})
+    agent = EdgeAgent(cfg, "car-1", algorithm="fedsoft-async")
+    draws = np.array([agent.privacy.noisy_alpha([0.5, 0.5], 10_000) for _ in range(2000)])[:, 0] * 10_000
+    # n x share0 = n (c0 + e0) / (n + e0 + e1) ~ c0 + (e0 - e1) / 2 for n >> sigma: std sigma_a sqrt(2) / sqrt(2)
+    assert abs(float(draws.std()) / 3.0 - 1) < 0.1
+    clusters = [to_vector(build_model("digits-cnn", seed=s)) for s in (0, 1)]
+    agent.restore(0, clusters[0])
+    data = load_dataset("digits")
+    x, y = data.x[:200], data.y[:200]
+    before = len(agent.privacy.history)
+    result, alpha = train_cycle("digits-cnn", "fedsoft-async", clusters[0], clusters, x, y, privacy=agent.privacy,
+                                dp_seed=1, epochs=1)
+    assert alpha == agent.privacy.released_alpha and len(agent.privacy.history) == before + 2
+    env = agent.update_envelope(result.vector, 200, alpha=alpha)
+    assert env.alpha == alpha
+    assert agent.update_envelope(result.vector, 200, alpha=[0.7, 0.3]).alpha is None  # never noiseless
+
+
+def test_the_simulator_runs_dp_fleets_reproducibly_and_the_noise_costs_accuracy() -> None:
+    """The ablation runner (the trade-off in docs/privacy.md) with DP: the same seed gives the
+    same row; at epsilon 1 the uploads are noisier than without DP."""
+    from sim.ablation import AblationSpec, Fleet, Variant, run_variant
+
+    fleet = Fleet(AblationSpec(clusters=2, agents=4, updates_per_agent=2, test_samples=100), load_config(None, {}))
+    rows = {}
+    for method in ("fedsoft-async", "cdfl"):
+        rows[method] = run_variant(fleet, Variant.parse(method))
+        rows[f"{method}-eps1"] = run_variant(fleet, Variant.parse(f"{method}-eps1={method}:privacy.epsilon=1,"
+                                                                   "privacy.uploads=8"))
+        assert rows[f"{method}-eps1"].acc_trained < rows[method].acc_trained, rows
+    again = run_variant(fleet, Variant.parse("cdfl-eps1=cdfl:privacy.epsilon=1,privacy.uploads=8"))
+    assert again.acc_received == rows["cdfl-eps1"].acc_received and again.kl == rows["cdfl-eps1"].kl
