@@ -341,8 +341,9 @@ class DeviceAgent:
         assert self.agent is not None
         s = self.settings
         n = min(len(self.buffer), s.train_on_newest or len(self.buffer))
-        return self.agent.privacy.upload_releases(max(n, 1), s.batch_size, s.epochs, sketch=self.agent.sends_sketch(),
-                                                  alpha=self.algorithm == "fedsoft-async")
+        privacy = self.agent.privacy
+        return privacy.upload_releases(max(n, 1), privacy.batch(s.batch_size), s.epochs,
+                                       sketch=self.agent.sends_sketch(n), alpha=self.algorithm == "fedsoft-async")
 
     def update(self) -> Cycle:
         """One update cycle now (train, persist the upload, send it, install the reply)."""

@@ -99,7 +99,8 @@ class EdgeAgent:
                                          "joins": 0}
         a = cfg.agent
         self.privacy = cfg.privacy.mechanisms(plan=dict(
-            n=a.min_samples_to_train, batch_size=a.batch_size, epochs=a.epochs, sketch=self.sends_sketch(),
+            n=a.min_samples_to_train, batch_size=a.batch_size, epochs=a.epochs,
+            sketch=self.sends_sketch(a.min_samples_to_train),
             alpha=algorithm == "fedsoft-async"))
         """DP of what this agent sends, and the epsilon it has spent (privacy.epsilon; off by default)."""
         if self.privacy.enabled and algorithm not in ("cdfl", "fedsoft-async"):
@@ -330,7 +331,7 @@ class EdgeAgent:
         if self.installed is None:
             raise AgentError("not_joined", "join before uploading")
         summary = None
-        if inputs is not None and self.sends_sketch():
+        if inputs is not None and self.sends_sketch(inputs.shape[0]):
             values = sketch.data_sketch(inputs)
             if self.privacy.enabled:  # `vector` comes from DP-SGD (train_cycle): the sketch is the rest
                 values = self.privacy.release_sketch(values, inputs.shape[0])
@@ -350,9 +351,11 @@ class EdgeAgent:
                                alpha=alpha, metrics=metrics or {}, sketch=summary,
                                sketch_method=sketch.METHOD if summary is not None else "")
 
-    def sends_sketch(self) -> bool:
-        """Whether an upload with its training inputs carries their sketch."""
-        return self.cfg.agent.send_sketch and self.algorithm == "cdfl"
+    def sends_sketch(self, n: int) -> bool:
+        """Whether an upload with n training inputs carries their sketch (never of fewer than
+        agent.sketch_min_samples: the sketch of a few samples reveals them)."""
+        a = self.cfg.agent
+        return a.send_sketch and self.algorithm == "cdfl" and n >= a.sketch_min_samples
 
     def upload(self, env: protocol.Update, *, resend: bool = False) -> tuple[Installed, int]:
         """Send an update until answered; install the reply. Returns (installed, bytes up).

@@ -100,11 +100,15 @@ def train_cycle(model_name: str, algorithm: str, held: torch.Tensor, clusters: S
     FedSoft-Async (`clusters`: the K received models) estimates alpha by argmin and trains from
     the alpha-mixture toward each model; CDFL and Local train from the `held` model. With DP
     on (`privacy.enabled`) alpha is released noisy (`UplinkPrivacy.release_alpha`), training
-    runs DP-SGD with noise seeded by `dp_seed`, and both are charged to `privacy`. `knobs` are
+    runs DP-SGD (at privacy.batch_size) with noise seeded by `dp_seed`, and both are charged
+    to `privacy`. `knobs` are
     train_local's. Returns the result and the alpha to upload (None unless FedSoft-Async).
     """
     private = privacy is not None and privacy.enabled
-    dp = privacy.sgd(dp_seed) if privacy is not None and private else None
+    dp = None
+    if privacy is not None and private:
+        dp = privacy.sgd(dp_seed)
+        knobs["batch_size"] = privacy.batch(knobs.get("batch_size", 32))
     alpha: list[float] | None = None
     if algorithm == "fedsoft-async":
         if not clusters:

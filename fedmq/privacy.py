@@ -67,6 +67,8 @@ class UplinkPrivacy:
     noise_multiplier: float = 1.0
     sketch_noise_multiplier: float = 1.0
     alpha_noise_multiplier: float = 1.0
+    batch_size: int = 0
+    """DP-SGD's batch (0: the agent's): its noise on the mean gradient is sigma clip / B."""
     seed: int | None = None
     """Sketch noise seed (None: fresh entropy; tests fix it)."""
     history: list[Step] = field(default_factory=list)
@@ -94,6 +96,10 @@ class UplinkPrivacy:
         if not accountant.history:
             return 0.0
         return float(accountant.get_epsilon(self.delta))
+
+    def batch(self, agent_batch: int) -> int:
+        """The batch DP-SGD trains with, given the agent's own (agent.batch_size)."""
+        return self.batch_size or agent_batch
 
     def training(self, n: int, batch_size: int, steps: int) -> list[Step]:
         """DP-SGD's releases: `steps` mini-batches of `batch_size` out of n samples."""
@@ -127,8 +133,8 @@ class UplinkPrivacy:
         return np.clip(noisy, -1.0, 1.0).astype(np.float32)
 
     def upload_releases(self, n: int, batch_size: int, epochs: int, *, sketch: bool, alpha: bool) -> list[Step]:
-        """What one upload of n samples charges: DP-SGD's epochs x ceil(n / B) steps, the
-        sketch (CDFL) and the mixture estimate (FedSoft-Async)."""
+        """What one upload of n samples charges: DP-SGD's epochs x ceil(n / B) steps (B the
+        batch it trains with), the sketch (CDFL) and the mixture estimate (FedSoft-Async)."""
         return (self.training(n, batch_size, epochs * max(1, math.ceil(n / batch_size)))
                 + (self.sketch_release() if sketch else []) + (self.alpha_release() if alpha else []))
 
@@ -136,7 +142,7 @@ class UplinkPrivacy:
                 alpha: bool) -> UplinkPrivacy:
         """A copy whose three noise multipliers are `plan_noise`'s: `uploads` uploads of at
         least n samples each fit in the budget (privacy.uploads)."""
-        sigma = plan_noise(self.epsilon, self.delta, n=n, uploads=uploads, batch_size=batch_size,
+        sigma = plan_noise(self.epsilon, self.delta, n=n, uploads=uploads, batch_size=self.batch(batch_size),
                            epochs=epochs, sketch=sketch, alpha=alpha)
         return replace(self, noise_multiplier=sigma, sketch_noise_multiplier=sigma,
                        alpha_noise_multiplier=sigma, history=list(self.history))

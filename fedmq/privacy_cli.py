@@ -44,20 +44,21 @@ def run(args: argparse.Namespace) -> int:
     if epsilon <= 0 or uploads < 1 or n < 1:
         raise UsageError(f"need --epsilon > 0, --uploads >= 1 and --samples >= 1 (or the same in [privacy] "
                          f"and agent.min_samples_to_train); got {epsilon:g}, {uploads}, {n}")
+    batch = p.batch_size or a.batch_size
     sketch = args.algorithm == "cdfl" and a.send_sketch
     alpha = args.algorithm == "fedsoft-async"
     try:
-        sigma = plan_noise(epsilon, p.delta, n=n, uploads=uploads, batch_size=a.batch_size, epochs=a.epochs,
+        sigma = plan_noise(epsilon, p.delta, n=n, uploads=uploads, batch_size=batch, epochs=a.epochs,
                            sketch=sketch, alpha=alpha)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     from fedmq.privacy import UplinkPrivacy
 
-    one = UplinkPrivacy(epsilon, p.delta).spent(upload_releases(sigma, n, a.batch_size, a.epochs, sketch=sketch,
+    one = UplinkPrivacy(epsilon, p.delta).spent(upload_releases(sigma, n, batch, a.epochs, sketch=sketch,
                                                                 alpha=alpha))
     releases = ["DP-SGD"] + (["sketch"] if sketch else []) + (["alpha"] if alpha else [])
     print(f"epsilon {epsilon:g} at delta {p.delta:g} over {uploads} uploads of >= {n} samples "
-          f"({args.algorithm}: {' + '.join(releases)}, {a.epochs} epochs of batch {a.batch_size})")
+          f"({args.algorithm}: {' + '.join(releases)}, {a.epochs} epochs of batch {batch})")
     print(f"noise multiplier {sigma:.3f} for every mechanism; one upload alone spends epsilon {one:.3g}")
     print("\n[privacy]")
     print(f"epsilon = {epsilon:g}")

@@ -273,7 +273,7 @@ def run_variant(fleet: Fleet, variant: Variant, estimators: Sequence[str] = ()) 
         result, alpha_own = train_cycle(name, variant.method, held[a], held_clusters.get(a), x, y,
                                         privacy=privacy.get(a), dp_seed=dp_seed(spec.seed, a, c),
                                         epochs=local.epochs, batch_size=local.batch_size, lr=local.lr,
-                                        rho=local.rho, seed=seed)
+                                        momentum=local.momentum, rho=local.rho, seed=seed)
         rows["compute"].append(time.thread_time() - cpu0)
         acc_trained = evaluate(name, result.vector, xt, yt)[0]
         rows["trained"].append(acc_trained)

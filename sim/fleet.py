@@ -327,14 +327,14 @@ def agent_privacy(cfg: Config, method: str, agent: int, busiest: int, epochs: in
                   batch_size: int = 32) -> UplinkPrivacy | None:
     """A simulated agent's DP mechanisms; None with DP off or for Local (which sends nothing).
 
-    The budget is spread over privacy.uploads uploads, or by default over the busiest agent's
-    count in the schedule, so that no agent runs out mid-run; planned for the scenario's
+    The budget is spread over privacy.uploads uploads, or over the busiest agent's count in the
+    schedule where that is more, so that no agent runs out mid-run; planned for the scenario's
     smallest draw (data.min_samples), which costs the most epsilon per upload. The sketch and
     alpha noise is seeded by (seed, agent)."""
     if cfg.privacy.epsilon <= 0 or method == "local":
         return None
     settings = copy.deepcopy(cfg.privacy)
-    settings.uploads = settings.uploads or busiest
+    settings.uploads = max(settings.uploads, busiest)
     return settings.mechanisms(seed=int(np.random.default_rng([cfg.seed, agent, 3]).integers(2**63)), plan=dict(
         n=cfg.data.min_samples, batch_size=batch_size, epochs=epochs,
         sketch=method == "cdfl" and cfg.agent.send_sketch, alpha=method == "fedsoft-async"))
