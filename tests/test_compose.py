@@ -351,7 +351,7 @@ def test_dev_stack_runs_against_mosquitto_from_dev_conf(tmp_path) -> None:
                                 stderr=subprocess.STDOUT, text=True)
         agent = None
         try:
-            wait_line(proc, "aggregator ", timeout=180)
+            wait_line(proc, "aggregator ", timeout=300)
             health = [a.replace("9100", str(mport)) for a in doc["services"]["aggregator"]["healthcheck"]["test"][1:]]
             assert subprocess.run(health, env=run_env(), timeout=30).returncode == 0
             assert "fedmq_aggregator_broker_connected 1.0" in scrape(mport)
@@ -416,7 +416,7 @@ def test_secure_stack_runs_against_mosquitto_from_prod_conf(tmp_path) -> None:
                                 stderr=subprocess.STDOUT, text=True)
         agents: list[subprocess.Popen] = []
         try:
-            wait_line(proc, "aggregator ", timeout=180)
+            wait_line(proc, "aggregator ", timeout=300)
             assert "fedmq_aggregator_broker_connected 1.0" in scrape(mport)
             ag = Mapping(doc, "agent", tmp_path, broker.port, host_paths)
             logs = [tmp_path / f"agent-{host}.log" for host in ("c1", "c2")]

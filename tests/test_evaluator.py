@@ -85,7 +85,7 @@ def test_cluster_loss_cache_is_invalidated_when_a_cluster_changes():
     w[1] += 0.1  # content hash changes for cluster 1 only
     second = ev.cluster_losses(w)
     assert ev.cache_misses == 3 and second[0] == first[0] and second[1] != first[1]
-    assert second[1].item() == pytest.approx(ev.losses_naive(w[1], 1), abs=1e-5)
+    assert second[1].item() == pytest.approx(ev.losses_naive(w[1], 1), rel=1e-6)  # float32 sums, chunked vs whole
     # with version counters the key is the version, not the content
     ev.cluster_losses(w, versions=[5, 5])
     ev.cluster_losses(w, versions=[5, 5])
