@@ -48,6 +48,7 @@ from fedmq.config import Config, add_config_arguments, config_from_args, load_co
 from fedmq.errors import ArgumentParser, run_main
 from fedmq.logs import event, get_logger, setup_logging
 from fedmq.sketch import data_sketch
+from sim.figures import epsilon_figure
 from sim.fleet import RunSpec, agent_privacy, configure, dp_seed, kl_divergence, make_schedule
 from sim.scenarios import build_clusters, draw_cycle
 from sim.seeds import int_list, seed_list
@@ -442,6 +443,8 @@ def write_results(results: Sequence[VariantResult], out: Path, command: str | No
     text = markdown_table(rows)
     head = (f"`{command}`\n\n" if command else "") + "".join(f"from `{c}`\n\n" for c in sources)
     (out / "table.md").write_text(head + text + "\n")
+    if epsilon_figure(data["runs"], out / "epsilon.png") is not None:
+        text += f"\n\nfigure: {out / 'epsilon.png'}"
     return text
 
 

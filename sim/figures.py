@@ -50,3 +50,55 @@ def figure_legend(fig: Any, axes: Any) -> None:
     if seen:
         fig.legend(list(seen.values()), list(seen), loc="upper center", bbox_to_anchor=(0.5, 0.0),
                    ncol=min(len(seen), 4), fontsize=8, frameon=False)
+
+
+def epsilon_figure(runs: list[dict[str, Any]], path: Path) -> Path | None:
+    """Received and cluster accuracy against the DP budget, one line per method and its other
+    settings (runs are sim.ablation's VariantResult dicts; seeds averaged, 95 % t intervals).
+    No DP is drawn at the right as "none"; Local, which sends nothing, as a flat line. None when
+    no run has privacy.epsilon."""
+    from sim.stats import t_half_width
+
+    def budget(run: dict[str, Any]) -> float:
+        return float(run["settings"].get("privacy.epsilon", 0) or 0)
+
+    if not any(budget(r) > 0 for r in runs):
+        return None
+    groups: dict[tuple[str, ...], dict[float, list[dict[str, Any]]]] = {}
+    for r in runs:
+        rest = tuple(f"{k}={v}" for k, v in sorted(r["settings"].items()) if not k.startswith("privacy.epsilon")
+                     and k != "privacy.uploads")
+        groups.setdefault((r["method"], *rest), {}).setdefault(budget(r), []).append(r)
+    epsilons = sorted({e for g in groups.values() for e in g if e > 0})
+    none_x = epsilons[-1] * 4
+    extra_colors = iter(["tab:cyan", "tab:green", "tab:purple", "tab:olive", "tab:brown", "black"] * 4)
+    colors: dict[tuple[str, ...], str] = {}
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, key, title in zip(axes, ("acc_received", "cluster_acc"), ("received accuracy", "cluster accuracy"),
+                              strict=True):
+        for (method, *rest), by_eps in groups.items():
+            frozen = "cdfl.beta0=0" in rest and "cdfl.server_lr=0" in rest  # sim.ablation's frozen control
+            others = [s for s in rest if s not in ("cdfl.beta0=0", "cdfl.server_lr=0")]
+            label = method + (" frozen" if frozen else "") + (f" ({', '.join(others)})" if others else "")
+            if (method, *others) not in colors:
+                colors[(method, *others)] = next(extra_colors) if others else method_color(method)
+            xs = sorted(by_eps, key=lambda e: e if e > 0 else none_x)
+            values = [[float(r[key]) for r in by_eps[e]] for e in xs]
+            if any(np.isnan(v).all() for v in values):
+                continue
+            means = [float(np.nanmean(v)) for v in values]
+            if method == "local":
+                ax.axhline(means[0], color=method_color(method), linestyle=":", label=label)
+                continue
+            positions = [e if e > 0 else none_x for e in xs]
+            ax.errorbar(positions, means, yerr=[t_half_width(v) for v in values], marker="o", capsize=3,
+                        linestyle="--" if frozen else "-", color=colors[(method, *others)], label=label)
+        ax.set_xscale("log")
+        ticks = [*epsilons, none_x]
+        ax.set_xticks(ticks, [f"{e:g}" for e in epsilons] + ["none"])
+        ax.minorticks_off()
+        ax.set_xlabel("epsilon (privacy budget per agent)")
+        ax.set_title(title)
+    figure_legend(fig, axes)
+    return save_figure(fig, path)

@@ -189,10 +189,11 @@ def test_fedsoft_async_sends_only_the_alpha_dp_noised_and_starts_from_it() -> No
     assert agent.update_envelope(result.vector, 200, alpha=[0.7, 0.3]).alpha is None  # never noiseless
 
 
-def test_the_simulator_runs_dp_fleets_reproducibly_and_the_noise_costs_accuracy() -> None:
+def test_the_simulator_runs_dp_fleets_reproducibly_and_the_noise_costs_accuracy(tmp_path) -> None:
     """The ablation runner (the trade-off in docs/privacy.md) with DP: the same seed gives the
-    same row; at epsilon 1 the uploads are noisier than without DP."""
-    from sim.ablation import AblationSpec, Fleet, Variant, run_variant
+    same row; at epsilon 1 the uploads are noisier than without DP; the results get the
+    accuracy-against-epsilon figure."""
+    from sim.ablation import AblationSpec, Fleet, Variant, run_variant, write_results
 
     fleet = Fleet(AblationSpec(clusters=2, agents=4, updates_per_agent=2, test_samples=100), load_config(None, {}))
     rows = {}
@@ -203,6 +204,8 @@ def test_the_simulator_runs_dp_fleets_reproducibly_and_the_noise_costs_accuracy(
         assert rows[f"{method}-eps1"].acc_trained < rows[method].acc_trained, rows
     again = run_variant(fleet, Variant.parse("cdfl-eps1=cdfl:privacy.epsilon=1,privacy.uploads=8"))
     assert again.acc_received == rows["cdfl-eps1"].acc_received and again.kl == rows["cdfl-eps1"].kl
+    assert "figure:" in write_results(list(rows.values()), tmp_path) and (tmp_path / "epsilon.png").stat().st_size
+    assert "figure:" not in write_results([rows["cdfl"]], tmp_path / "plain")  # no DP, no figure
 
 
 def test_no_sketch_of_fewer_samples_than_sketch_min_samples() -> None:
