@@ -202,6 +202,7 @@ class Engine:
             upload = Upload(agent=agent, vector=rec["vector"], tau=rec["tau"],
                             n_samples=rec["n_samples"], alpha=rec.get("upload_alpha"),
                             msg_id=rec["msg_id"], base=known.base if known is not None else None,
+                            noised=rec.get("noised", False),
                             sketch=None if sketch_bytes is None else
                             np.frombuffer(sketch_bytes, dtype="<f2").astype(np.float32))
             reply = self.strategy.apply(upload, rec.get("alpha"), sent=rec.get("sent"))
@@ -291,7 +292,7 @@ class Engine:
                                 "vector": upload.vector, "alpha": reply.alpha,
                                 "upload_alpha": upload.alpha,
                                 "dist": dists.get((env.agent, env.msg_id)),
-                                "sketch": env.sketch,
+                                "sketch": env.sketch, "noised": env.noised,
                                 **({"sent": reply.vectors[0]} if keep_sent and len(reply.vectors) == 1 else {})})
                 info = reply.info
                 applied.append({"agent": env.agent, "epoch": reply.epoch, "tau": env.tau,
@@ -340,7 +341,7 @@ class Engine:
         self._check_descent(record.base, v)
         upload = Upload(agent=env.agent, vector=v, tau=env.tau, n_samples=env.n_samples,
                         alpha=env.alpha, msg_id=env.msg_id, base=record.base,
-                        sketch=_decode_sketch(env))
+                        sketch=_decode_sketch(env), noised=env.noised)
         try:
             self.strategy.check(upload)
         except ValueError as e:

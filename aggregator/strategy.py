@@ -35,6 +35,9 @@ class Upload:
     otherwise uses its own record of what it sent (only kept for estimators that need it)."""
     sketch: np.ndarray | None = None
     """The agent's data sketch (fedmq/sketch.py), for CDFL's sketch estimator."""
+    noised: bool = False
+    """Trained with DP-SGD: CDFL's delta rule would add its noise to the clusters whole, so
+    such an upload takes the pull rule (docs/privacy.md)."""
 
 
 @dataclass

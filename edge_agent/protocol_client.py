@@ -349,7 +349,8 @@ class EdgeAgent:
                                sent_at=protocol.now(), model=self.spec.hash,
                                tau=self.installed.epoch, tensor=wire, n_samples=n_samples,
                                alpha=alpha, metrics=metrics or {}, sketch=summary,
-                               sketch_method=sketch.METHOD if summary is not None else "")
+                               sketch_method=sketch.METHOD if summary is not None else "",
+                               noised=self.privacy.enabled)
 
     def sends_sketch(self, n: int) -> bool:
         """Whether an upload with n training inputs carries their sketch (never of fewer than

@@ -488,9 +488,11 @@ class Update(Envelope):
     """A locally trained model: `tensor` encodes it (or its delta), `tau` is the epoch of the
     model it started from; FedSoft-Async adds the agent's own `alpha`. `sketch` (optional,
     little-endian float16) describes the training data for CDFL's mixture estimate, made by
-    the feature map `sketch_method` (fedmq/sketch.py)."""
+    the feature map `sketch_method` (fedmq/sketch.py); `noised` says the model was trained with DP-SGD."""
 
     TYPE: ClassVar[str] = "update"
+    OMIT_WHEN_DEFAULT: ClassVar[frozenset[str]] = frozenset({"noised"})
+    """An upload without DP is the same bytes as before the field existed."""
 
     model: Annotated[str, SpecHash]
     tau: Annotated[int, NonNegInt]
@@ -500,6 +502,9 @@ class Update(Envelope):
     metrics: Annotated[dict[str, float], Metrics] = field(default_factory=dict)
     sketch: Annotated[bytes | None, OptionalRule(BytesRule(2, 2 * MAX_SKETCH))] = None
     sketch_method: Annotated[str, StrRule(0, 64)] = ""
+    noised: Annotated[bool, BoolRule()] = False
+    """Trained with DP-SGD (privacy.epsilon): CDFL then pulls its clusters toward the upload
+    instead of adding its noisy step (docs/privacy.md)."""
 
     def cross_check(self) -> None:
         if self.sketch is not None and len(self.sketch) % 2:

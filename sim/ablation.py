@@ -284,7 +284,7 @@ def run_variant(fleet: Fleet, variant: Variant, estimators: Sequence[str] = ()) 
             continue
         upload = Upload(f"sim-{a:05d}", result.vector, tau[a], n_samples=len(train), alpha=alpha_own,
                         base=held[a] if variant.method == "cdfl" else None,
-                        sketch=sketch_of(a, x) if variant.method == "cdfl" else None)
+                        sketch=sketch_of(a, x) if variant.method == "cdfl" else None, noised=a in privacy)
         for e, est in extra.items():
             batch = EstimationBatch(evaluator=strategy.evaluator, clusters=strategy.clusters,
                                     versions=list(strategy.versions), vectors=result.vector[None],

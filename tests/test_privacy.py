@@ -207,6 +207,24 @@ def test_the_simulator_runs_dp_fleets_reproducibly_and_the_noise_costs_accuracy(
     assert "figure:" in write_results(list(rows.values()), tmp_path) and (tmp_path / "epsilon.png").stat().st_size
     assert "figure:" not in write_results([rows["cdfl"]], tmp_path / "plain")  # no DP, no figure
 
+    # A DP upload (`noised`) moves CDFL's clusters by the pull rule, w_k += beta0 alpha_k s (v - w_k):
+    # the delta rule would add its noisy step whole (docs/privacy.md: clusters at 0.25 at epsilon 1).
+    from aggregator.bootstrap import make_strategy
+    from aggregator.strategy import Upload
+
+    cfg = fleet.cfg
+    moved = {}
+    for noised in (False, True):
+        strategy = make_strategy(cfg, fleet.model_spec, [v.clone() for v in fleet.starts(cfg)], fleet.proxies,
+                                 device="cpu")
+        base = strategy.join("car-1").vectors[0]
+        before = strategy.clusters.clone()
+        noisy = base + torch.randn(base.shape, generator=torch.Generator().manual_seed(0))
+        reply = strategy.update(Upload("car-1", noisy, 0, n_samples=500, base=base, noised=noised))
+        moved[noised] = float((strategy.clusters - before).norm())
+        assert reply.info.get("rule") == (None if noised else "delta")
+    assert moved[True] < 0.2 * moved[False], moved
+
 
 def test_no_sketch_of_fewer_samples_than_sketch_min_samples() -> None:
     """From the sketch of 10 images a pre-image search rebuilds them (docs/privacy.md): an agent
