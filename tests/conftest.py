@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -10,6 +11,9 @@ import torch
 from fedmq.broker import MosquittoBroker
 
 torch.set_num_threads(1)
+# The fedmq processes tests spawn too: two xdist workers on two cores, each starting an aggregator
+# and agents with a thread per core, oversubscribe the machine (a test of 8 s idle took 162 s).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 @pytest.fixture
 def mosquitto(tmp_path) -> Iterator[MosquittoBroker]:
