@@ -101,12 +101,13 @@ def train_cycle(model_name: str, algorithm: str, held: torch.Tensor, clusters: S
     the alpha-mixture toward each model; CDFL and Local train from the `held` model. With DP
     on (`privacy.enabled`) alpha is released noisy (`UplinkPrivacy.release_alpha`), training
     runs DP-SGD (at privacy.batch_size) with noise seeded by `dp_seed`, and both are charged
-    to `privacy`. `knobs` are
-    train_local's. Returns the result and the alpha to upload (None unless FedSoft-Async).
+    to `privacy`. `knobs` are train_local's. Returns the result and the alpha to upload (None
+    unless FedSoft-Async).
     """
-    private = privacy is not None and privacy.enabled
+    if privacy is not None and not privacy.enabled:
+        privacy = None
     dp = None
-    if privacy is not None and private:
+    if privacy is not None:
         dp = privacy.sgd(dp_seed)
         knobs["batch_size"] = privacy.batch(knobs.get("batch_size", 32))
     alpha: list[float] | None = None
@@ -114,12 +115,12 @@ def train_cycle(model_name: str, algorithm: str, held: torch.Tensor, clusters: S
         if not clusters:
             raise ValueError("fedsoft-async trains against the K cluster models: none received")
         alpha = estimate_alpha_argmin(model_name, clusters, x, y)
-        if privacy is not None and private:
+        if privacy is not None:
             alpha = privacy.release_alpha(alpha, len(y))
         start = sum(float(a) * w for a, w in zip(alpha, clusters, strict=True))
         result = train_fedsoft(model_name, start, clusters, alpha, x, y, dp=dp, **knobs)
     else:
         result = train_local(model_name, held, x, y, dp=dp, **knobs)
-    if privacy is not None and private:
+    if privacy is not None:
         privacy.spend(privacy.training(len(y), knobs.get("batch_size", 32), result.steps))
     return result, alpha
