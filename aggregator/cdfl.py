@@ -200,6 +200,23 @@ class SoftClusters(Strategy):
         self.counters.update(d["counters"])
 
 
+def cdfl_evaluator(spec: ModelSpec, proxies: Sequence[Proxy], settings: CDFLSettings,
+                   device: str = "auto") -> ProxyEvaluator:
+    """The proxy evaluator [cdfl] configures (the aggregator's and every reply worker's)."""
+    return ProxyEvaluator(spec, proxies, device=device, batch=settings.proxy_batch,
+                          chunk=settings.eval_chunk or None, compile=settings.eval_compile,
+                          formulation=settings.eval_formulation, workers=settings.eval_workers or None)
+
+
+def cdfl_personalizer(settings: CDFLSettings, evaluator: ProxyEvaluator) -> Personalizer:
+    """The reply [cdfl] configures (the aggregator's and every reply worker's)."""
+    return make_personalizer(settings.personalization, evaluator, epochs=settings.personalize_epochs,
+                             lr=settings.personalize_lr, samples=settings.personalize_samples,
+                             kd_weight=settings.personalize_kd_weight,
+                             temperature=settings.personalize_temperature,
+                             start=settings.personalize_start, blend_grid=settings.personalize_blend_grid)
+
+
 class CDFL(SoftClusters):
     """CDFL server: estimates alpha from the upload on proxy data, replies one personalized model."""
 
@@ -258,23 +275,14 @@ class CDFL(SoftClusters):
                    "rho": settings.trajectory_rho}
         if settings.estimator == "sketch":
             options.update(fallback=settings.sketch_fallback, sketch_floor=settings.sketch_floor)
-        personalize = {"epochs": settings.personalize_epochs, "lr": settings.personalize_lr,
-                       "samples": settings.personalize_samples,
-                       "kd_weight": settings.personalize_kd_weight,
-                       "temperature": settings.personalize_temperature,
-                       "start": settings.personalize_start, "blend_grid": settings.personalize_blend_grid}
         if "evaluator" not in kwargs:
-            kwargs["evaluator"] = ProxyEvaluator(spec, proxies, device=device, batch=settings.proxy_batch,
-                                                 chunk=settings.eval_chunk or None,
-                                                 compile=settings.eval_compile,
-                                                 formulation=settings.eval_formulation,
-                                                 workers=settings.eval_workers or None)
+            kwargs["evaluator"] = cdfl_evaluator(spec, proxies, settings, device)
         return cls(spec, clusters, proxies, tau0=settings.tau0, beta0=settings.beta0,
                    hinge_a=settings.hinge_a, hinge_b=settings.hinge_b, estimator=settings.estimator,
                    metric_weights=settings.metric_weights, temperature=settings.temperature,
                    estimator_options=options, device=device, proxy_batch=settings.proxy_batch,
                    update_rule=settings.update_rule, update_power=settings.update_power,
-                   personalization=settings.personalization, personalize_options=personalize,
+                   personalization=cdfl_personalizer(settings, kwargs["evaluator"]),
                    refresh_steps=settings.cluster_refresh_steps, refresh_lr=settings.cluster_refresh_lr,
                    reply_uses_upload=settings.reply_uses_upload, server_lr=settings.server_lr,
                    delta_hinge_a=settings.delta_hinge_a, delta_tau0=settings.delta_tau0,
@@ -362,7 +370,10 @@ class CDFL(SoftClusters):
         t0 = time.perf_counter()
         estimates = self.estimate_many(uploads, vectors)
         seconds = time.perf_counter() - t0
-        together = self.reply_batch > 1 and len(uploads) > 1 and self.personalizer.trains_together()
+        # Reply workers (aggregator/reply_pool.py) take every reply of the batch at once.
+        fan_out = getattr(self.personalizer, "fan_out", False)
+        together = ((self.reply_batch > 1 or fan_out) and len(uploads) > 1
+                    and self.personalizer.trains_together())
         replies: list[Reply] = []
         queued: list[tuple[str, list[float], dict[str, Any], PersonalizeRequest, int]] = []
         for upload, vector, (alpha, diag) in zip(uploads, vectors, estimates, strict=True):
@@ -377,8 +388,9 @@ class CDFL(SoftClusters):
             request = self._request(alpha, vector)
             self.personalizer.fix_start(request)
             queued.append((upload.agent, alpha, info, request, self.uploads_applied))
-        for i in range(0, len(queued), self.reply_batch):
-            chunk = queued[i:i + self.reply_batch]
+        size = max(1, len(queued)) if fan_out else self.reply_batch
+        for i in range(0, len(queued), size):
+            chunk = queued[i:i + size]
             made = self.personalizer.personalize_many([q[3] for q in chunk])
             for (agent, alpha, info, _, epoch), (u, diag) in zip(chunk, made, strict=True):
                 info.update(personalization=self.personalizer.name, personalize=diag)

@@ -22,7 +22,7 @@ import sys
 import threading
 
 from fedmq.algorithms import ASYNC_SERVER, ROUNDS
-from fedmq.config import add_config_arguments, config_from_args, dry_run_json
+from fedmq.config import ConfigError, add_config_arguments, config_from_args, dry_run_json
 from fedmq.errors import RuntimeFailure
 from fedmq.logs import mask_secrets, setup_logging
 
@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve Prometheus metrics on http://HOST:PORT/metrics (default 0: off)")
     p.add_argument("--metrics-host", metavar="ADDR",
                    help="address of the metrics endpoint (default 127.0.0.1; 0.0.0.0 in a container)")
+    p.add_argument("--workers", type=int, metavar="N",
+                   help="CDFL: start N reply worker processes on this machine that train the replies "
+                        "(aggregator.reply_workers; default 0: trained here). `fedmq worker` adds more elsewhere")
     p.add_argument("--dry-run", action="store_true",
                    help="resolve the config, print it and exit without connecting")
 
@@ -54,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
                                   "min_agents": "catafed.min_agents",
                                   "state_dir": "aggregator.state_dir",
                                   "accept_journal_loss": "aggregator.accept_journal_loss",
-                                  "metrics_port": "metrics.port", "metrics_host": "metrics.host"})
+                                  "metrics_port": "metrics.port", "metrics_host": "metrics.host",
+                                  "workers": "aggregator.reply_workers"})
     setup_logging(cfg.log.level, cfg.log.json, auto="progress")
     if args.dry_run:
         print(dry_run_json(cfg))
@@ -74,8 +78,11 @@ def run(args: argparse.Namespace) -> int:
     from aggregator.bootstrap import build_engine
     from aggregator.service import AggregatorService
 
+    if cfg.aggregator.reply_workers < 0:
+        raise ConfigError(f"--workers must be >= 0, got {cfg.aggregator.reply_workers}")
     engine = build_engine(cfg)
     service = AggregatorService(cfg, engine)
+    pool, workers = _reply_pool(cfg, engine)
     metrics = None
     if cfg.metrics.port:
         from aggregator.prometheus import AggregatorMetrics
@@ -89,12 +96,38 @@ def run(args: argparse.Namespace) -> int:
               f"K={cfg.cdfl.clusters} epoch={engine.strategy.uploads_applied}", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             while not stop.wait(0.5) and not service.sole.failed.is_set():
-                pass
+                if workers is not None:
+                    workers.poll()
+    if workers is not None:
+        workers.stop()
+    if pool is not None:
+        pool.close()
     if metrics is not None:
         metrics.close()
     if service.sole.failure:
         raise RuntimeFailure(service.sole.failure)
     return 0
+
+
+def _reply_pool(cfg, engine):
+    """CDFL with reply workers: the pool that hands them the replies, and the local workers
+    (`--workers N`); (None, None) without them."""
+    a = cfg.aggregator
+    if not (a.reply_workers or a.reply_pool):
+        return None, None
+    if a.algorithm != "cdfl" or not engine.strategy.personalizer.trains_together():
+        raise ConfigError("reply workers train CDFL's fine-tune replies (cdfl.personalization finetune, "
+                          "or distill with personalize_kd_weight = 0); this aggregator has none to hand out")
+    from aggregator.reply_jobs import reply_digest
+    from aggregator.reply_pool import ReplyPool
+    from aggregator.worker_cli import LocalWorkers
+
+    strategy = engine.strategy
+    pool = ReplyPool(strategy.personalizer, reply_digest(strategy.personalizer, strategy.evaluator), cfg.fleet,
+                     cfg.broker, numel=engine.spec.numel, k=strategy.k, timeout_s=a.worker_timeout_s).start()
+    strategy.personalizer = pool
+    workers = LocalWorkers(cfg, a.reply_workers, a.worker_threads).start() if a.reply_workers else None
+    return pool, workers
 
 
 def _run_rounds(cfg, stop: threading.Event) -> int:

@@ -298,7 +298,9 @@ class Engine:
                 applied.append({"agent": env.agent, "epoch": reply.epoch, "tau": env.tau,
                                 "staleness": info.get("staleness"), "stale": bool(info.get("stale")),
                                 "samples": env.n_samples, "alpha": reply.alpha,
-                                "betas": info.get("betas"), "batch": len(updates), "apply_s": seconds})
+                                "betas": info.get("betas"), "batch": len(updates), "apply_s": seconds,
+                                **({"reply_by": info["personalize"]["worker"]}
+                                   if "worker" in info.get("personalize", {}) else {})})
         if self.journal is not None and records:
             self.journal.append(records)  # the durability point: raises JournalError
         self.applied = applied

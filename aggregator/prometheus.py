@@ -122,6 +122,19 @@ class ServiceCollector(Collector):
         yield GaugeMetricFamily(f"{PREFIX}_broker_connected", "1 while the MQTT connection is up.",
                                 value=1 if svc.transport.connected else 0)
 
+        pool = getattr(strategy, "personalizer", None)
+        if getattr(pool, "fan_out", False):  # reply workers (aggregator/reply_pool.py)
+            yield GaugeMetricFamily(f"{PREFIX}_workers_online", "Reply workers online that can take "
+                                    "this aggregator's jobs.", value=pool.online)
+            made = CounterMetricFamily(f"{PREFIX}_worker_replies", "Trained replies, by where they "
+                                       "were trained (a worker, or here while none could).", labels=["where"])
+            made.add_metric(["worker"], pool.counters.get("replies.remote", 0))
+            made.add_metric(["aggregator"], pool.counters.get("replies.local", 0))
+            yield made
+            yield CounterMetricFamily(f"{PREFIX}_worker_redispatched", "Reply jobs given to another "
+                                      "worker (their worker went offline, restarted or timed out).",
+                                      value=pool.counters.get("jobs.redispatched", 0))
+
         accuracy: Sequence[float] = list(getattr(engine, "cluster_accuracy", None) or [])
         if accuracy:
             acc = GaugeMetricFamily(f"{PREFIX}_cluster_accuracy", "Accuracy of cluster model k on "

@@ -18,6 +18,7 @@ from fedmq.errors import ArgumentParser, expected_failure, report_failure
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("sim.demo", "run a small fleet end to end over a real broker"),
     "aggregator": ("aggregator.cli", "run the aggregator (CDFL, FedSoft-Async, FedAsync; CATA-Fed, FedAvg, FedProx rounds)"),
+    "worker": ("aggregator.worker_cli", "run a CDFL reply worker for an aggregator (docs/scaling.md)"),
     "agent": ("edge_agent.cli", "run an edge agent"),
     "sim": ("sim.cli", "simulated fleets: run experiments and report"),
     "broker": ("fedmq.broker_cli", "start a broker for development (Mosquitto or embedded)"),

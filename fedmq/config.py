@@ -407,6 +407,14 @@ class AggregatorSettings:
     """How many of the latest applied uploads' distances the norm_factor median is taken over."""
     norm_warmup: int = 10
     """Applied uploads needed before norm_factor is enforced (the median needs a fleet to be meaningful)."""
+    reply_workers: int = 0
+    """CDFL: reply worker processes this aggregator starts on its own machine (`--workers N`); each trains the fine-tune replies of uploads handed to it over the broker while the aggregator stays the single writer of the clusters and the journal (docs/scaling.md). 0 = replies are trained in the aggregator, unless reply_pool is on."""
+    reply_pool: bool = False
+    """CDFL: hand trained replies to reply workers that announce themselves on the broker (`fedmq worker`, on this or other machines), training a reply here only while none is online. On by itself when reply_workers > 0."""
+    worker_threads: int = 0
+    """Torch threads of each worker started by reply_workers (0 = the machine's cores divided among them)."""
+    worker_timeout_s: float = 300.0
+    """A reply job not answered within this many seconds is given to another worker (or trained here), and its worker gets no more jobs until it announces itself again. Above a reply's worst training time: 6.4 s on cnn28 on a CPU core, about a minute for torchvision:mobilenet_v3_small."""
 
 
 @dataclass
@@ -668,6 +676,11 @@ def load_config(
     for key, value in (overrides or {}).items():
         _set(cfg, key, value)
     return cfg
+
+
+def config_from_dict(doc: dict[str, Any]) -> Config:
+    """A Config from `dataclasses.asdict` of one (what a parent process hands its children)."""
+    return load_config(None, {k: v for k, v in _flatten(doc).items() if v is not None})
 
 
 def parse_overrides(items: list[str] | None) -> dict[str, str]:

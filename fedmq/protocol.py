@@ -174,6 +174,26 @@ def all_agent_status(fleet: str) -> str:
 
 
 
+def worker_status(fleet: str, worker: str) -> str:
+    """Retained presence of one reply worker (offline is its last will); aggregator/reply_jobs.py."""
+    return f"{TOPIC_ROOT}/{validate_id(fleet, 'fleet')}/workers/{validate_id(worker, 'worker')}/status"
+
+
+def worker_jobs(fleet: str, worker: str) -> str:
+    """Aggregator -> one reply worker: the replies it is asked to train."""
+    return f"{TOPIC_ROOT}/{validate_id(fleet, 'fleet')}/workers/{validate_id(worker, 'worker')}/jobs"
+
+
+def worker_done(fleet: str, worker: str) -> str:
+    """Reply worker -> aggregator: trained replies (or why a job was refused)."""
+    return f"{TOPIC_ROOT}/{validate_id(fleet, 'fleet')}/workers/{validate_id(worker, 'worker')}/done"
+
+
+def all_workers(fleet: str, kind: str) -> str:
+    """What the aggregator subscribes to for every worker's `status` or `done`."""
+    return f"{TOPIC_ROOT}/{validate_id(fleet, 'fleet')}/workers/+/{kind}"
+
+
 def parse_topic(topic: object) -> Topic:
     """The `Topic` a concrete (wildcard-free) fedmq topic names; ProtocolError("bad_topic")
     for anything else."""

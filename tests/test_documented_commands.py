@@ -41,7 +41,7 @@ import pytest
 from tests.cli_process import BIN, ROOT, CliProcess, cli_env
 
 DOC_FILES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
-HELP_VERBS = [("broker",), ("creds",), ("aggregator",), ("agent",), ("fleet", "status"), ("demo",),
+HELP_VERBS = [("broker",), ("creds",), ("aggregator",), ("agent",), ("worker",), ("fleet", "status"), ("demo",),
               ("sim", "run"), ("sim", "report"), ("sim", "aggregator"), ("sim", "agents"), ("sim", "merge")]
 
 
@@ -105,6 +105,7 @@ RULES: list[Rule] = [
     Rule(r"^fedmq aggregator .*--dataset mnist", "serve", proof=r"^aggregator \S+ on", broker=True,
          needs=("mnist",)),
     Rule(r"^fedmq aggregator ", "serve", proof=r"^aggregator \S+ on", broker=True),
+    Rule(r"^fedmq worker ", "serve", proof=r"^worker \S+ on", broker=True),
     Rule(r"^fedmq agent .*--source-dir /var/lib/cam/samples", "serve", proof=r"^agent \S+ ", broker=True,
          needs=("samples",)),
     Rule(r"^fedmq agent ", "serve", proof=r"^agent \S+ ", broker=True),
@@ -471,12 +472,18 @@ def test_fleet_blocks_as_written(block: tuple[str, ...], scratch: Path, netns: N
                 assert invited == len(agents), done.group(0)
         else:
             assert watch is not None and len(agents) == 1, block
+            aggregator = next(p for p in procs if "fedmq aggregator" in " ".join(p.argv))
+            workers = re.search(r"--workers (\d+)", " ".join(aggregator.argv))
+            for i in range(int(workers.group(1)) if workers else 0):  # their lines join the aggregator's
+                aggregator.wait_for(rf"^worker \S+-local-{i} on ", timeout=300)
             agents[0].proc.send_signal(signal.SIGUSR1)
             watch.wait_for(r"^aggregator: online cdfl", timeout=120)
             row = watch.wait_for(r"^car-1\s+online\s+(\d+)\s+([0-9.]+)\s+.*?\s(\d+)\s+\S+ ago$",
                                  timeout=600)
             assert int(row.group(1)) >= 1 and int(row.group(3)) >= 1, row.group(0)  # tau, uploads
             assert 0.0 < float(row.group(2)) <= 1.0, row.group(0)
+            if workers:  # the reply was trained by one of the aggregator's workers
+                aggregator.wait_for(r"update\.applied agent=car-1 .*reply_by=\S+-local-\d", timeout=60)
         for proc in reversed(procs):
             assert proc.stop() == 0, proc.output[-3000:]
             assert "Traceback" not in proc.output, proc.output[-3000:]
