@@ -45,7 +45,7 @@ class BrokerSettings:
     """Where the MQTT broker is and how to talk to it."""
 
     url: str = "mqtt://127.0.0.1:1883"
-    """mqtt://[user:pass@]host[:port] or mqtts://... for TLS."""
+    """mqtt://[user:pass@]host[:port] or mqtts://... for TLS; the nodes of a broker cluster separated by commas (a client fails over to the next when its node goes down, docs/scaling.md)."""
     ca_file: str = ""
     """CA bundle that signed the broker's certificate (mqtts)."""
     cert_file: str = ""
@@ -756,9 +756,9 @@ def dry_run_json(cfg: Config) -> str:
 
     from fedmq.logs import mask_secrets
     from fedmq.models import resolve_dataset_and_model
-    from fedmq.transport import parse_broker_url
+    from fedmq.transport import parse_broker_urls
 
-    parse_broker_url(cfg.broker.url)
+    parse_broker_urls(cfg.broker.url)
     cfg.privacy.mechanisms()  # out-of-range DP settings fail here, as at a start
     doc = dataclasses.asdict(cfg)
     doc["broker"]["url"] = mask_secrets(cfg.broker.url)

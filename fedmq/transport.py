@@ -323,6 +323,7 @@ class NetworkLoop:
             except (OSError, ssl.SSLError, ValueError) as e:
                 event(log, "transport.reconnect_failed", logging.DEBUG, client=transport.client_id,
                       error=str(e), retry_in_s=min(delay * 2, transport.settings.reconnect_max_s))
+                transport._next_node(client)
                 with self._lock:
                     self._reconnect[client] = (now + delay, delay)
                 self.reconnect_later(client, transport.settings.reconnect_min_s,
@@ -388,12 +389,29 @@ def check_reachable(url: str, timeout_s: float = 10.0) -> None:
     """Raise BrokerUnreachable (the message a start would give) when nothing accepts a TCP
     connection at the broker URL: a service checks this before minutes of set-up, then
     connects for real (authentication and TLS are checked there)."""
-    addr = parse_broker_url(url)
-    where = f"{'mqtts' if addr.tls else 'mqtt'}://{addr.host}:{addr.port}"
-    try:
-        socket.create_connection((addr.host, addr.port), timeout=timeout_s).close()
-    except OSError as e:
-        raise BrokerUnreachable(_connect_failure(e, where, addr.host)) from None
+    addrs = parse_broker_urls(url)
+    failures = []
+    for addr in addrs:  # one of a cluster's nodes is enough: clients fail over to the others
+        where = f"{'mqtts' if addr.tls else 'mqtt'}://{addr.host}:{addr.port}"
+        try:
+            socket.create_connection((addr.host, addr.port), timeout=timeout_s / len(addrs)).close()
+            return
+        except OSError as e:
+            failures.append(_connect_failure(e, where, addr.host))
+    raise BrokerUnreachable("; ".join(failures))
+
+
+def parse_broker_urls(text: str) -> list[BrokerAddress]:
+    """One broker URL, or the nodes of a broker cluster separated by commas: a client connects
+    to the first that answers and, when its connection drops and the same node refuses the
+    reconnect, moves on to the next (docs/scaling.md). All nodes use one scheme."""
+    urls = [u.strip() for u in str(text).split(",") if u.strip()]
+    if not urls:
+        raise BadBrokerURL("the broker URL is empty (expected mqtt://host[:port])")
+    addrs = [parse_broker_url(u) for u in urls]
+    if len({a.tls for a in addrs}) > 1:
+        raise BadBrokerURL(f"broker URLs {mask_secrets(text)!r} mix mqtt:// and mqtts://; use one for every node")
+    return addrs
 
 
 def parse_broker_url(url: str) -> BrokerAddress:
@@ -630,7 +648,9 @@ class MqttTransport:
             )
         self.client_id = client_id
         self.settings = settings
-        self.address = parse_broker_url(settings.url)
+        self.addresses = parse_broker_urls(settings.url)
+        """The broker's nodes; `address` is the one in use (failover, `_next_node`)."""
+        self._node = 0
         self.clean_start = clean_start
         self.will = will
         self.manual_ack = manual_ack
@@ -662,6 +682,24 @@ class MqttTransport:
         self._read_paused = False
 
     # -- state ---------------------------------------------------------------------------
+
+    @property
+    def address(self) -> BrokerAddress:
+        return self.addresses[self._node]
+
+    def _next_node(self, client: paho.Client) -> None:
+        """The reconnect to this node failed: the next one gets the next attempt (a cluster's
+        node that went down; a lone broker just gets tried again)."""
+        if len(self.addresses) < 2:
+            return
+        self._node = (self._node + 1) % len(self.addresses)
+        addr = self.address
+        # paho's host/port setters refuse while a reconnect is under way (state CONNECTING), which
+        # is exactly when this runs; no socket is open, and its next reconnect reads these.
+        client._host, client._port = addr.host, addr.port
+        if addr.username is not None:
+            client.username_pw_set(addr.username, addr.password)
+        event(log, "transport.failover", logging.WARNING, client=self.client_id, to=self._where())
 
     @property
     def connected(self) -> bool:
@@ -733,6 +771,19 @@ class MqttTransport:
         if self._client is not None:
             return self
         deadline = time.monotonic() + timeout
+        failures = []
+        for i in range(len(self.addresses)):  # the first node that answers
+            self._node = i
+            share = (deadline - time.monotonic()) / (len(self.addresses) - i)
+            try:
+                return self._connect_node(time.monotonic() + share)
+            except BrokerUnreachable as e:
+                if len(self.addresses) == 1:
+                    raise
+                failures.append(str(e))
+        raise BrokerUnreachable("no node of the broker answered: " + "; ".join(failures))
+
+    def _connect_node(self, deadline: float) -> MqttTransport:
         attempts = PROTOCOL_CHOICES[self.settings.protocol]
         for i, protocol in enumerate(attempts):
             client = self._make_client(protocol)
@@ -894,6 +945,7 @@ class MqttTransport:
 
     def _on_connect_fail(self, client: paho.Client, userdata: Any) -> None:
         event(log, "transport.connect_failed", logging.DEBUG, client=self.client_id, broker=self._where())
+        self._next_node(client)  # paho's own thread: its next reconnect goes to the next node
 
     def _on_disconnect(self, client: paho.Client, userdata: Any, flags: Any, reason: ReasonCode,
                        properties: Properties | None) -> None:

@@ -1,5 +1,6 @@
-"""Make sure what the test suite runs exists: Mosquitto (every broker test) and iproute2 (the
-documented commands run in private network namespaces, where 127.0.0.1:1883 is theirs).
+"""Make sure what the test suite runs exists: Mosquitto (every broker test), iproute2 (the
+documented commands run in private network namespaces, where 127.0.0.1:1883 is theirs) and
+RabbitMQ (a real 2-node broker cluster, tests/rabbitmq_cluster.py).
 Installs them with apt-get when root, else says how."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import sys
 
 MOSQUITTO = ("mosquitto", "/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto")
 IP = ("ip", "/usr/sbin/ip", "/sbin/ip")
+RABBITMQ = ("rabbitmq-server", "/usr/sbin/rabbitmq-server")
 
 
 def find(candidates: tuple[str, ...] = MOSQUITTO) -> str | None:
@@ -33,7 +35,8 @@ def apt_install(packages: list[str]) -> bool:
 
 
 def main() -> int:
-    missing = [pkg for pkg, names in (("mosquitto", MOSQUITTO), ("iproute2", IP)) if not find(names)]
+    missing = [pkg for pkg, names in (("mosquitto", MOSQUITTO), ("iproute2", IP), ("rabbitmq-server", RABBITMQ))
+               if not find(names)]
     if missing:
         apt_install(missing)
     if not find(MOSQUITTO):
@@ -45,6 +48,9 @@ def main() -> int:
     if not find(IP):
         print("iproute2 (`ip`) not found: the documented-commands tests that need a private network "
               "namespace will be skipped (apt-get install iproute2, as root)", file=sys.stderr)
+    if not find(RABBITMQ):
+        print("rabbitmq-server not found: the broker-cluster test (tests/test_broker_cluster.py) will be "
+              "skipped (apt-get install rabbitmq-server, as root)", file=sys.stderr)
     return 0
 
 

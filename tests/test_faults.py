@@ -60,6 +60,32 @@ def journal_update_ids(state: Path) -> list[str]:
             if r["op"] == "update"]
 
 
+def upload_burst(agents: list[EdgeAgent], per_agent: int, pause_s: float = 0.0) -> tuple[list[threading.Thread], list[str], list[str]]:
+    """Each agent joins, then uploads `per_agent` times, waiting for each reply (agent i pauses
+    (i + 1) x pause_s before each): the running threads, the msg_ids answered so far, and
+    failures (repr), both filled as they happen."""
+    uploaded: list[str] = []
+    failures: list[str] = []
+    lock = threading.Lock()
+
+    def loop(i: int, agent: EdgeAgent) -> None:
+        try:
+            agent.join()
+            for u in range(per_agent):
+                time.sleep(pause_s * (i + 1))
+                env = agent.update_envelope(noisy(agent, 100 * i + u), 100)
+                agent.upload(env)  # returns once the reply is installed
+                with lock:
+                    uploaded.append(env.msg_id)
+        except Exception as e:  # noqa: BLE001 - asserted by the caller
+            failures.append(repr(e))
+
+    threads = [threading.Thread(target=loop, args=(i, a)) for i, a in enumerate(agents)]
+    for t in threads:
+        t.start()
+    return threads, uploaded, failures
+
+
 # ---------------------------------------------------------------------------- kill -9
 
 
@@ -84,26 +110,8 @@ def test_broker_restart_mid_run_and_with_queued_uploads(mosquitto, pretrained, t
     cfg = small_config(mosquitto.url, state, "brk", **extra)
     svc = AggregatorService(cfg, build_engine(cfg)).start()
     agents = [EdgeAgent(cfg, f"b{i}", reply_timeout_s=5.0, retries=20).start() for i in range(4)]
-    uploaded: list[str] = []
-    failures: list[str] = []
-    lock = threading.Lock()
-
-    def loop(i: int, agent: EdgeAgent) -> None:
-        try:
-            agent.join()
-            for u in range(6):
-                time.sleep(0.05 + 0.05 * i)
-                env = agent.update_envelope(noisy(agent, 100 * i + u), 100)
-                agent.upload(env)
-                with lock:
-                    uploaded.append(env.msg_id)
-        except Exception as e:  # noqa: BLE001 - asserted below
-            failures.append(repr(e))
-
     try:
-        threads = [threading.Thread(target=loop, args=(i, a)) for i, a in enumerate(agents)]
-        for t in threads:
-            t.start()
+        threads, uploaded, failures = upload_burst(agents, 6, pause_s=0.05)
         while len(uploaded) < 8 and not failures:
             time.sleep(0.01)
         mosquitto.restart(kill=True)  # mid-run, no persistence flush: the hard case
