@@ -11,6 +11,7 @@ What else a cluster changes for fedmq is in docs/scaling.md.
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -56,7 +57,9 @@ class Node:
 
 
 class RabbitCluster:
-    def __init__(self, nodes: int = 2) -> None:
+    def __init__(self, nodes: int = 2, *, fd_limit: int = 0) -> None:
+        self.fd_limit = fd_limit
+        """Open files per node (its connections), raised before it starts; 0 = inherited."""
         # Not under pytest's tmp_path: its parents are root's, mode 0700, closed to user rabbitmq.
         self.workdir = Path(tempfile.mkdtemp(prefix="fedmq-rabbit-"))
         tag = f"{os.getpid()}-{int(time.time() * 1000) % 100000}"
@@ -110,7 +113,12 @@ class RabbitCluster:
 
     def start_node(self, node: Node) -> None:
         log = open(node.dir / "server.out", "ab")  # noqa: SIM115 - the node's lifetime
-        node.proc = subprocess.Popen(["runuser", "-u", "rabbitmq", "--", "rabbitmq-server"], env=node.env(),
+        command = ["rabbitmq-server"]
+        if self.fd_limit:  # runuser resets the soft limit to 1024; the hard one (here 20000) is the most
+            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            n = self.fd_limit if hard == resource.RLIM_INFINITY else min(self.fd_limit, hard)
+            command = ["sh", "-c", f"ulimit -n {n} && exec rabbitmq-server"]
+        node.proc = subprocess.Popen(["runuser", "-u", "rabbitmq", "--", *command], env=node.env(),
                                      stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True)
 

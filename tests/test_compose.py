@@ -29,7 +29,7 @@ import yaml
 
 from fedmq.broker import MosquittoBroker, free_port
 from fedmq.cli import build_parser
-from fedmq.config import load_config
+from fedmq.config import config_from_args, load_config
 from fedmq.creds import make_credentials
 from fedmq.fleet_status import FleetWatcher
 
@@ -459,3 +459,76 @@ def test_systemd_units_run_valid_fedmq_commands() -> None:
         load_config(ROOT / "deploy" / Path(args[args.index("--config") + 1]).name)
         assert ns.state_dir.startswith("/var/lib/fedmq/")
         assert re.search(r"^User=fedmq$", text, re.M) and re.search(r"^KillSignal=SIGTERM$", text, re.M)
+
+
+# ---------------------------------------------------------------------------- many fleets, watched
+
+FLEETS = ("docker-compose.yml", "docker-compose.fleets.yml")
+MONITORING = ROOT / "deploy" / "monitoring"
+
+
+def test_fleets_file_runs_one_aggregator_per_fleet_and_prometheus_scrapes_each(tmp_path) -> None:
+    """docker-compose.fleets.yml: a second fleet's aggregator beside the first (own fleet, state
+    volume and metrics port, the same broker), each a valid fedmq command that resolves with
+    --dry-run; Prometheus scrapes exactly those aggregators, labelled with their fleets; Grafana
+    and Prometheus mount what exists, and stay in the monitoring profile."""
+    doc = compose(*FLEETS)
+    parser = build_parser()
+    aggregators = {name: svc for name, svc in doc["services"].items() if name.startswith("aggregator")}
+    assert set(aggregators) == {"aggregator", "aggregator-phones"}
+    fleets, states, targets = {}, set(), {}
+    for name, svc in aggregators.items():
+        args = fedmq_argv(Mapping(doc, name, tmp_path, 1883).argv())
+        ns = parser.parse_args(args)
+        cfg = config_from_args(ns, {"state_dir": "aggregator.state_dir"})
+        fleets[name] = cfg.fleet
+        states.update(s for s, t in mounts(svc) if t == "/var/lib/fedmq/aggregator")
+        targets[f"{name}:{args[args.index('--metrics-port') + 1]}"] = cfg.fleet
+        assert "mqtt://mosquitto:1883" in svc["command"], name
+        done = subprocess.run([sys.executable, "-m", "fedmq.cli", *args, "--dry-run"], cwd=ROOT, env=run_env(),
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, (name, done.stderr[-2000:])
+    assert len(set(fleets.values())) == len(fleets) == len(states), (fleets, states)  # one writer per fleet
+    scrape = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
+    (job,) = scrape["scrape_configs"]
+    scraped = {t: c["labels"]["fleet"] for c in job["static_configs"] for t in c["targets"]}
+    assert scraped == targets
+    for name in ("prometheus", "grafana"):
+        svc = doc["services"][name]
+        assert svc["profiles"] == ["monitoring"]
+        for source, _ in mounts(svc):
+            assert not source.startswith("./") or (ROOT / source[2:]).exists(), (name, source)
+    datasource = yaml.safe_load((MONITORING / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    assert datasource["datasources"][0]["url"] == "http://prometheus:9090"
+
+
+def exported_metrics() -> set[str]:
+    """Every metric family aggregator/prometheus.py exports (without _total/_bucket/... suffixes)."""
+    text = (ROOT / "aggregator" / "prometheus.py").read_text()
+    prefix = re.search(r'^PREFIX = "(\w+)"', text, re.M).group(1)
+    return {f"{prefix}_{name}" for name in re.findall(r'f"\{PREFIX\}_(\w+)"', text)}
+
+
+def test_dashboard_queries_only_metrics_the_aggregator_exports() -> None:
+    """Every panel of the provisioned Grafana dashboard reads metrics that exist, per fleet, from
+    the provisioned data source; it covers uploads/s, stale and refused, reply latency, cluster
+    accuracy, agents online and the reply workers (issue 18)."""
+    dash = json.loads((MONITORING / "grafana/dashboards/fedmq.json").read_text())
+    uid = yaml.safe_load((MONITORING / "grafana/provisioning/datasources/prometheus.yml").read_text())[
+        "datasources"][0]["uid"]
+    exported = exported_metrics()
+    assert {"fedmq_aggregator_uploads", "fedmq_aggregator_workers_online"} <= exported
+    used: set[str] = set()
+    for panel in dash["panels"]:
+        assert panel["datasource"]["uid"] == uid, panel["title"]
+        for target in panel["targets"]:
+            assert 'fleet=~"$fleet"' in target["expr"], (panel["title"], target["expr"])
+            for metric in re.findall(r"\bfedmq_\w+", target["expr"]):
+                base = re.sub(r"_(total|bucket|sum|count)$", "", metric)
+                assert base in exported, (panel["title"], metric)
+                used.add(base)
+    assert {"fedmq_aggregator_uploads", "fedmq_aggregator_rejected", "fedmq_aggregator_end_to_end_seconds",
+            "fedmq_aggregator_cluster_accuracy", "fedmq_aggregator_connected_agents",
+            "fedmq_aggregator_workers_online"} <= used
+    (variable,) = dash["templating"]["list"]
+    assert re.search(r"label_values\((\w+), fleet\)", variable["query"]).group(1) in exported
