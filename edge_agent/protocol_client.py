@@ -125,7 +125,10 @@ class EdgeAgent:
                                    self._status("online"), qos=1, retain=True))
         self.transport.on_connect_hooks.append(lambda t, _: self._connected_again())
         self.transport.connect(timeout)
-        self.transport.subscribe(protocol.downlink(self.fleet, self.agent_id), self._on_down, qos=1)
+        # The SUBACK gets the same time as the CONNACK: a broker creating thousands of sessions
+        # at once (a cluster, mirrored queues) can take longer than the default 10 s for it.
+        self.transport.subscribe(protocol.downlink(self.fleet, self.agent_id), self._on_down, qos=1,
+                                 timeout=timeout)
         return self
 
     def awaiting(self, msg_id: str) -> bool:
