@@ -10,6 +10,7 @@ another one (aggregator/reply_pool.py).
 
 from __future__ import annotations
 
+import copy
 import os
 import queue
 import threading
@@ -61,6 +62,9 @@ class ReplyWorker:
         self.cfg, self.worker_id, self.spec = cfg, worker_id, spec
         self.evaluator, self.personalizer = evaluator, personalizer
         self.slots = slots
+        # One personalizer per slot: a training swaps the parameters of its evaluator's module in
+        # place (torch.func.functional_call), so two trainings must not share one.
+        self._slot_personalizers = [personalizer] + [copy.deepcopy(personalizer) for _ in range(slots - 1)]
         self.digest = reply_jobs.reply_digest(personalizer, evaluator)
         self.started_at = time.time()
         self.done = 0
@@ -82,7 +86,8 @@ class ReplyWorker:
             protocol.worker_status(fleet, self.worker_id), self._status("online"), qos=1, retain=True))
         self.transport.connect(timeout=timeout)
         for i in range(self.slots):
-            t = threading.Thread(target=self._serve, name=f"fedmq-worker-{i}", daemon=True)
+            t = threading.Thread(target=self._serve, args=(self._slot_personalizers[i],),
+                                 name=f"fedmq-worker-{i}", daemon=True)
             t.start()
             self._threads.append(t)
         event(log, "worker.started", worker=self.worker_id, fleet=fleet, slots=self.slots,
@@ -105,21 +110,21 @@ class ReplyWorker:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _serve(self) -> None:
+    def _serve(self, personalizer: Personalizer) -> None:
         while True:
             message = self._jobs.get()
             if message is None:
                 return
             try:
-                done = self.train(message.payload)
+                done = self.train(message.payload, personalizer)
             except Exception as e:  # a bug must not kill the worker; the aggregator re-dispatches
                 log.exception("job failed")
                 done = reply_jobs.Done(job="unknown", worker=self.worker_id, error=f"{type(e).__name__}: {e}"[:300])
             self.transport.publish(protocol.worker_done(self.cfg.fleet, self.worker_id),
                                    reply_jobs.encode_done(done), qos=1)
 
-    def train(self, payload: bytes) -> reply_jobs.Done:
-        """One job's reply (or why it is refused)."""
+    def train(self, payload: bytes, personalizer: Personalizer | None = None) -> reply_jobs.Done:
+        """One job's reply (or why it is refused), with this slot's `personalizer`."""
         try:
             job = reply_jobs.decode_job(payload, self.spec.numel, self.evaluator.num_sets)
         except reply_jobs.JobError as e:
@@ -130,7 +135,7 @@ class ReplyWorker:
                                    error="digest differs: this worker trains with another config or data")
         t0 = time.perf_counter()
         request = PersonalizeRequest(torch.empty(0), job.alpha, None, seed=job.seed, start=job.start, start_info={})
-        vector, diag = self.personalizer.personalize(request)
+        vector, diag = (personalizer or self.personalizer).personalize(request)
         self.done += 1
         info: dict[str, Any] = {"seconds": round(time.perf_counter() - t0, 4), "steps": diag.get("steps", 0)}
         event(log, "job.done", level=20, worker=self.worker_id, job=job.job, **info)

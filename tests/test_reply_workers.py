@@ -18,7 +18,15 @@ import pytest
 import torch
 
 from aggregator.cdfl import CDFL
-from aggregator.reply_jobs import Done, JobError, decode_done, encode_done, reply_digest
+from aggregator.reply_jobs import (
+    Done,
+    Job,
+    JobError,
+    decode_done,
+    encode_done,
+    encode_job,
+    reply_digest,
+)
 from aggregator.reply_pool import ReplyPool
 from aggregator.reply_worker import ReplyWorker, build_reply_parts
 from aggregator.strategy import Upload
@@ -184,3 +192,28 @@ def test_a_worker_refuses_a_malformed_job_and_the_wire_checks_results() -> None:
         decode_done(encode_done(nan), spec.numel)
     with pytest.raises(JobError, match="float32"):
         decode_done(encode_done(good), spec.numel + 1)
+
+
+def test_two_slots_train_side_by_side_without_sharing_a_model() -> None:
+    """--slots 2: two jobs trained at once in one worker give what each gives alone (each slot
+    has its own module: functional_call swaps parameters in place)."""
+    cfg = Config()
+    cfg.cdfl.personalize_epochs = 2  # short jobs; the overlap is what is tested
+    spec, evaluator, personalizer = build_reply_parts(cfg)
+    worker = ReplyWorker(cfg, "slots", spec, evaluator, personalizer, slots=2)
+    g = torch.Generator().manual_seed(0)
+    jobs = [encode_job(Job(f"j{i}", worker.digest, i, [0.5, 0.3, 0.2], 0.1 * torch.randn(spec.numel, generator=g)))
+            for i in range(2)]
+    alone = [worker.train(j, worker._slot_personalizers[0]).vector for j in jobs]
+    together: list = [None, None]
+
+    def run(i: int) -> None:
+        together[i] = worker.train(jobs[i], worker._slot_personalizers[i]).vector
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for a, b in zip(alone, together, strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
