@@ -60,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
                                   "metrics_port": "metrics.port", "metrics_host": "metrics.host",
                                   "workers": "aggregator.reply_workers"})
     setup_logging(cfg.log.level, cfg.log.json, auto="progress")
+    _check_reply_workers(cfg)
     if args.dry_run:
         print(dry_run_json(cfg))
         return 0
@@ -78,8 +79,6 @@ def run(args: argparse.Namespace) -> int:
     from aggregator.bootstrap import build_engine
     from aggregator.service import AggregatorService
 
-    if cfg.aggregator.reply_workers < 0:
-        raise ConfigError(f"--workers must be >= 0, got {cfg.aggregator.reply_workers}")
     engine = build_engine(cfg)
     service = AggregatorService(cfg, engine)
     pool, workers = _reply_pool(cfg, engine)
@@ -107,6 +106,22 @@ def run(args: argparse.Namespace) -> int:
     if service.sole.failure:
         raise RuntimeFailure(service.sole.failure)
     return 0
+
+
+def _check_reply_workers(cfg) -> None:
+    """--workers / aggregator.reply_pool need a reply to hand out: said before minutes of set-up."""
+    a, c = cfg.aggregator, cfg.cdfl
+    if a.reply_workers < 0:
+        raise ConfigError(f"--workers must be >= 0, got {a.reply_workers}")
+    if not (a.reply_workers or a.reply_pool):
+        return
+    if a.algorithm != "cdfl":
+        raise ConfigError(f"--workers: reply workers train CDFL's replies; {a.algorithm} replies cost nothing to make")
+    trains = c.personalization == "finetune" or (c.personalization.startswith("distill") and c.personalize_kd_weight == 0)
+    if not trains or c.personalize_epochs == 0:
+        raise ConfigError(f"--workers: cdfl.personalization = {c.personalization} (kd_weight "
+                          f"{c.personalize_kd_weight:g}, {c.personalize_epochs} epochs) has no fine-tune for "
+                          f"workers; they train finetune, or distill with personalize_kd_weight = 0")
 
 
 def _reply_pool(cfg, engine):

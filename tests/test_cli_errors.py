@@ -44,6 +44,9 @@ def assert_one_line(done: subprocess.CompletedProcess, status: int, *names: str)
 @pytest.mark.parametrize("argv, names", [
     (("aggregator", "--clusters", "x"), ("fedmq aggregator", "--clusters", "'x'")),
     (("agent", "--no-such-flag"), ("fedmq agent", "--no-such-flag")),
+    (("aggregator", "--workers", "2", "--algorithm", "fedsoft-async", "--dry-run"), ("--workers", "fedsoft-async")),
+    (("aggregator", "--workers", "2", "--set", "cdfl.personalization=mixture", "--dry-run"), ("--workers", "mixture")),
+    (("aggregator", "--workers", "-1", "--dry-run"), ("--workers", "-1")),
     (("agent", "--profile", "boat"), ("fedmq agent", "--profile", "boat")),
     (("aggregator", "--dataset", "nosuch", "--dry-run"), ("unknown dataset 'nosuch'", "digits")),
     (("agent", "--id", "a", "--model", "nosuch", "--dry-run"), ("unknown model 'nosuch'", "cnn28")),
