@@ -74,12 +74,13 @@ def retained_guard(transport: MqttTransport, handler: Callable[[Message], None])
     aggregator (subscribed with retain-as-published, MQTT 5) deletes, by publishing an empty
     retained message, any retained uplink and any retained status that is not a readable
     status of at most MAX_AGENT_STATUS_BYTES; the message itself is still handled (answered)
-    as usual. Empty messages are such deletions (ours coming back, or an agent's own): they
-    are acknowledged and dropped. On MQTT 3.1.1 brokers live messages carry no retain flag, so
-    the cleaning happens at each (re)subscribe."""
+    as usual. Empty retained messages are such deletions (ours coming back, or an agent's
+    own): they are acknowledged and dropped. A live empty message is garbage like any other
+    and is answered `malformed`. On MQTT 3.1.1 brokers live messages carry no retain flag, so
+    the cleaning happens at each (re)subscribe and every empty message is taken for a deletion."""
 
     def guarded(message: Message) -> None:
-        if not message.payload:
+        if not message.payload and (message.retain or transport.protocol_version != "5"):
             transport.ack(message)
             return
         if message.retain and not _keep_retained(message):

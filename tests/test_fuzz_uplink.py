@@ -128,3 +128,19 @@ def test_chunk_flood_is_capped_per_sender(mosquitto, pretrained, tmp_path) -> No
         finally:
             fuzzer.close()
             honest.close()
+
+
+def test_empty_uplink_message_is_answered_unless_it_deletes_a_retained_one(mosquitto, pretrained, tmp_path) -> None:
+    """A live empty message is garbage like any other (one `malformed` reply); an empty retained
+    one deletes what the topic kept and is dropped unanswered (MQTT 5 keeps its retain flag)."""
+    cfg = small_config(mosquitto.url, pretrained_state(tmp_path / "s", pretrained), "empty")
+    with AggregatorService(cfg, build_engine(cfg)):
+        fuzzer = Fuzzer(mosquitto.port, "empty")
+        try:
+            fuzzer.client.publish(protocol.uplink("empty", "fuzzer"), b"", qos=1, retain=True).wait_for_publish(10)
+            fuzzer.publish(b"").wait_for_publish(10)
+            (agent, err), = fuzzer.collect(1, timeout=60)
+            assert agent == "fuzzer" and isinstance(err, protocol.Error) and err.reason == "malformed", err
+            assert fuzzer.collect(1, timeout=2.0) == []  # the deletion got no reply
+        finally:
+            fuzzer.close()
