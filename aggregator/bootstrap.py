@@ -4,14 +4,19 @@ Cluster models are pre-trained on a few thousand samples per cluster (`data.pret
 cluster`) starting from one shared initialization, so that their parameter-space mixtures
 are meaningful; when the state dir already holds a snapshot they are loaded from it instead.
 Proxy sets are drawn from the dataset with the config's seed, so a restarted aggregator
-evaluates on exactly the same samples.
+evaluates on exactly the same samples. Pre-trained zoo models are kept in the disk cache
+(fedmq/disk_cache.py): an aggregator on a fresh state dir with the same data, seed and
+settings starts without training them again.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from aggregator.cdfl import CDFL
@@ -22,6 +27,7 @@ from aggregator.fedbuff import FedBuff
 from aggregator.fedsoft_async import FedSoftAsync
 from aggregator.journal import Journal
 from aggregator.strategy import Strategy
+from fedmq import disk_cache
 from fedmq.algorithms import ASYNC_SERVER
 from fedmq.config import Config
 from fedmq.data import RotatedClusters, clusters_from_settings
@@ -61,8 +67,46 @@ def pretrain_clusters(cfg: Config, clusters: RotatedClusters, model_name: str) -
     together, and each cluster specializes from it at a lower rate: models fine-tuned from one
     pre-trained model stay linearly connected, so sum_k alpha_k w_k is itself a model.
     """
-    start = to_vector(build_model(model_name, seed=cfg.seed))
     pools = [clusters.pretrain(k, cfg.data.pretrain_per_cluster or None) for k in range(clusters.num_clusters)]
+    name = _pretrain_cache_name(cfg, model_name, pools)
+    kept = _cached_pretraining(name, len(pools), model_spec(model_name).numel) if name else None
+    if kept is not None:
+        event(log, "cluster.pretrained", cluster="all", samples=sum(len(p) for p in pools), cached=name)
+        return kept
+    vectors = _pretrain(cfg, pools, model_name)
+    if name:
+        disk_cache.write("pretrain", name, torch.stack(vectors).numpy().tobytes())
+    return vectors
+
+
+def _pretrain_cache_name(cfg: Config, model_name: str, pools: list) -> str | None:
+    """Pre-training is a pure function of these (on the CPU, at a given thread count); a
+    zoo model only, since a factory's code may change under the same parameter shapes."""
+    from fedmq import models, training
+
+    if model_name not in models.ZOO:
+        return None
+    code = [Path(m.__file__).read_bytes() for m in (models, training)] + [Path(__file__).read_bytes()]
+    data = [t.contiguous().numpy().tobytes() for p in pools for t in (p.x, p.y)]
+    made_by = disk_cache.digest(model_name, *code, torch.__version__, str(torch.get_num_threads()),
+                                str(cfg.seed), str(cfg.aggregator.pretrain_shared),
+                                str(cfg.aggregator.pretrain_epochs), *data)
+    return f"{model_name}-k{len(pools)}-{made_by}.f32"
+
+
+def _cached_pretraining(name: str, k: int, numel: int) -> list[torch.Tensor] | None:
+    payload = disk_cache.read("pretrain", name)
+    if payload is None:
+        return None
+    if len(payload) != 4 * k * numel:
+        event(log, "cache.refused", logging.WARNING, path=str(disk_cache.entry_path("pretrain", name)),
+              error=f"{len(payload)} bytes, not {k} models of {numel} floats")
+        return None
+    return list(torch.from_numpy(np.frombuffer(payload, np.float32).copy()).view(k, numel))
+
+
+def _pretrain(cfg: Config, pools: list, model_name: str) -> list[torch.Tensor]:
+    start = to_vector(build_model(model_name, seed=cfg.seed))
     lr = 0.05
     if cfg.aggregator.pretrain_shared:
         t0 = time.perf_counter()

@@ -31,13 +31,15 @@ class ConfigError(UsageError):
     """A config file or override that does not fit the schema (exit status 2)."""
 
 
+def user_cache_root() -> str:
+    """$XDG_CACHE_HOME/fedmq, else ~/.cache/fedmq: data and the disk cache live under it."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "fedmq")
+
+
 def default_data_dir() -> str:
     """`FEDMQ_DATA_DIR`, else the user's cache dir (XDG), in torchvision's own layout."""
-    env = os.environ.get("FEDMQ_DATA_DIR")
-    if env:
-        return env
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "fedmq", "data")
+    return os.environ.get("FEDMQ_DATA_DIR") or os.path.join(user_cache_root(), "data")
 
 
 @dataclass

@@ -14,18 +14,26 @@ under its name, each model is exported afresh. The default exporter is dynamo
 (`torch.onnx.export(..., dynamo=True, external_data=False)`: one self-contained file,
 dynamic batch dimension); "legacy" is the fallback when dynamo fails, and "auto" means
 exactly that order.
+
+Zoo models' graphs are also kept on disk (fedmq/disk_cache.py, `onnx/`), named by the
+model's code, torch and onnx versions and the exporter, so a restarted agent or aggregator
+does not export again. Models from a factory are not: their code may change under the
+same parameter shapes.
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from fedmq import disk_cache
 from fedmq.logs import event, get_logger
 from fedmq.models import ModelSpec, build_model, load_vector, model_spec, to_vector
 
@@ -48,6 +56,44 @@ class ExportInfo:
 
 _GRAPHS: dict[str, tuple[Any, str]] = {}
 """spec hash -> (onnx.ModelProto whose initializers hold every parameter by name, exporter)."""
+
+
+def _disk_name(model_name: str, exporter: str) -> str | None:
+    """Cache entry of a zoo model's graph: named by what made it (model code, versions,
+    exporter). None for models from a factory, whose code may change under the same shapes."""
+    import onnx
+
+    from fedmq import models
+
+    if model_name not in models.ZOO:
+        return None
+    made_by = disk_cache.digest(model_name, model_spec(model_name).hash, Path(models.__file__).read_bytes(),
+                                torch.__version__, onnx.__version__, exporter)
+    return f"{model_name}-{exporter}-{made_by}.onnx"
+
+
+def _load_cached(model_name: str, exporter: str, spec: ModelSpec) -> Any | None:
+    import onnx
+
+    name = _disk_name(model_name, exporter)
+    payload = disk_cache.read("onnx", name) if name else None
+    if payload is None:
+        return None
+    try:
+        graph = onnx.load_from_string(payload)
+        if holds_every_parameter(graph, spec):
+            return graph
+        error = "it does not hold every parameter by name"
+    except Exception as exc:  # protobuf's errors are many
+        error = f"{type(exc).__name__}: {exc}"
+    event(log, "cache.refused", logging.WARNING, path=str(disk_cache.entry_path("onnx", name)), error=error)
+    return None
+
+
+def _store_cached(model_name: str, exporter: str, graph: Any) -> None:
+    name = _disk_name(model_name, exporter)
+    if name is not None:
+        disk_cache.write("onnx", name, graph.SerializeToString())
 
 
 def model_at(model_name: str, vector: torch.Tensor) -> torch.nn.Module:
@@ -114,6 +160,13 @@ def export_onnx(model_name: str, vector: torch.Tensor, exporter: str = "auto",
         blob = _with_weights(cached[0], spec, vector).SerializeToString()
         return blob, ExportInfo(cached[1], time.perf_counter() - t0, True, len(blob))
     order = ["dynamo", "legacy"] if exporter == "auto" else [exporter]
+    if reuse_graph:
+        for name in order:
+            graph = _load_cached(model_name, name, spec)
+            if graph is not None:
+                _GRAPHS[spec.hash] = (graph, name)
+                blob = _with_weights(graph, spec, vector).SerializeToString()
+                return blob, ExportInfo(name, time.perf_counter() - t0, True, len(blob))
     errors = []
     for name in order:
         try:
@@ -124,6 +177,7 @@ def export_onnx(model_name: str, vector: torch.Tensor, exporter: str = "auto",
             continue
         if reuse_graph and holds_every_parameter(graph, spec):
             _GRAPHS[spec.hash] = (graph, name)
+            _store_cached(model_name, name, graph)
         blob = graph.SerializeToString()
         return blob, ExportInfo(name, time.perf_counter() - t0, False, len(blob))
     raise RuntimeError(f"ONNX export of {model_name} failed: " + "; ".join(errors))

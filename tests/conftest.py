@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -14,6 +16,20 @@ torch.set_num_threads(1)
 # The fedmq processes tests spawn too: two xdist workers on two cores, each starting an aggregator
 # and agents with a thread per core, oversubscribe the machine (a test of 8 s idle took 162 s).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+def pytest_configure(config) -> None:
+    """One ONNX graph cache for the whole run (workers inherit it), not the user's ~/.cache."""
+    if "FEDMQ_CACHE_DIR" not in os.environ:
+        config.fedmq_cache_dir = tempfile.mkdtemp(prefix="fedmq-test-cache-")
+        os.environ["FEDMQ_CACHE_DIR"] = config.fedmq_cache_dir
+
+
+def pytest_unconfigure(config) -> None:
+    made = getattr(config, "fedmq_cache_dir", None)
+    if made:
+        shutil.rmtree(made, ignore_errors=True)
+        os.environ.pop("FEDMQ_CACHE_DIR", None)
+
 
 @pytest.fixture
 def mosquitto(tmp_path) -> Iterator[MosquittoBroker]:

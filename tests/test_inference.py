@@ -70,8 +70,9 @@ def test_fallback_when_onnxruntime_is_missing(monkeypatch, caplog) -> None:
     np.testing.assert_allclose(predictor.predict(x), want, atol=1e-6)
 
 
-def test_fallback_when_export_fails(monkeypatch, caplog) -> None:
+def test_fallback_when_export_fails(monkeypatch, caplog, tmp_path) -> None:
     monkeypatch.setattr(onnx_export, "_GRAPHS", {})
+    monkeypatch.setenv("FEDMQ_CACHE_DIR", str(tmp_path))  # no graph kept by another test
 
     def broken_export(*args, **kwargs):
         raise RuntimeError("exporter broken for this test")
@@ -91,3 +92,35 @@ def test_providers_prefer_cuda_when_offered() -> None:
     assert inference.choose_providers(["AzureExecutionProvider", "CPUExecutionProvider"]) == ["CPUExecutionProvider"]
     with pytest.raises(RuntimeError, match="offers none"):
         inference.choose_providers(["AzureExecutionProvider"])
+
+
+def test_a_new_process_reuses_the_graph_kept_on_disk_and_refuses_a_damaged_one(monkeypatch, caplog, tmp_path) -> None:
+    monkeypatch.setenv("FEDMQ_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(onnx_export, "_GRAPHS", {})
+    first = to_vector(build_model("digits-cnn", seed=0))
+    blob, info = export_onnx("digits-cnn", first)
+    assert not info.reused_graph
+    kept, = (tmp_path / "onnx").glob("digits-cnn-*.onnx")  # fedmq/disk_cache.py
+    monkeypatch.setattr(onnx_export, "_GRAPHS", {})  # as in a new process
+    second = to_vector(build_model("digits-cnn", seed=1))
+    blob2, info2 = export_onnx("digits-cnn", second)
+    assert info2.reused_graph and info2.exporter == info.exporter
+    x = random_inputs("digits-cnn", 4, seed=0)
+    with torch.no_grad():
+        want = build_model("digits-cnn", seed=1)(torch.from_numpy(x)).numpy()
+    import onnxruntime as ort
+
+    got = ort.InferenceSession(blob2, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    # A damaged file is named in a warning and replaced by a fresh export.
+    kept.write_bytes(kept.read_bytes()[:-100])
+    monkeypatch.setattr(onnx_export, "_GRAPHS", {})
+    with caplog.at_level(logging.WARNING, logger="fedmq"):
+        _, info3 = export_onnx("digits-cnn", second)
+    assert not info3.reused_graph
+    refused = [r for r in caplog.records if r.getMessage() == "cache.refused"]
+    assert refused and refused[0].fields["path"] == str(kept)
+    monkeypatch.setattr(onnx_export, "_GRAPHS", {})
+    assert export_onnx("digits-cnn", second)[1].reused_graph
+    # Models from a factory are not kept on disk (their code may change under the same shapes).
+    assert onnx_export._disk_name("mypkg.nets:make_model", "dynamo") is None

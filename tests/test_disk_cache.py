@@ -1,0 +1,70 @@
+"""The disk cache (fedmq/disk_cache.py): pre-trained cluster models and damaged entries.
+
+The ONNX graphs it keeps are tested in tests/test_inference.py.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from aggregator import bootstrap
+from fedmq import disk_cache
+from fedmq.config import load_config
+from fedmq.data import clusters_from_settings
+from soak.fleet_setup import SMALL
+
+
+@pytest.fixture
+def cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("FEDMQ_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def pretrain(seed: int = 0):
+    cfg = load_config(None, {**SMALL, "seed": seed})
+    return bootstrap.pretrain_clusters(cfg, clusters_from_settings(cfg.data, 2, seed=seed), "digits-cnn")
+
+
+def test_a_second_aggregator_reuses_the_pretraining_and_a_damaged_entry_is_trained_again(
+        cache, monkeypatch, caplog) -> None:
+    first = pretrain()
+    kept, = (cache / "pretrain").iterdir()
+    trained = []
+    real_fit = bootstrap.fit
+    monkeypatch.setattr(bootstrap, "fit", lambda *a, **k: trained.append(1) or real_fit(*a, **k))
+    again = pretrain()
+    assert not trained and all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    # Another seed is other data and another start: trained, not served.
+    pretrain(seed=1)
+    assert trained and len(list((cache / "pretrain").iterdir())) == 2
+    # One flipped bit: the entry is named in a warning, trained again, the same models result.
+    raw = bytearray(kept.read_bytes())
+    raw[-5] ^= 0x10
+    kept.write_bytes(bytes(raw))
+    trained.clear()
+    with caplog.at_level(logging.WARNING, logger="fedmq"):
+        third = pretrain()
+    assert trained and all(torch.equal(a, b) for a, b in zip(first, third, strict=True))
+    refused = [r for r in caplog.records if r.getMessage() == "cache.refused"]
+    assert refused and refused[0].fields["path"] == str(kept)
+    assert disk_cache.read("pretrain", kept.name) is not None  # rewritten whole
+
+
+def test_an_unwritable_cache_costs_only_the_work(monkeypatch, tmp_path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("FEDMQ_CACHE_DIR", str(blocker))
+    disk_cache.write("pretrain", "x", b"payload")  # no exception
+    assert disk_cache.read("pretrain", "x") is None
+    assert len(pretrain()) == 2
+
+
+def test_entries_round_trip_and_short_files_are_refused(cache) -> None:
+    disk_cache.write("onnx", "a", b"\x00" * 10)
+    assert disk_cache.read("onnx", "a") == b"\x00" * 10
+    (cache / "onnx" / "b").write_bytes(b"fedmq")
+    assert disk_cache.read("onnx", "b") is None
+    assert disk_cache.read("onnx", "absent") is None
