@@ -89,13 +89,7 @@ class UplinkPrivacy:
 
     def spent(self, extra: list[Step] | None = None) -> float:
         """Epsilon spent so far (with `extra`: as if those releases happened too)."""
-        from opacus.accountants import RDPAccountant
-
-        accountant = RDPAccountant()
-        accountant.history = list(self.history) + list(extra or [])
-        if not accountant.history:
-            return 0.0
-        return float(accountant.get_epsilon(self.delta))
+        return epsilon_of(list(self.history) + list(extra or []), self.delta)
 
     def batch(self, agent_batch: int) -> int:
         """The batch DP-SGD trains with, given the agent's own (agent.batch_size)."""
@@ -184,6 +178,32 @@ class UplinkPrivacy:
         self.history = [(float(m), float(q), int(s)) for m, q, s in history]
 
 
+@lru_cache(maxsize=1024)
+def _rdp_per_step(sample_rate: float, noise_multiplier: float) -> tuple[float, ...]:
+    from opacus.accountants import RDPAccountant
+    from opacus.accountants.analysis import rdp
+
+    return tuple(rdp.compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=1,
+                                 orders=RDPAccountant.DEFAULT_ALPHAS))
+
+
+def epsilon_of(history: list[Step], delta: float) -> float:
+    """What Opacus' RDPAccountant.get_epsilon says for this history, computed once per
+    (multiplier, sample rate): RDP is linear in the steps, so entries that repeat one
+    mechanism add up. The accountant recomputes each entry (a plan's bisection took 24 s)."""
+    from opacus.accountants import RDPAccountant
+    from opacus.accountants.analysis import rdp
+
+    if not history:
+        return 0.0
+    steps: dict[tuple[float, float], int] = {}
+    for multiplier, rate, n in history:
+        steps[(float(multiplier), float(rate))] = steps.get((float(multiplier), float(rate)), 0) + int(n)
+    total = sum(np.asarray(_rdp_per_step(rate, m)) * n for (m, rate), n in steps.items())
+    eps, _ = rdp.get_privacy_spent(orders=RDPAccountant.DEFAULT_ALPHAS, rdp=total, delta=delta)
+    return float(eps)
+
+
 def upload_releases(noise_multiplier: float, n: int, batch_size: int, epochs: int, *, sketch: bool = True,
                     alpha: bool = False) -> list[Step]:
     """One upload's releases with every mechanism at `noise_multiplier`."""
@@ -201,17 +221,14 @@ def plan_noise(epsilon: float, delta: float, *, n: int, uploads: int, batch_size
     epsilon at a given multiplier, so plan with the smallest n an upload will have."""
     import warnings
 
-    from opacus.accountants import RDPAccountant
-
     if epsilon <= 0 or uploads < 1 or n < 1:
         raise ValueError(f"need epsilon > 0, uploads >= 1, n >= 1; got {epsilon}, {uploads}, {n}")
 
     def spent(sigma: float) -> float:
-        accountant = RDPAccountant()
-        accountant.history = upload_releases(sigma, n, batch_size, epochs, sketch=sketch, alpha=alpha) * uploads
+        history = upload_releases(sigma, n, batch_size, epochs, sketch=sketch, alpha=alpha) * uploads
         with warnings.catch_warnings():  # "optimal order is the smallest alpha": only at sigma < 1
             warnings.simplefilter("ignore")
-            return float(accountant.get_epsilon(delta))
+            return epsilon_of(history, delta)
 
     lo, hi = 0.05, 1.0
     while spent(hi) > epsilon:
