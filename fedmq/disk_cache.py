@@ -1,4 +1,4 @@
-"""Results worth keeping between processes: exported ONNX graphs, pre-trained cluster models.
+"""Results worth keeping between processes: ONNX graphs, pre-trained clusters, the digits split.
 
 Both are pure functions of their inputs and cost seconds to minutes to make again (a dynamo
 export is most of an agent's start-up on a small device; pre-training on MNIST-sized proxy

@@ -23,7 +23,6 @@ from functools import lru_cache
 
 import numpy as np
 import torch
-from scipy.optimize import nnls
 from torch import Tensor
 
 DIM = 1024
@@ -61,6 +60,8 @@ def mixture_from_sketch(sketch: np.ndarray, cluster_sketches: np.ndarray) -> np.
     uniform weights."""
     if sketch.shape != (cluster_sketches.shape[1],):
         raise ValueError(f"sketch has shape {sketch.shape}, clusters' sketches {cluster_sketches.shape}")
+    from scipy.optimize import nnls  # here: the agents that only make sketches skip 0.3 s of import
+
     c, _ = nnls(cluster_sketches.T.astype(np.float64), sketch.astype(np.float64))
     total = c.sum()
     k = cluster_sketches.shape[0]

@@ -42,13 +42,39 @@ def rotate(x: torch.Tensor, angle_deg: float, fill: Sequence[float] | None = Non
     quarter = angle / 90.0
     if x.shape[-1] == x.shape[-2] and math.isclose(quarter, round(quarter), abs_tol=1e-9):
         return torch.rot90(x, int(round(quarter)), dims=(-2, -1)).contiguous()
-    import torchvision.transforms.functional as tvf
-    from torchvision.transforms import InterpolationMode
-
     fill_values = [float(v) for v in fill] if fill is not None else [0.0] * x.shape[1]
     if len(fill_values) != x.shape[1]:
         raise ValueError(f"fill needs one value per channel ({x.shape[1]}), got {len(fill_values)}")
-    return tvf.rotate(x, angle, interpolation=InterpolationMode.BILINEAR, fill=fill_values)
+    return _rotate_bilinear(x, angle, fill_values)
+
+
+def _rotate_bilinear(x: torch.Tensor, angle: float, fill: list[float]) -> torch.Tensor:
+    """torchvision's tensor `rotate` (bilinear, about the centre, with fill), op for op.
+
+    Written out so that a process rotating data does not import torchvision, which pulls in
+    torch._dynamo (~1.8 s of every agent's and aggregator's start); tests/test_data.py checks
+    that the result is bit-identical to torchvision's.
+    """
+    n, c, h, w = x.shape
+    dtype = x.dtype if torch.is_floating_point(x) else torch.float32
+    rot = math.radians(-angle)
+    # The inverse of the rotation about the origin (the centre, in these coordinates).
+    theta = torch.tensor([math.cos(rot), math.sin(rot), 0.0, -math.sin(rot), math.cos(rot), 0.0],
+                         dtype=dtype, device=x.device).reshape(1, 2, 3)
+    base = torch.empty(1, h, w, 3, dtype=dtype, device=x.device)
+    base[..., 0].copy_(torch.linspace(-w * 0.5 + 0.5, w * 0.5 - 0.5, steps=w, device=x.device))
+    base[..., 1].copy_(torch.linspace(-h * 0.5 + 0.5, h * 0.5 - 0.5, steps=h, device=x.device).unsqueeze_(-1))
+    base[..., 2].fill_(1)
+    scaled = theta.transpose(1, 2) / torch.tensor([0.5 * w, 0.5 * h], dtype=dtype, device=x.device)
+    grid = base.view(1, h * w, 3).bmm(scaled).view(1, h, w, 2).expand(n, h, w, 2)
+    img = x.to(dtype)
+    # One extra all-ones channel tells, after sampling, how much of each pixel was inside.
+    img = torch.cat((img, torch.ones((n, 1, h, w), dtype=dtype, device=x.device)), dim=1)
+    img = torch.nn.functional.grid_sample(img, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+    mask = img[:, -1:].expand(n, c, h, w)
+    fill_img = torch.tensor(fill, dtype=dtype, device=x.device).view(1, c, 1, 1).expand(n, c, h, w)
+    out = img[:, :-1] * mask + (1.0 - mask) * fill_img
+    return out if out.dtype == x.dtype else out.round().to(x.dtype)
 
 
 def cluster_angles(num_clusters: int) -> tuple[float, ...]:
