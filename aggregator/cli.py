@@ -134,12 +134,12 @@ def _reply_pool(cfg, engine):
         raise ConfigError("reply workers train CDFL's fine-tune replies (cdfl.personalization finetune, "
                           "or distill with personalize_kd_weight = 0); this aggregator has none to hand out")
     from aggregator.reply_jobs import reply_digest
-    from aggregator.reply_pool import ReplyPool
+    from aggregator.reply_pool import ReplyPool, pool_broker
     from aggregator.worker_cli import LocalWorkers
 
     strategy = engine.strategy
     pool = ReplyPool(strategy.personalizer, reply_digest(strategy.personalizer, strategy.evaluator), cfg.fleet,
-                     cfg.broker, numel=engine.spec.numel, k=strategy.k, timeout_s=a.worker_timeout_s).start()
+                     pool_broker(cfg.broker, a.derived_logins), numel=engine.spec.numel, k=strategy.k, timeout_s=a.worker_timeout_s).start()
     strategy.personalizer = pool
     workers = LocalWorkers(cfg, a.reply_workers, a.worker_threads).start() if a.reply_workers else None
     return pool, workers

@@ -21,6 +21,7 @@ to a worker: the upload it answers stays unacknowledged until the reply is made 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -36,6 +37,7 @@ from aggregator.personalize import Personalizer, PersonalizeRequest
 from fedmq import protocol
 from fedmq.config import BrokerSettings
 from fedmq.logs import PROGRESS, event, get_logger
+from fedmq.service_logins import REPLIES, derived_url
 from fedmq.transport import Message, MqttTransport, NetworkLoop
 
 log = get_logger("aggregator")
@@ -56,6 +58,12 @@ class _Job:
     worker: str = ""
     deadline: float = 0.0
     tries: int = 0
+
+
+def pool_broker(broker: BrokerSettings, derived_logins: bool = True) -> BrokerSettings:
+    """The pool's broker settings: logged in as USER-replies (fedmq/service_logins.py) when the
+    aggregator's URL names USER, so that its second connection is a session of its own."""
+    return dataclasses.replace(broker, url=derived_url(broker.url, REPLIES)) if derived_logins else broker
 
 
 class ReplyPool(Personalizer):

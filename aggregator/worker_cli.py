@@ -11,6 +11,9 @@ draws the same proxy sets and announces a digest of them; the aggregator gives j
 workers whose digest is its own (`worker.mismatch` in its log otherwise). Any number may
 run, on any machine that reaches the broker; `fedmq aggregator --workers N` starts N on its
 own machine. SIGTERM or Ctrl-C stops cleanly (the job in hand is finished first).
+
+Under broker_config/prod.conf a worker logs in as its own user (`fedmq creds --worker NAME`),
+and its id is that user name: the ACL gives each worker user its own topics only.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import time
 
 from fedmq.config import Config, add_config_arguments, config_from_args, dry_run_json
 from fedmq.logs import event, get_logger, mask_secrets, setup_logging
+from fedmq.service_logins import derived_url, derived_user, url_user, worker_role
 
 log = get_logger("aggregator")
 
@@ -38,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                              "data_dir", "download", "model", "device", "seed", "log_level"))
     p.add_argument("--clusters", type=int, metavar="K", help="number of cluster models (default 3), as the aggregator's")
     p.add_argument("--id", metavar="NAME",
-                   help="this worker's name, unique in the fleet (default HOSTNAME-PID)")
+                   help="this worker's name, unique in the fleet (default: the broker URL's user "
+                        "name, else HOSTNAME-PID)")
     p.add_argument("--slots", type=int, default=1, metavar="N",
                    help="jobs trained at once (default 1; more on a GPU)")
     p.add_argument("--threads", type=int, default=0, metavar="N",
@@ -61,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from fedmq.transport import check_reachable
 
     check_reachable(cfg.broker.url)
-    worker_id = args.id or f"{socket.gethostname()}-{os.getpid()}"
+    worker_id = args.id or url_user(cfg.broker.url) or f"{socket.gethostname()}-{os.getpid()}"
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -87,15 +92,26 @@ class LocalWorkers:
         self.threads = threads or max(1, (os.cpu_count() or 1) // max(1, n))
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * n
         self.restarts = 0
-        self._env = {**os.environ, "FEDMQ_WORKER_CONFIG": json.dumps(dataclasses.asdict(cfg)),
-                     "OMP_NUM_THREADS": str(self.threads), "FEDMQ_WORKER_PARENT": str(os.getpid())}
+        user = url_user(cfg.broker.url) if cfg.aggregator.derived_logins else None
+        self._user = user
 
     def worker_id(self, i: int) -> str:
-        return f"{self.cfg.fleet}-local-{i}"
+        """USER-worker-I when it logs in as its own derived user (its id is its user name, as the
+        ACL wants), else FLEET-local-I."""
+        return derived_user(self._user, worker_role(i)) if self._user else f"{self.cfg.fleet}-local-{i}"
+
+    def _env(self, i: int) -> dict[str, str]:
+        """The aggregator's config, with worker i's own login: it never sees the aggregator's password."""
+        cfg = self.cfg
+        if self._user:
+            cfg = dataclasses.replace(cfg, broker=dataclasses.replace(
+                cfg.broker, url=derived_url(cfg.broker.url, worker_role(i))))
+        return {**os.environ, "FEDMQ_WORKER_CONFIG": json.dumps(dataclasses.asdict(cfg)),
+                "OMP_NUM_THREADS": str(self.threads), "FEDMQ_WORKER_PARENT": str(os.getpid())}
 
     def _spawn(self, i: int) -> None:
         argv = [sys.executable, "-m", "fedmq", "worker", "--id", self.worker_id(i), "--threads", str(self.threads)]
-        self.procs[i] = subprocess.Popen(argv, env=self._env, stdin=subprocess.DEVNULL)
+        self.procs[i] = subprocess.Popen(argv, env=self._env(i), stdin=subprocess.DEVNULL)
 
     def start(self) -> LocalWorkers:
         for i in range(self.n):

@@ -413,6 +413,8 @@ class AggregatorSettings:
     """CDFL: reply worker processes this aggregator starts on its own machine (`--workers N`); each trains the fine-tune replies of uploads handed to it over the broker while the aggregator stays the single writer of the clusters and the journal (docs/scaling.md). 0 = replies are trained in the aggregator, unless reply_pool is on."""
     reply_pool: bool = False
     """CDFL: hand trained replies to reply workers that announce themselves on the broker (`fedmq worker`, on this or other machines), training a reply here only while none is online. On by itself when reply_workers > 0."""
+    derived_logins: bool = True
+    """When the broker URL names a user, the reply pool's connection and each worker started by reply_workers log in as USER-replies and USER-worker-I, with passwords derived from USER's (what `fedmq creds --workers N` writes): broker_config/prod.conf keys sessions by user name, so a second connection as USER would take over the first. false: they log in as USER (brokers that do not key sessions by user)."""
     worker_threads: int = 0
     """Torch threads of each worker started by reply_workers (0 = the machine's cores divided among them)."""
     worker_timeout_s: float = 300.0

@@ -1,8 +1,9 @@
 """Make what the production broker (broker_config/prod.conf) needs: a CA, a server certificate,
-one random password per agent (plus the aggregator and an optional monitor), Mosquitto's
-password file and the ACL that binds each agent to its own topics.
+one random password per agent (plus the aggregator, an optional monitor and reply workers),
+Mosquitto's password file and the ACL that binds each agent to its own topics.
 
     fedmq creds --out deploy/creds --agents car-1,car-2 --hostname broker.example.org
+    fedmq creds --out deploy/creds --workers 2 --worker gpu-box-1   # reply workers (docs/scaling.md)
     fedmq creds --out deploy/creds --rotate car-1      # then: kill -HUP <mosquitto pid>
 
 Layout of OUT (mount OUT/mosquitto as /mosquitto/config, read-only; nothing secret to the
@@ -46,6 +47,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fedmq.atomic_file import atomic_write
+from fedmq.service_logins import REPLIES, derived_password, derived_user, worker_role
 
 # mosquitto_passwd 2.0's defaults for its `$7$` (sha512-pbkdf2) format. The passwords made here
 # are 192 random bits, so key stretching adds nothing against a stolen passwd file, while every
@@ -81,6 +83,11 @@ class Credentials:
     hostnames: list[str] = field(default_factory=list)
     fleets: list[str] = field(default_factory=list)
     """Fleets the ACL grants (empty: any fleet, `+`)."""
+    workers: dict[str, str] = field(default_factory=dict)
+    """Reply workers on other machines (`fedmq worker`): name -> password; the name is the worker's id."""
+    local_workers: int = 0
+    """Reply workers the aggregator starts itself (`fedmq aggregator --workers N`); their logins
+    are derived from the aggregator's (fedmq/service_logins.py)."""
     revoked: list[str] = field(default_factory=list)  # users dropped by this run
     ca_created: bool = False
     server_cert_created: bool = False
@@ -122,12 +129,28 @@ class Credentials:
     def credentials_json(self) -> Path:
         return self.private_dir / "credentials.json"
 
+    def derived_users(self) -> dict[str, str]:
+        """The aggregator's extra logins: its reply pool's (when any worker is made) and one per
+        local worker; passwords derived from the aggregator's, so rotating it rotates them."""
+        if not (self.workers or self.local_workers):
+            return {}
+        names = [derived_user(self.aggregator_user, REPLIES)]
+        names += [derived_user(self.aggregator_user, worker_role(i)) for i in range(self.local_workers)]
+        return {n: derived_password(self.aggregator_password, n) for n in names}
+
+    def worker_users(self) -> list[str]:
+        """Every user that serves as a reply worker (its name is its worker id)."""
+        local = [derived_user(self.aggregator_user, worker_role(i)) for i in range(self.local_workers)]
+        return sorted(self.workers) + local
+
     def users(self) -> dict[str, str]:
         """Every username -> password the passwd file holds."""
         users = dict(self.agents)
         users[self.aggregator_user] = self.aggregator_password
         if self.monitor_user and self.monitor_password:
             users[self.monitor_user] = self.monitor_password
+        users.update(self.workers)
+        users.update(self.derived_users())
         return users
 
     def path_map(self) -> dict[str, str]:
@@ -177,11 +200,15 @@ def render_passwd(users: dict[str, str]) -> str:
 # --------------------------------------------------------------------------- ACL
 
 
-def render_acl(aggregator_user: str, monitor_user: str | None = None, fleets: Sequence[str] = ()) -> str:
+def render_acl(aggregator_user: str, monitor_user: str | None = None, fleets: Sequence[str] = (),
+               workers: Sequence[str] = ()) -> str:
     """The ACL for wire protocol v1. Pattern lines (%u) bind every agent to its own subtree,
     so the file does not change when agents come and go (only passwd does). With `fleets`,
     every rule names them instead of `+`: an agent then owns two topics that keep a retained
-    message (its up and status topics in each fleet), not one pair per fleet id it invents."""
+    message (its up and status topics in each fleet), not one pair per fleet id it invents.
+    `workers` (reply workers' users) get their own jobs, status and done topics by name, not
+    by pattern: an agent must not be able to announce itself as a worker and be sent replies
+    to train; the aggregator's reply pool (user AGGREGATOR-replies) gets every worker's."""
     scopes = list(fleets) or ["+"]
     where = "in any fleet" if not fleets else f"in fleet{'s' if len(scopes) > 1 else ''} {', '.join(scopes)} only"
     lines = [
@@ -202,6 +229,19 @@ def render_acl(aggregator_user: str, monitor_user: str | None = None, fleets: Se
         lines += [f"topic readwrite fedmq/{f}/agents/+/up", f"topic readwrite fedmq/{f}/agents/+/status",
                   f"topic write fedmq/{f}/agents/+/down", f"topic readwrite fedmq/{f}/aggregator/status",
                   f"topic readwrite fedmq/{f}/model/onnx"]
+    if workers:
+        lines += ["", "# Reply workers (docs/scaling.md): each reads its own jobs and announces itself and",
+                  "# its results on its own topics; its user name is its worker id."]
+        for w in workers:
+            lines.append(f"user {w}")
+            for f in scopes:
+                lines += [f"topic read fedmq/{f}/workers/{w}/jobs", f"topic write fedmq/{f}/workers/{w}/status",
+                          f"topic write fedmq/{f}/workers/{w}/done"]
+        lines += ["", "# The aggregator's reply pool (its second connection): jobs to every worker, their",
+                  "# statuses and results back.", f"user {derived_user(aggregator_user, REPLIES)}"]
+        for f in scopes:
+            lines += [f"topic write fedmq/{f}/workers/+/jobs", f"topic read fedmq/{f}/workers/+/status",
+                      f"topic read fedmq/{f}/workers/+/done"]
     if monitor_user:
         lines += ["", "# Dashboards: status topics only, read only.", f"user {monitor_user}"]
         for f in scopes:
@@ -360,7 +400,8 @@ def _mkdir(path: Path, mode: int, gid: int | None = None) -> None:
 def _write_broker_files(creds: Credentials, gid: int | None) -> None:
     secret_mode = 0o640 if gid is not None else 0o600
     _write(creds.passwd, render_passwd(creds.users()), secret_mode, gid)
-    _write(creds.acl, render_acl(creds.aggregator_user, creds.monitor_user, creds.fleets), 0o644, gid)
+    _write(creds.acl, render_acl(creds.aggregator_user, creds.monitor_user, creds.fleets, creds.worker_users()),
+           0o644, gid)
 
 
 def _write_credentials_json(creds: Credentials) -> None:
@@ -375,6 +416,8 @@ def _write_credentials_json(creds: Credentials) -> None:
             if creds.monitor_user else None
         ),
         "agents": dict(sorted(creds.agents.items())),
+        "workers": dict(sorted(creds.workers.items())),
+        "local_workers": creds.local_workers,
     }
     _write(creds.credentials_json, json.dumps(doc, indent=2) + "\n", 0o600)
 
@@ -397,6 +440,8 @@ def load_credentials(out_dir: str | os.PathLike[str]) -> Credentials:
         monitor_password=monitor.get("password"),
         hostnames=list(doc.get("hostnames", [])),
         fleets=list(doc.get("fleets", [])),
+        workers=dict(doc.get("workers") or {}),
+        local_workers=int(doc.get("local_workers") or 0),
     )
 
 
@@ -413,12 +458,16 @@ def make_credentials(
     group: str | int | None = None,
     force: bool = False,
     fleets: Sequence[str] | None = None,
+    workers: Iterable[str] | None = None,
+    local_workers: int | None = None,
 ) -> Credentials:
     """Create or update the CA, server cert, passwd, acl and credentials.json under `out_dir`.
 
     Existing CA, server cert (while its names match and it is not near expiry) and passwords
     of users still listed are kept unless `force`; users no longer listed lose access.
-    `fleets` scopes the ACL to those fleet ids (None: as the previous run, else any fleet).
+    `fleets` scopes the ACL to those fleet ids, `workers` names the reply workers on other
+    machines and `local_workers` counts the aggregator's own (None, for each: as the previous
+    run, else any fleet / none).
     """
     out = Path(out_dir)
     agent_list = list(dict.fromkeys(validate_username(a.strip()) for a in agents if a.strip()))
@@ -429,19 +478,35 @@ def make_credentials(
         validate_username(monitor_user)
         if monitor_user == aggregator_user:
             raise CredentialsError("the monitor and aggregator users must differ")
-    reserved = {aggregator_user, monitor_user} - {None}
-    clash = reserved.intersection(agent_list)
-    if clash:
-        raise CredentialsError(f"agent name(s) {sorted(clash)} are taken by the service users")
-    gid = resolve_group(group)
-    for f in fleets or ():
-        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", f) or f in (".", ".."):
-            raise CredentialsError(f"bad fleet id {f!r}: use [A-Za-z0-9_.-], 1-64 characters")
-
+    if local_workers is not None and local_workers < 0:
+        raise CredentialsError(f"--workers must be >= 0, got {local_workers}")
     previous: Credentials | None = None
     if not force and (out / "private" / "credentials.json").exists():
         previous = load_credentials(out)
     old_users = previous.users() if previous else {}
+    if workers is None:
+        worker_list = list(previous.workers) if previous else []
+    else:
+        worker_list = list(dict.fromkeys(validate_username(w.strip()) for w in workers if w.strip()))
+    if local_workers is None:
+        local_workers = previous.local_workers if previous else 0
+    derived = {derived_user(aggregator_user, REPLIES)} | {
+        derived_user(aggregator_user, worker_role(i)) for i in range(local_workers)}
+    reserved = {aggregator_user, monitor_user} - {None}
+    clash = reserved.intersection(agent_list)
+    if clash:
+        raise CredentialsError(f"agent name(s) {sorted(clash)} are taken by the service users")
+    clash = (reserved | set(agent_list)).intersection(worker_list)
+    if clash:
+        raise CredentialsError(f"worker name(s) {sorted(clash)} are taken by agents or service users")
+    clash = derived.intersection(agent_list + worker_list + sorted(reserved))
+    if clash:
+        raise CredentialsError(f"name(s) {sorted(clash)} are the aggregator's own logins "
+                               f"(fedmq/service_logins.py); choose others")
+    gid = resolve_group(group)
+    for f in fleets or ():
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", f) or f in (".", ".."):
+            raise CredentialsError(f"bad fleet id {f!r}: use [A-Za-z0-9_.-], 1-64 characters")
 
     creds = Credentials(
         out_dir=out,
@@ -452,6 +517,8 @@ def make_credentials(
         monitor_password=(old_users.get(monitor_user) or generate_password()) if monitor_user else None,
         hostnames=all_server_names(hostnames),
         fleets=list(dict.fromkeys(fleets)) if fleets is not None else (previous.fleets if previous else []),
+        workers={w: old_users.get(w) or generate_password() for w in worker_list},
+        local_workers=local_workers,
     )
     creds.revoked = sorted(set(old_users) - set(creds.users()))
 
@@ -506,6 +573,11 @@ def rotate_password(
         creds.aggregator_password = new
     elif user == creds.monitor_user:
         creds.monitor_password = new
+    elif user in creds.workers:
+        creds.workers[user] = new
+    elif user in creds.derived_users():
+        raise CredentialsError(f"{user}'s password is derived from {creds.aggregator_user}'s: "
+                               f"rotate {creds.aggregator_user} (both change together)")
     else:
         raise CredentialsError(f"unknown user {user!r}; known: {sorted(creds.users())}")
     gid = resolve_group(group)
@@ -548,6 +620,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="grant topics of this fleet only (repeatable; default: any fleet id). "
                              "Bounds what an agent can keep retained on the broker to its own two "
                              "topics per fleet; a re-run without it keeps the previous choice")
+    parser.add_argument("--workers", type=int, default=None, metavar="N",
+                        help="users for the N reply workers `fedmq aggregator --workers N` starts, and for "
+                             "its reply pool; their passwords derive from the aggregator's (default: as "
+                             "the previous run, else 0)")
+    parser.add_argument("--worker", action="append", default=None, metavar="NAME",
+                        help="a reply worker on another machine (`fedmq worker`), its own user and "
+                             "password; NAME is its worker id (repeatable or comma-separated; default: "
+                             "as the previous run)")
     parser.add_argument("--rotate", metavar="USER", help="only give USER a new password")
     parser.add_argument("--force", action="store_true", help="new CA, server cert and passwords")
 
@@ -570,12 +650,15 @@ def run(args: argparse.Namespace) -> int:
             args.out, agents, aggregator_user=args.aggregator_user,
             monitor_user=args.monitor_user, hostnames=hostnames, group=args.group, force=args.force,
             fleets=args.fleet,
+            workers=None if args.worker is None else [w for arg in args.worker for w in arg.split(",")],
+            local_workers=args.workers,
         )
     except (CredentialsError, OSError) as e:
         print(f"fedmq creds: {e}", file=sys.stderr)
         return 2
     print(f"{len(creds.agents)} agents, users {creds.aggregator_user}"
           + (f", {creds.monitor_user}" if creds.monitor_user else "")
+          + (f", reply workers {', '.join(creds.worker_users())}" if creds.worker_users() else "")
           + f"; fleets: {', '.join(creds.fleets) or 'any'}")
     print(f"CA: {'new' if creds.ca_created else 'kept'} ({creds.ca_cert}); server cert: "
           f"{'new' if creds.server_cert_created else 'kept'} for {', '.join(creds.hostnames)}")

@@ -22,18 +22,23 @@ from aggregator.reply_jobs import (
     Done,
     Job,
     JobError,
+    WorkerStatus,
     decode_done,
     encode_done,
     encode_job,
+    encode_status,
     reply_digest,
 )
-from aggregator.reply_pool import ReplyPool
+from aggregator.reply_pool import ReplyPool, pool_broker
 from aggregator.reply_worker import ReplyWorker, build_reply_parts
 from aggregator.strategy import Upload
+from aggregator.worker_cli import LocalWorkers
 from fedmq import protocol
+from fedmq.broker import REPO_BROKER_CONFIG, MosquittoBroker, find_mosquitto
 from fedmq.config import Config
+from fedmq.creds import make_credentials
 from fedmq.models import build_model, to_vector
-from fedmq.transport import MqttTransport
+from fedmq.transport import MqttTransport, TransportError
 from tests.cli_process import ROOT, CliProcess
 
 WAIT_S = 180  # workers import torch and draw the proxy sets: seconds idle, a minute on a loaded CI
@@ -103,6 +108,73 @@ def test_workers_train_the_same_replies_as_the_aggregator_and_share_the_batch(mo
         pool.close()
         for w in workers:
             w.stop()
+
+
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
+def test_under_prod_conf_the_pool_and_every_worker_log_in_as_their_own_users(tmp_path) -> None:
+    """prod.conf keys sessions by user name (use_username_as_clientid): the reply pool and each
+    worker need a login of their own (`fedmq creds --workers 1 --worker box-2`), the aggregator's
+    own connection is never taken over, and the ACL keeps agents and other workers off the jobs."""
+    fleet = "secure"
+    creds = make_credentials(tmp_path / "creds", ["car-1"], workers=["box-2", "box-3"], local_workers=1,
+                             fleets=[fleet])
+    with MosquittoBroker.from_file(REPO_BROKER_CONFIG / "prod.conf", path_map=creds.path_map(),
+                                   workdir=tmp_path / "broker") as broker:
+        def url(user: str) -> str:
+            return f"mqtts://{user}:{creds.users()[user]}@127.0.0.1:{broker.port}"
+
+        def login(user: str) -> Config:
+            cfg = _cfg(url(user), fleet)
+            cfg.broker.ca_file = str(creds.ca_cert)
+            return cfg
+
+        cfg = login("aggregator")
+        here = _strategy(cfg)
+        there = copy.deepcopy(here)
+        dropped: list[object] = []
+        main = MqttTransport(f"fedmq-aggregator-{fleet}", cfg.broker, clean_start=True)
+        main.on_disconnect_hooks.append(lambda _t, reason: dropped.append(reason))
+        main.connect(timeout=30)
+        local = LocalWorkers(cfg, 1, threads=1)
+        assert creds.aggregator_password not in local._env(0)["FEDMQ_WORKER_CONFIG"]
+        local.start()
+        remote = CliProcess(["fedmq", "worker", "--broker", url("box-2"), "--ca-file", str(creds.ca_cert),
+                             "--fleet", fleet, "--threads", "1",
+                             "--set", f"cdfl.personalize_epochs={cfg.cdfl.personalize_epochs}"], cwd=ROOT)
+        pool = ReplyPool(there.personalizer, reply_digest(there.personalizer, there.evaluator), fleet,
+                         pool_broker(cfg.broker), numel=there.spec.numel, k=there.k).start()
+        there.personalizer = pool
+        agent = MqttTransport("car-1", login("car-1").broker, clean_start=True).connect(30)
+        snoop = MqttTransport("box-3", login("box-3").broker, clean_start=True).connect(30)
+        overheard: list[str] = []
+        try:
+            assert pool.wait_for_workers(2, WAIT_S), remote.output[-3000:] + broker.log_tail()
+            assert set(pool.workers) == {"aggregator-worker-0", "box-2"}  # ids are their user names
+            # An agent announcing itself as a worker is not heard; a worker user is (the control).
+            intruder = WorkerStatus("car-1", "online", slots=4, digest=pool.digest, started_at=time.time())
+            with pytest.raises(TransportError, match="Not authorized"):  # MQTT 5 says so in the PUBACK
+                agent.publish(protocol.worker_status(fleet, "car-1"), encode_status(intruder), qos=1).wait(30)
+            snoop.publish(protocol.worker_status(fleet, "box-3"), encode_status(WorkerStatus("box-3", "offline")),
+                          qos=1).wait(30)
+            deadline = time.monotonic() + WAIT_S
+            while "box-3" not in pool.workers and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert "box-3" in pool.workers and "car-1" not in pool.workers
+            # Another worker's jobs are not delivered to box-3.
+            for w in ("aggregator-worker-0", "box-2"):
+                snoop.subscribe(protocol.worker_jobs(fleet, w), lambda m: overheard.append(m.topic), qos=1)
+            uploads = _uploads(here, 4)
+            _same_replies(here.update_many(uploads), got := there.update_many(copy.deepcopy(uploads)))
+            assert {r.info["personalize"]["worker"] for r in got} == {"aggregator-worker-0", "box-2"}
+            assert pool.counters["replies.remote"] == 4
+            time.sleep(1.0)  # stragglers: a job a snoop could read would have been sent with its batch
+            assert overheard == []
+            assert main.connected and dropped == [], "a second login as the aggregator took its session"
+        finally:
+            for t in (pool, agent, snoop, main):
+                t.close()
+            local.stop()
+            remote.stop()
 
 
 def test_a_worker_killed_mid_job_costs_a_redispatch_not_a_reply(mosquitto) -> None:

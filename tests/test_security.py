@@ -38,6 +38,7 @@ from fedmq.creds import (
     rotate_password,
     verify_mosquitto_hash,
 )
+from fedmq.service_logins import derived_password
 
 needs_mosquitto = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
 PROD_CONF = REPO_BROKER_CONFIG / "prod.conf"
@@ -460,6 +461,38 @@ def test_cli_creates_and_rotates(tmp_path, capsys):
     assert after.agents["c2"] != made.agents["c2"] and after.agents["c1"] == made.agents["c1"]
     assert cli.main(["creds", "--out", str(out), "--rotate", "nobody"]) == 2
     assert "unknown user" in capsys.readouterr().err
+
+
+def test_cli_makes_reply_worker_users_and_keeps_them_on_a_rerun(tmp_path, capsys):
+    """`--workers N` and `--worker NAME` (docs/scaling.md): the pool's and local workers' logins
+    derive from the aggregator's password, a remote worker gets its own; the ACL names each."""
+    out = tmp_path / "out"
+    assert cli.main(["creds", "--out", str(out), "--agents", "c1", "--fleet", "f1",
+                     "--workers", "2", "--worker", "gpu-1,gpu-2"]) == 0
+    assert "reply workers gpu-1, gpu-2, aggregator-worker-0, aggregator-worker-1;" in capsys.readouterr().out
+    made = load_credentials(out)
+    users = made.users()
+    assert users["aggregator-replies"] == derived_password(made.aggregator_password, "aggregator-replies")
+    assert users["aggregator-worker-1"] != users["aggregator-worker-0"] != made.aggregator_password
+    passwd = dict(line.split(":", 1) for line in made.passwd.read_text().splitlines())
+    for user in ("aggregator-replies", "aggregator-worker-0", "gpu-2"):
+        assert verify_mosquitto_hash(users[user], passwd[user]), user
+    acl = made.acl.read_text()
+    assert "user gpu-1\ntopic read fedmq/f1/workers/gpu-1/jobs\n" in acl
+    assert "user aggregator-replies\ntopic write fedmq/f1/workers/+/jobs\n" in acl
+    assert "pattern" not in acl.split("# Reply workers")[1]  # never by pattern: agents are not workers
+    # A re-run without the flags keeps them; rotating the aggregator rotates what derives from it.
+    assert cli.main(["creds", "--out", str(out), "--hostname", "mqtt.local"]) == 0
+    assert load_credentials(out).users() == users
+    assert cli.main(["creds", "--out", str(out), "--rotate", "aggregator"]) == 0
+    rotated = load_credentials(out).users()
+    assert rotated["aggregator-replies"] != users["aggregator-replies"] and rotated["gpu-1"] == users["gpu-1"]
+    assert cli.main(["creds", "--out", str(out), "--rotate", "aggregator-worker-0"]) == 2
+    assert "derived from aggregator's" in capsys.readouterr().err
+    assert cli.main(["creds", "--out", str(out), "--worker", "c1"]) == 2
+    assert cli.main(["creds", "--out", str(out), "--agents", "aggregator-replies"]) == 2
+    assert cli.main(["creds", "--out", str(out), "--workers", "-1"]) == 2
+    assert load_credentials(out).users() == rotated  # refused runs changed nothing
 
 
 # --------------------------------------------------------------------------- as user mosquitto
