@@ -70,7 +70,7 @@ class SoftClusters(Strategy):
                  beta0: float = 0.025, hinge_a: float = 10.0, hinge_b: float = 5.0,
                  update_rule: str = "alpha", update_power: float = 2.0, server_lr: float = 1.0,
                  delta_hinge_a: float = 0.1, delta_tau0: int = 0, staleness_cap: int = 1,
-                 delta_moves_head: bool = True) -> None:
+                 delta_moves_head: bool = True, trunk_share: float = 0.0) -> None:
         super().__init__()
         if update_rule not in UPDATE_RULES:
             raise ValueError(f"update_rule must be one of {', '.join(UPDATE_RULES)}, got {update_rule!r}")
@@ -88,6 +88,11 @@ class SoftClusters(Strategy):
         self.server_lr = float(server_lr)
         self.delta_hinge_a = float(delta_hinge_a)
         self.delta_tau0 = int(delta_tau0)
+        if not 0.0 <= trunk_share <= 1.0:
+            raise ValueError(f"cdfl.trunk_share must be in [0, 1], got {trunk_share}")
+        self.trunk_share = float(trunk_share)
+        """delta rule: how much of an agent's step below the output layer every cluster takes
+        whatever its alpha (1: the layers below the heads learn from every upload, as one trunk)."""
         self.delta_head = None if delta_moves_head else spec.head
         """delta rule: the span of the output layer (its weight and bias, the spec's last two
         parameters) that an agent's step leaves alone; None = none."""
@@ -146,21 +151,29 @@ class SoftClusters(Strategy):
             info.update(stale=True, betas=[0.0] * self.k)
             return info
         rate = self.server_lr if delta else self.beta0
-        betas = [rate * a * s for a in update_weights(alpha, self.update_rule, self.update_power)]
+        weights = update_weights(alpha, self.update_rule, self.update_power)
+        betas = [rate * a * s for a in weights]
+        trunk_betas = betas
         step = None
         if base is not None:
             step = vector - base.to(vector.dtype)
             if self.delta_head is not None:
                 step[self.delta_head[0]:self.delta_head[1]] = 0.0
             info["rule"] = "delta"
+            if self.trunk_share > 0.0:
+                trunk_betas = [rate * s * ((1.0 - self.trunk_share) * a + self.trunk_share) for a in weights]
+                info["trunk_betas"] = trunk_betas
         stats = self.spec.param_numel  # running statistics from here on: averaged, never stepped
-        for k, beta in enumerate(betas):
-            if beta <= 0.0:
+        head0, head1 = self.spec.head
+        for k, (beta, trunk_beta) in enumerate(zip(betas, trunk_betas, strict=True)):
+            if max(beta, trunk_beta) <= 0.0:
                 continue
             if step is not None:
                 # A step on a variance can make it negative (w_k's is smaller than base - v's):
                 # statistics take the pull rule instead, a convex mixture (beta <= 1 here).
-                self.clusters[k][:stats].add_(step[:stats], alpha=beta)
+                self.clusters[k][:stats].add_(step[:stats], alpha=trunk_beta)
+                if trunk_beta != beta:  # the output layer keeps its alpha share
+                    self.clusters[k][head0:head1].add_(step[head0:head1], alpha=beta - trunk_beta)
                 if stats < self.spec.numel:
                     b = min(beta, 1.0)
                     self.clusters[k][stats:].mul_(1.0 - b).add_(vector[stats:], alpha=b)
@@ -232,11 +245,12 @@ class CDFL(SoftClusters):
                  personalize_options: dict[str, Any] | None = None, seed: int = 0,
                  refresh_steps: int = 0, refresh_lr: float = 0.01, reply_uses_upload: bool = True,
                  server_lr: float = 1.0, delta_hinge_a: float = 0.1, delta_tau0: int = 0,
-                 staleness_cap: int = 1, reply_batch: int = 1, delta_moves_head: bool = True) -> None:
+                 staleness_cap: int = 1, reply_batch: int = 1, delta_moves_head: bool = True,
+                 trunk_share: float = 0.0) -> None:
         super().__init__(spec, clusters, tau0=tau0, beta0=beta0, hinge_a=hinge_a, hinge_b=hinge_b,
                          update_rule=update_rule, update_power=update_power, server_lr=server_lr,
                          delta_hinge_a=delta_hinge_a, delta_tau0=delta_tau0, staleness_cap=staleness_cap,
-                         delta_moves_head=delta_moves_head)
+                         delta_moves_head=delta_moves_head, trunk_share=trunk_share)
         if refresh_steps < 0 or refresh_lr <= 0:
             raise ValueError(f"need cluster_refresh_steps >= 0 and cluster_refresh_lr > 0, "
                              f"got {refresh_steps} and {refresh_lr}")
@@ -287,7 +301,7 @@ class CDFL(SoftClusters):
                    reply_uses_upload=settings.reply_uses_upload, server_lr=settings.server_lr,
                    delta_hinge_a=settings.delta_hinge_a, delta_tau0=settings.delta_tau0,
                    staleness_cap=settings.staleness_cap, reply_batch=settings.reply_batch,
-                   delta_moves_head=settings.delta_moves_head, **kwargs)
+                   delta_moves_head=settings.delta_moves_head, trunk_share=settings.trunk_share, **kwargs)
 
     @property
     def reply_is_trained(self) -> bool:

@@ -307,6 +307,30 @@ def test_delta_rule_without_the_head_moves_only_the_layers_below_it(world):
     assert torch.equal(s.clusters[:, -head:], w[:, -head:])
 
 
+@pytest.mark.parametrize("moves_head", [False, True])
+def test_trunk_share_gives_every_cluster_the_step_below_the_head(world, moves_head):
+    """cdfl.trunk_share = 1: every cluster's layers below the output layer take the agent's whole
+    step (a cluster of alpha 0 too); the output layer keeps its alpha share (or stays, with the
+    heads kept). 0.5 is halfway between that and the alpha share."""
+    _, w, proxies = world
+    head = sum(math.prod(shape) for shape in SPEC.shapes[-2:])
+    base = w.mean(0)
+    step = 0.01 * torch.randn(SPEC.numel, generator=torch.Generator().manual_seed(3))
+    for share in (1.0, 0.5):
+        settings = CDFLSettings(clusters=K, tau0=100, server_lr=0.5, update_rule="delta", personalization="mixture",
+                                cluster_refresh_steps=0, delta_moves_head=moves_head, trunk_share=share)
+        s = CDFL.from_settings(SPEC, w, proxies, settings, device="cpu")
+        s.join("a")
+        s.apply(Upload("a", base + step, tau=0, base=base), alpha=[1.0, 0.0])
+        for k, a in enumerate((1.0, 0.0)):
+            trunk = 0.5 * ((1 - share) * a + share)
+            torch.testing.assert_close(s.clusters[k, :-head], w[k, :-head] + trunk * step[:-head])
+            expected_head = w[k, -head:] + (0.5 * a * step[-head:] if moves_head else 0.0)
+            torch.testing.assert_close(s.clusters[k, -head:], expected_head)
+    with pytest.raises(ValueError, match="trunk_share"):
+        CDFL.from_settings(SPEC, w, proxies, CDFLSettings(clusters=K, trunk_share=1.5), device="cpu")
+
+
 def test_default_reply_carries_another_agents_upload_and_the_frozen_control_does_not(world):
     """Issue 15 with today's defaults (mixture start, delta rule): agent b's reply depends on what
     agent a uploaded before it, and does not once the clusters are frozen (beta0 = server_lr =
