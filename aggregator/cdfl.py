@@ -246,7 +246,7 @@ class CDFL(SoftClusters):
                  refresh_steps: int = 0, refresh_lr: float = 0.01, reply_uses_upload: bool = True,
                  server_lr: float = 1.0, delta_hinge_a: float = 0.1, delta_tau0: int = 0,
                  staleness_cap: int = 1, reply_batch: int = 1, delta_moves_head: bool = True,
-                 trunk_share: float = 0.0) -> None:
+                 trunk_share: float = 0.0, refresh_all: bool = False) -> None:
         super().__init__(spec, clusters, tau0=tau0, beta0=beta0, hinge_a=hinge_a, hinge_b=hinge_b,
                          update_rule=update_rule, update_power=update_power, server_lr=server_lr,
                          delta_hinge_a=delta_hinge_a, delta_tau0=delta_tau0, staleness_cap=staleness_cap,
@@ -256,6 +256,7 @@ class CDFL(SoftClusters):
                              f"got {refresh_steps} and {refresh_lr}")
         self.refresh_steps = int(refresh_steps)
         self.refresh_lr = float(refresh_lr)
+        self.refresh_all = bool(refresh_all)
         self.reply_uses_upload = bool(reply_uses_upload)
         if reply_batch < 1:
             raise ValueError(f"need reply_batch >= 1, got {reply_batch}")
@@ -298,6 +299,7 @@ class CDFL(SoftClusters):
                    update_rule=settings.update_rule, update_power=settings.update_power,
                    personalization=cdfl_personalizer(settings, kwargs["evaluator"]),
                    refresh_steps=settings.cluster_refresh_steps, refresh_lr=settings.cluster_refresh_lr,
+                   refresh_all=settings.cluster_refresh_all,
                    reply_uses_upload=settings.reply_uses_upload, server_lr=settings.server_lr,
                    delta_hinge_a=settings.delta_hinge_a, delta_tau0=settings.delta_tau0,
                    staleness_cap=settings.staleness_cap, reply_batch=settings.reply_batch,
@@ -317,7 +319,7 @@ class CDFL(SoftClusters):
             # beta0 = 0 (the frozen control) the server's data is used exactly as with uploads.
             t0 = time.perf_counter()
             for k, share in enumerate(update_weights(alpha, self.update_rule, self.update_power)):
-                if share > 0.0:
+                if share > 0.0 or self.refresh_all:
                     self.clusters[k] = refresh_cluster(
                         self.evaluator, self.clusters[k], k, steps=self.refresh_steps, lr=self.refresh_lr,
                         seed=(self.seed * 1_000_003 + self.uploads_applied) * 64 + k)

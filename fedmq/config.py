@@ -242,6 +242,8 @@ class CDFLSettings:
     """After an upload moves cluster k, w_k takes this many SGD mini-batches (64 samples) on its own proxy set D_k, so the clusters stay specialists under a stream of mixed uploads (aggregator/cluster_refresh.py). Rotated digits, 25 updates per agent: cluster accuracy 0.972 / 0.966 at K = 4 / 6 against 0.954 / 0.945 without it and FedSoft-Async's 0.963 / 0.955, for ~0.04 s per upload (docs/results_cdfl.md section 5). 0: off (the paper's rule)."""
     cluster_refresh_lr: float = 0.05
     """Learning rate of the cluster refresh (plain SGD); 0.05 beat 0.01 at K = 4 and 6."""
+    cluster_refresh_all: bool = False
+    """Refresh every cluster after each upload, not only those with a share of it: with trunk_share > 0 every cluster's lower layers move, also where alpha is 0 (docs/results_cdfl.md section 11). The frozen control refreshes the same clusters."""
 
 
 @dataclass

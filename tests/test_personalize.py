@@ -331,6 +331,21 @@ def test_trunk_share_gives_every_cluster_the_step_below_the_head(world, moves_he
         CDFL.from_settings(SPEC, w, proxies, CDFLSettings(clusters=K, trunk_share=1.5), device="cpu")
 
 
+def test_refresh_all_refreshes_a_cluster_the_upload_had_no_share_of(world):
+    """cdfl.cluster_refresh_all: the proxy refresh also runs on clusters of alpha 0 (which a
+    trunk_share step moves), in the frozen control too (beta0 = server_lr = 0)."""
+    _, w, proxies = world
+    base = w.mean(0)
+    for refresh_all in (False, True):
+        settings = CDFLSettings(clusters=K, tau0=100, beta0=0.0, server_lr=0.0, personalization="mixture",
+                                cluster_refresh_steps=1, cluster_refresh_all=refresh_all)
+        s = CDFL.from_settings(SPEC, w, proxies, settings, device="cpu")
+        s.join("a")
+        s.apply(Upload("a", base + 0.01, tau=0, base=base), alpha=[1.0, 0.0])
+        assert not torch.equal(s.clusters[0], w[0])  # refreshed: its share was 1
+        assert torch.equal(s.clusters[1], w[1]) is not refresh_all
+
+
 def test_default_reply_carries_another_agents_upload_and_the_frozen_control_does_not(world):
     """Issue 15 with today's defaults (mixture start, delta rule): agent b's reply depends on what
     agent a uploaded before it, and does not once the clusters are frozen (beta0 = server_lr =
