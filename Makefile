@@ -49,6 +49,7 @@ soak: venv mosquitto
 	$(PY) -m soak.flood_fairness
 	$(PY) -m soak.poisoning
 	$(PY) -m soak.attacks
+	$(PY) -m soak.cluster_failover
 
 lint: venv
 	$(VENV)/bin/ruff check .

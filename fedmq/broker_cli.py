@@ -9,6 +9,14 @@ the aggregator is printed on the first line starting with `url: `.
     fedmq broker --embedded --port 0              # no mosquitto needed
     fedmq broker --config broker_config/prod.conf --creds deploy/creds --port 8883
     fedmq broker --dry-run                        # print the command and rendered config
+    sudo fedmq broker --rabbitmq 2                # a 2-node RabbitMQ cluster (docs/scaling.md)
+
+--rabbitmq N starts N RabbitMQ nodes with the MQTT plugin (MQTT 3.1.1, anonymous) as one
+cluster, session queues mirrored to every node; `url:` lists every node, comma-separated,
+the form every fedmq client takes; each node's line gives its process group, so that
+`kill -9 -- -GROUP` drops it like a lost machine (a failover drill: the command reports it
+and the other nodes keep serving until Ctrl-C). It needs root (the nodes run as user rabbitmq) and the
+rabbitmq-server package; the nodes' files go to a temporary directory removed on exit.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fedmq.broker import (
     REPO_BROKER_CONFIG,
@@ -31,6 +40,9 @@ from fedmq.broker import (
     free_port,
     rewrite_config,
 )
+
+if TYPE_CHECKING:
+    from fedmq.rabbitmq_cluster import RabbitCluster
 
 DEFAULT_CONFIG = REPO_BROKER_CONFIG / "dev.conf"
 CONTAINER_CONFIG_DIR = "/mosquitto/config/"
@@ -48,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output dir of `fedmq creds`: maps /mosquitto/config/ (prod.conf)")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where persistence and the log go (default: a temp dir, removed on exit)")
+    parser.add_argument("--rabbitmq", type=int, default=0, metavar="N",
+                        help="start a RabbitMQ cluster of N nodes instead (MQTT 3.1.1, anonymous; needs root "
+                             "and rabbitmq-server); --port is the first node's MQTT port")
     parser.add_argument("--dry-run", action="store_true",
                         help="print what would run and the rendered config, then exit")
 
@@ -75,6 +90,8 @@ def _ports(config_text: str, first: int) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.rabbitmq:
+        return _run_rabbitmq(args)
     try:
         config_text = args.config.read_text()
     except OSError as e:
@@ -153,6 +170,57 @@ def _run_mosquitto(args: argparse.Namespace, binary: str, config_text: str) -> i
         return 1
     finally:
         broker.close()
+
+
+def _run_rabbitmq(args: argparse.Namespace) -> int:
+    from fedmq.rabbitmq_cluster import ClusterError, RabbitCluster, installed
+
+    if args.rabbitmq < 1:
+        print(f"fedmq broker: --rabbitmq needs at least 1 node, got {args.rabbitmq}", file=sys.stderr)
+        return 2
+    if not installed():
+        print("fedmq broker: --rabbitmq needs rabbitmq-server and runuser (apt-get install rabbitmq-server)",
+              file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(f"would run: {args.rabbitmq} rabbitmq-server nodes as user rabbitmq, clustered, MQTT plugin, "
+              f"first MQTT listener on 127.0.0.1:{args.port or '<free port>'}")
+        return 0
+    cluster = RabbitCluster(args.rabbitmq, fd_limit=65536, first_mqtt_port=args.port)
+    try:
+        with _StopSignals() as stop:
+            print(f"starting {args.rabbitmq} RabbitMQ nodes (about 10-30 s each)...", flush=True)
+            cluster.start()
+            print(f"url: {cluster.url}", flush=True)
+            for node in cluster.nodes:
+                # Its process group: `kill -9 -- -GROUP` drops the node like a lost machine.
+                group = node.proc.pid if node.proc else "?"
+                print(f"node {node.name} mqtt://127.0.0.1:{node.mqtt_port} group {group} "
+                      f"log {node.dir / 'server.out'}", flush=True)
+            print("Ctrl-C stops every node", flush=True)
+            # A node that dies (a failover drill: kill -9 its VM) is reported, and the others
+            # keep serving until Ctrl-C; only when every node is gone does the command end.
+            gone: set[str] = set()
+            while not stop.wait_while(lambda: len(_alive(cluster)) + len(gone) == len(cluster.nodes)):
+                for node in cluster.nodes:
+                    if node.name not in gone and node.name not in _alive(cluster):
+                        gone.add(node.name)
+                        print(f"node {node.name} exited (code {node.proc.returncode if node.proc else '?'}); "
+                              f"{len(cluster.nodes) - len(gone)} left", flush=True)
+                if len(gone) == len(cluster.nodes):
+                    print("fedmq broker: every node exited", file=sys.stderr)
+                    return 1
+        return 0
+    except ClusterError as e:
+        print(f"fedmq broker: {e}", file=sys.stderr)
+        return 1
+    finally:
+        cluster.stop()
+
+
+def _alive(cluster: RabbitCluster) -> set[str]:
+    """Names of the nodes whose server process still runs."""
+    return {n.name for n in cluster.nodes if n.proc is not None and n.proc.poll() is None}
 
 
 class _StopSignals:

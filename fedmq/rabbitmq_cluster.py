@@ -131,13 +131,26 @@ class RabbitCluster:
     def start_node(self, node: Node) -> None:
         log = open(node.dir / "server.out", "ab")  # noqa: SIM115 - the node's lifetime
         command = ["rabbitmq-server"]
-        if self.fd_limit:  # runuser resets the soft limit to 1024; the hard one (here 20000) is the most
+        raise_hard = None
+        if self.fd_limit:
+            # runuser resets the soft limit to 1024, so the node raises it itself; the hard limit
+            # (20000 for root here) is raised first where we may (root, up to fs.nr_open): every
+            # connection is a socket and every mirrored session queue keeps files open, and a
+            # node out of handles stalls queue declarations without a word (issue 18's 10k run).
             hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-            n = self.fd_limit if hard == resource.RLIM_INFINITY else min(self.fd_limit, hard)
+            n = self.fd_limit
+            if hard != resource.RLIM_INFINITY and n > hard:
+                if os.geteuid() == 0:
+                    n = min(n, int(Path("/proc/sys/fs/nr_open").read_text()))
+
+                    def raise_hard() -> None:
+                        resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+                else:
+                    n = hard
             command = ["sh", "-c", f"ulimit -n {n} && exec rabbitmq-server"]
         node.proc = subprocess.Popen(["runuser", "-u", "rabbitmq", "--", *command], env=node.env(),
                                      stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=raise_hard)
 
     def wait_mqtt(self, node: Node, timeout: float) -> None:
         deadline = time.monotonic() + timeout

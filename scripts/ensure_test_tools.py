@@ -1,6 +1,6 @@
 """Make sure what the test suite runs exists: Mosquitto (every broker test), iproute2 (the
 documented commands run in private network namespaces, where 127.0.0.1:1883 is theirs) and
-RabbitMQ (a real 2-node broker cluster, tests/rabbitmq_cluster.py).
+RabbitMQ (a real 2-node broker cluster, fedmq/rabbitmq_cluster.py).
 Installs them with apt-get when root, else says how."""
 
 from __future__ import annotations

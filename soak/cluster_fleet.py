@@ -89,7 +89,7 @@ def run(agents: int, processes: int, active: int, uploads: int, out: Path,
         late_aggregator: bool = False) -> dict[str, Any]:
     from aggregator.bootstrap import build_engine
     from aggregator.service import AggregatorService
-    from tests.rabbitmq_cluster import RabbitCluster
+    from fedmq.rabbitmq_cluster import RabbitCluster
 
     _raise_fd_limit()
     work = Path(f"/tmp/fedmq-cluster-soak-{int(time.time())}")
