@@ -84,8 +84,11 @@ class RabbitCluster:
         return ",".join(node.url for node in self.nodes)
 
     def ctl(self, node: Node, *args: str, timeout: float = 120.0) -> str:
-        r = subprocess.run(["runuser", "-u", "rabbitmq", "--", "rabbitmqctl", "-q", "-n", node.name, *args],
-                           env=node.env(), capture_output=True, text=True, timeout=timeout)
+        try:
+            r = subprocess.run(["runuser", "-u", "rabbitmq", "--", "rabbitmqctl", "-q", "-n", node.name, *args],
+                               env=node.env(), capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise ClusterError(f"rabbitmqctl {' '.join(args)} on {node.name}: no answer in {timeout:.0f} s") from None
         if r.returncode != 0:
             raise ClusterError(f"rabbitmqctl {' '.join(args)} on {node.name}: {r.stdout[-800:]}{r.stderr[-800:]}")
         return r.stdout

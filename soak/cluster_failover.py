@@ -36,7 +36,7 @@ def run(agents: int, kills: int, uploads_per_kill: int, back_within_s: float, ou
     from aggregator.bootstrap import build_engine
     from aggregator.service import AggregatorService
     from edge_agent.protocol_client import EdgeAgent
-    from fedmq.rabbitmq_cluster import RabbitCluster
+    from fedmq.rabbitmq_cluster import ClusterError, RabbitCluster
     from tests.test_faults import journal_update_ids, upload_burst
 
     work = Path(tempfile.mkdtemp(prefix="fedmq-failover-soak-"))
@@ -105,7 +105,12 @@ def run(agents: int, kills: int, uploads_per_kill: int, back_within_s: float, ou
                       f"back within {r['back_max_s']} s (mean {r['back_mean_s']}), "
                       f"{len(missing)} not back, {len(burst_failures)} failures", flush=True)
                 t1 = time.perf_counter()
-                cluster.restart(victim)
+                try:
+                    cluster.restart(victim)
+                except ClusterError as e:  # a node that does not come back ends the soak, recorded
+                    figures["stalled"] = f"round {k + 1}: {r['victim']} did not restart: {e}"[:2000]
+                    print(f"STALLED {figures['stalled']}", flush=True)
+                    break
                 r["restart_s"] = round(time.perf_counter() - t1, 1)
         finally:
             svc.stop()
