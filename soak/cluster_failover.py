@@ -75,6 +75,7 @@ def run(agents: int, kills: int, uploads_per_kill: int, back_within_s: float, ou
                     stall = (f"round {k + 1}: {len(uploaded)} of {agents * uploads_per_kill} uploads answered "
                              f"in 600 s before the kill; aggregator connected={svc.transport.connected} "
                              f"reading_paused={svc.transport.reading_paused} inbox_bytes={svc.inbox_bytes} "
+                             f"unacked_on_its_channel={_unacked(cluster, svc)} "
                              f"counters {dict(svc.engine.counters)}")
                     figures["stalled"] = stall
                     print(f"STALLED {stall}", flush=True)
@@ -100,10 +101,12 @@ def run(agents: int, kills: int, uploads_per_kill: int, back_within_s: float, ou
                     "back_mean_s": round(statistics.fmean(late.values()), 2) if late else 0.0,
                     "not_back": missing, "failures": burst_failures})
                 r = figures["rounds"][-1]
+                r["aggregator_unacked"] = _unacked(cluster, svc)
                 print(f"kill {k + 1}/{kills}: {r['victim']} ({r['agents_on_victim']} agents"
                       f"{', the aggregator' if aggregator_on_victim else ''}), {len(uploaded)} uploads answered, "
                       f"back within {r['back_max_s']} s (mean {r['back_mean_s']}), "
-                      f"{len(missing)} not back, {len(burst_failures)} failures", flush=True)
+                      f"{len(missing)} not back, {len(burst_failures)} failures, "
+                      f"{r['aggregator_unacked']} unacknowledged on the aggregator's channel", flush=True)
                 t1 = time.perf_counter()
                 try:
                     cluster.restart(victim)
@@ -134,6 +137,27 @@ def run(agents: int, kills: int, uploads_per_kill: int, back_within_s: float, ou
           f"{figures['lost']} lost, {figures['applied_twice']} applied twice, agents back within "
           f"{figures['back_max_s']} s (limit {back_within_s}); {'OK' if figures['ok'] else 'FAILED'} -> {path}")
     return figures
+
+
+def _unacked(cluster: Any, svc: Any) -> int | None:
+    """Deliveries the broker counts as unacknowledged on the aggregator's channel (its MQTT
+    prefetch, 10, is where the stalls stopped): None when it cannot be read."""
+    from fedmq.rabbitmq_cluster import ClusterError
+
+    try:
+        sock = svc.transport._client.socket()
+        port = sock.getsockname()[1] if sock is not None else None
+    except (AttributeError, OSError):
+        return None
+    node = next((n for n in cluster.nodes if n.mqtt_port == svc.transport.address.port), None)
+    if port is None or node is None:
+        return None
+    try:
+        lines = cluster.ctl(node, "list_channels", "name", "messages_unacknowledged", timeout=30).splitlines()
+    except ClusterError:
+        return None
+    counts = [int(line.rsplit(None, 1)[1]) for line in lines if f":{port} -> " in line and line.rsplit(None, 1)[1].isdigit()]
+    return max(counts, default=None)
 
 
 def main(argv: list[str] | None = None) -> int:
