@@ -32,6 +32,17 @@ def installed() -> bool:
     return shutil.which("rabbitmq-server") is not None and shutil.which("runuser") is not None
 
 
+def _may_raise_hard_limits() -> bool:
+    """CAP_SYS_RESOURCE in this process's effective set (root in a container may lack it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) & (1 << 24))
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
 class ClusterError(RuntimeFailure):
     """A node did not start, join or answer."""
 
@@ -137,13 +148,13 @@ class RabbitCluster:
         raise_hard = None
         if self.fd_limit:
             # runuser resets the soft limit to 1024, so the node raises it itself; the hard limit
-            # (20000 for root here) is raised first where we may (root, up to fs.nr_open): every
+            # (20000 for root here) is raised first where we may (CAP_SYS_RESOURCE, up to fs.nr_open): every
             # connection is a socket and every mirrored session queue keeps files open, and a
             # node out of handles stalls queue declarations without a word (issue 18's 10k run).
             hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
             n = self.fd_limit
             if hard != resource.RLIM_INFINITY and n > hard:
-                if os.geteuid() == 0:
+                if _may_raise_hard_limits():
                     n = min(n, int(Path("/proc/sys/fs/nr_open").read_text()))
 
                     def raise_hard() -> None:
