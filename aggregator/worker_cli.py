@@ -92,8 +92,7 @@ class LocalWorkers:
         self.threads = threads or max(1, (os.cpu_count() or 1) // max(1, n))
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * n
         self.restarts = 0
-        user = url_user(cfg.broker.url) if cfg.aggregator.derived_logins else None
-        self._user = user
+        self._user = url_user(cfg.broker.url) if cfg.aggregator.derived_logins else None
 
     def worker_id(self, i: int) -> str:
         """USER-worker-I when it logs in as its own derived user (its id is its user name, as the

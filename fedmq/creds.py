@@ -47,7 +47,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fedmq.atomic_file import atomic_write
-from fedmq.service_logins import REPLIES, derived_password, derived_user, worker_role
+from fedmq.service_logins import REPLIES, derived_password, derived_user, local_worker_users
 
 # mosquitto_passwd 2.0's defaults for its `$7$` (sha512-pbkdf2) format. The passwords made here
 # are 192 random bits, so key stretching adds nothing against a stolen passwd file, while every
@@ -135,13 +135,12 @@ class Credentials:
         if not (self.workers or self.local_workers):
             return {}
         names = [derived_user(self.aggregator_user, REPLIES)]
-        names += [derived_user(self.aggregator_user, worker_role(i)) for i in range(self.local_workers)]
+        names += local_worker_users(self.aggregator_user, self.local_workers)
         return {n: derived_password(self.aggregator_password, n) for n in names}
 
     def worker_users(self) -> list[str]:
         """Every user that serves as a reply worker (its name is its worker id)."""
-        local = [derived_user(self.aggregator_user, worker_role(i)) for i in range(self.local_workers)]
-        return sorted(self.workers) + local
+        return sorted(self.workers) + local_worker_users(self.aggregator_user, self.local_workers)
 
     def users(self) -> dict[str, str]:
         """Every username -> password the passwd file holds."""
@@ -490,8 +489,7 @@ def make_credentials(
         worker_list = list(dict.fromkeys(validate_username(w.strip()) for w in workers if w.strip()))
     if local_workers is None:
         local_workers = previous.local_workers if previous else 0
-    derived = {derived_user(aggregator_user, REPLIES)} | {
-        derived_user(aggregator_user, worker_role(i)) for i in range(local_workers)}
+    derived = {derived_user(aggregator_user, REPLIES), *local_worker_users(aggregator_user, local_workers)}
     reserved = {aggregator_user, monitor_user} - {None}
     clash = reserved.intersection(agent_list)
     if clash:

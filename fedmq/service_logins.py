@@ -32,6 +32,11 @@ def derived_user(user: str, role: str) -> str:
     return f"{user}-{role}"
 
 
+def local_worker_users(user: str, n: int) -> list[str]:
+    """The logins of the n reply workers `fedmq aggregator --workers n` starts as `user`."""
+    return [derived_user(user, worker_role(i)) for i in range(n)]
+
+
 def derived_password(password: str, user: str) -> str:
     """The password of derived `user`, from its aggregator's password: 43 URL-safe characters."""
     mac = hmac.new(password.encode(), f"fedmq derived login:{user}".encode(), hashlib.sha256).digest()
