@@ -102,6 +102,9 @@ class ServiceCollector(Collector):
                                 "(bounded by aggregator.inbox_max_bytes).", value=svc.inbox_bytes)
         yield GaugeMetricFamily(f"{PREFIX}_reading_paused", "1 while back-pressure has stopped "
                                 "reading from the broker.", value=int(svc.transport.reading_paused))
+        yield GaugeMetricFamily(f"{PREFIX}_unacked_deliveries", "Deliveries taken from the broker "
+                                "on this connection and not yet acknowledged; the broker stops "
+                                "delivering when it reaches its in-flight window.", value=svc.transport.unacked)
         yield CounterMetricFamily(f"{PREFIX}_backpressure_pauses", "Times the inbox filled and "
                                   "reading from the broker stopped.",
                                   value=own.get("backpressure.paused", 0))

@@ -267,7 +267,10 @@ class AggregatorService:
                 "online": sum(1 for s in self.presence.values() if s == "online")}
 
     def _aggregator_status(self, message: Message) -> None:
-        """Network thread: another aggregator on our fleet that started first stops this one."""
+        """Network thread: another aggregator on our fleet that started first stops this one.
+        Acknowledged whatever it says: our own statuses come back here too, and each unacked one
+        would hold a slot of the broker's in-flight window for good."""
+        self.transport.ack(message)
         if self.sole.must_stop(message):
             self.transport.give_up()
             self._stop.set()

@@ -680,6 +680,8 @@ class MqttTransport:
         self._dispatch_lock = threading.RLock()
         self._parked: deque[Message] = deque()
         self._read_paused = False
+        self._unacked: set[int] = set()
+        self._unacked_lock = threading.Lock()
 
     # -- state ---------------------------------------------------------------------------
 
@@ -724,6 +726,16 @@ class MqttTransport:
         return self._connected.wait(timeout)
 
     # -- read pause (back-pressure) --------------------------------------------------------
+
+    @property
+    def unacked(self) -> int:
+        """QoS 1 deliveries on this connection not yet acknowledged (manual_ack; else 0).
+
+        A handler that never acks leaks one per message: the broker stops delivering once
+        this reaches its in-flight window (RabbitMQ's prefetch, Mosquitto's
+        max_inflight_messages), and the consumer stalls without an error. Watch it."""
+        with self._unacked_lock:
+            return len(self._unacked)
 
     @property
     def reading_paused(self) -> bool:
@@ -928,6 +940,8 @@ class MqttTransport:
             # producers see. (Mosquitto 2.0 does not enforce this on QoS 1; other brokers do.)
             self._window.set_limit(limit)
         self._connection += 1
+        with self._unacked_lock:  # the broker redelivers the old connection's, with new ids
+            self._unacked.clear()
         first = not self._ever_connected
         self._ever_connected = True
         with self._subs_lock:
@@ -972,6 +986,9 @@ class MqttTransport:
     def _on_message(self, client: paho.Client, userdata: Any, msg: paho.MQTTMessage) -> None:
         message = Message(topic=msg.topic, payload=msg.payload, qos=msg.qos, retain=bool(msg.retain),
                           mid=msg.mid, dup=bool(msg.dup), connection=self._connection)
+        if self.manual_ack and msg.qos > 0:
+            with self._unacked_lock:
+                self._unacked.add(msg.mid)
         with self._dispatch_lock:
             with self._subs_lock:
                 handlers = [s.handler for s in self._subs.values()
@@ -1125,7 +1142,11 @@ class MqttTransport:
         client = self._client
         if client is None or not self.connected or message.connection != self._connection:
             return False
-        return client.ack(message.mid, message.qos) == MQTTErrorCode.MQTT_ERR_SUCCESS
+        sent = client.ack(message.mid, message.qos) == MQTTErrorCode.MQTT_ERR_SUCCESS
+        if sent:
+            with self._unacked_lock:
+                self._unacked.discard(message.mid)
+        return sent
 
     # -- shutdown ------------------------------------------------------------------------
 

@@ -390,6 +390,13 @@ def test_retained_status_follows_the_epoch(service, mosquitto) -> None:
         watcher.client.message_callback_add(protocol.aggregator_status(FLEET), on_status)
         watcher.client.subscribe(protocol.aggregator_status(FLEET), qos=1)
         assert got.wait(120), "the retained status never showed the new epoch"
+        # Every delivery the aggregator took is acknowledged, its own statuses coming back
+        # included: each one left unacked holds a slot of the broker's in-flight window until the
+        # aggregator stalls (the RabbitMQ failover soak found this).
+        deadline = time.monotonic() + 60
+        while service.transport.unacked and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert service.transport.unacked == 0, f"{service.transport.unacked} deliveries never acknowledged"
     finally:
         a.close()
         watcher.close()
