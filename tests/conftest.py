@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import sys
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,6 +46,20 @@ def shared_mosquitto(tmp_path_factory) -> Iterator[MosquittoBroker]:
     """One Mosquitto for tests that only need a broker and use their own topics."""
     with MosquittoBroker.dev(workdir=tmp_path_factory.mktemp("shared-broker")) as broker:
         yield broker
+
+
+@pytest.fixture(scope="session")
+def warm_python(tmp_path_factory) -> Iterator[Path]:
+    """The socket of a warm interpreter that forks short command lines (tests/warm_python.py)."""
+    from tests.cli_process import ROOT, CliProcess, cli_env
+
+    sock = tmp_path_factory.mktemp("warm") / "sock"
+    proc = CliProcess([sys.executable, "-m", "tests.warm_python", str(sock)], cwd=ROOT, env=cli_env())
+    try:
+        proc.wait_for("^ready", timeout=300)
+        yield sock
+    finally:
+        proc.stop(signal.SIGKILL)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

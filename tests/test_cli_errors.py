@@ -1,8 +1,10 @@
 """Errors a person can read: each expected failure of the real CLI is one line on stderr that
 names the bad thing, exit status 2 (usage) or 1 (runtime), and no traceback.
 
-Every case runs `python -m fedmq.cli ...` (or a `python -m` entry point) as a subprocess from
-the repo root, as a user would; brokers are real Mosquitto processes.
+Every case runs `python -m fedmq.cli ...` (or a `python -m` entry point) as a process of its own
+from the repo root, as a user would; brokers are real Mosquitto processes. Most are forked from a
+warm interpreter (tests/warm_python.py: torch imported once, 2 s less a case); those marked
+`fresh=True` start cold, so an import that prints would break a one-line check.
 """
 
 from __future__ import annotations
@@ -17,15 +19,25 @@ import pytest
 from fedmq.broker import REPO_BROKER_CONFIG, MosquittoBroker, find_mosquitto, free_port
 from fedmq.creds import make_credentials
 from sim.seeds import int_list, seed_list
+from tests.warm_python import client_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_mosquitto = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
 
 
-def run(*argv: str, module: str = "fedmq.cli", timeout: float = 180) -> subprocess.CompletedProcess:
+_WARM: list[Path] = []
+
+
+@pytest.fixture(autouse=True)
+def _warm(warm_python: Path) -> None:
+    _WARM[:] = [warm_python]
+
+
+def run(*argv: str, module: str = "fedmq.cli", timeout: float = 180, fresh: bool = False
+        ) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", module, *argv], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    command = ([sys.executable] if fresh or not _WARM else client_argv(_WARM[0], "python")) + ["-m", module, *argv]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def assert_one_line(done: subprocess.CompletedProcess, status: int, *names: str) -> str:
@@ -110,7 +122,7 @@ def test_seed_lists_parse_the_same_everywhere() -> None:
 def test_dry_run_names_the_model_and_its_size() -> None:
     import json
 
-    done = run("aggregator", "--dry-run")
+    done = run("aggregator", "--dry-run", fresh=True)
     assert done.returncode == 0, done.stderr
     resolved = json.loads(done.stdout)["resolved"]
     assert resolved["model"] == "digits-cnn" and resolved["dataset"] == "digits"
@@ -124,7 +136,8 @@ def test_unreachable_broker_fails_fast_with_one_line(tmp_path) -> None:
     for argv in (("agent", "--id", "a1", "--state-dir", str(tmp_path / "a1")),
                  ("aggregator", "--state-dir", str(tmp_path / "agg")),
                  ("fleet", "status")):
-        assert_one_line(run(*argv, "--broker", url), 1, "refused", url, "fedmq broker")
+        # cold for the agent: what a device's first failed start prints
+        assert_one_line(run(*argv, "--broker", url, fresh=argv[0] == "agent"), 1, "refused", url, "fedmq broker")
 
 
 @pytest.fixture(scope="module")

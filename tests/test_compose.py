@@ -32,6 +32,7 @@ from fedmq.cli import build_parser
 from fedmq.config import config_from_args, load_config
 from fedmq.creds import make_credentials
 from fedmq.fleet_status import FleetWatcher
+from tests.warm_python import client_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -262,7 +263,7 @@ def test_ports_and_health_checks_agree_with_configs(files: tuple[str, ...], conf
     assert f"127.0.0.1:{metrics_port}/metrics" in " ".join(agg["healthcheck"]["test"])
 
 
-def test_every_command_is_a_valid_fedmq_invocation(tmp_path) -> None:
+def test_every_command_is_a_valid_fedmq_invocation(tmp_path, warm_python) -> None:
     """Parsed by the real CLI parser; those with --dry-run also run it."""
     parser = build_parser()
     for files in (("docker-compose.yml",), ("docker-compose.yml", "docker-compose.gpu.yml"),
@@ -290,7 +291,7 @@ def test_every_command_is_a_valid_fedmq_invocation(tmp_path) -> None:
                 if a == "--config":
                     load_config(args[i + 1])  # every key of the mounted file exists
             if name in ("aggregator", "agent"):
-                done = subprocess.run([sys.executable, "-m", "fedmq.cli", *args, "--dry-run"], cwd=ROOT,
+                done = subprocess.run([*client_argv(warm_python, "python"), "-m", "fedmq.cli", *args, "--dry-run"], cwd=ROOT,
                                       env=run_env(), capture_output=True, text=True, timeout=120)
                 assert done.returncode == 0, (files, name, done.stderr[-2000:])
 
@@ -467,7 +468,7 @@ FLEETS = ("docker-compose.yml", "docker-compose.fleets.yml")
 MONITORING = ROOT / "deploy" / "monitoring"
 
 
-def test_fleets_file_runs_one_aggregator_per_fleet_and_prometheus_scrapes_each(tmp_path) -> None:
+def test_fleets_file_runs_one_aggregator_per_fleet_and_prometheus_scrapes_each(tmp_path, warm_python) -> None:
     """docker-compose.fleets.yml: a second fleet's aggregator beside the first (own fleet, state
     volume and metrics port, the same broker), each a valid fedmq command that resolves with
     --dry-run; Prometheus scrapes exactly those aggregators, labelled with their fleets; Grafana
@@ -485,7 +486,7 @@ def test_fleets_file_runs_one_aggregator_per_fleet_and_prometheus_scrapes_each(t
         states.update(s for s, t in mounts(svc) if t == "/var/lib/fedmq/aggregator")
         targets[f"{name}:{args[args.index('--metrics-port') + 1]}"] = cfg.fleet
         assert "mqtt://mosquitto:1883" in svc["command"], name
-        done = subprocess.run([sys.executable, "-m", "fedmq.cli", *args, "--dry-run"], cwd=ROOT, env=run_env(),
+        done = subprocess.run([*client_argv(warm_python, "python"), "-m", "fedmq.cli", *args, "--dry-run"], cwd=ROOT, env=run_env(),
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, (name, done.stderr[-2000:])
     assert len(set(fleets.values())) == len(fleets) == len(states), (fleets, states)  # one writer per fleet

@@ -39,6 +39,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli_process import BIN, ROOT, CliProcess, cli_env
+from tests.warm_python import client_argv
 
 DOC_FILES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 HELP_VERBS = [("broker",), ("creds",), ("aggregator",), ("agent",), ("worker",), ("fleet", "status"), ("demo",),
@@ -347,17 +348,18 @@ def start_documented_broker(cwd: Path, ns: NetNamespace) -> CliProcess:
     return broker
 
 
-def dry_run_shims(cwd: Path) -> dict[str, str]:
+def dry_run_shims(cwd: Path, warm: Path) -> dict[str, str]:
     """`fedmq`, `python` and `.venv/bin/python` that add --dry-run: the docs' experiment
-    scripts run as written and stop after checking everything."""
+    scripts run as written and stop after checking everything. `fedmq ...` and `python -m ...`
+    run forked from the warm interpreter at socket `warm`; anything else in the real one."""
     shims = cwd / ".dry-run-bin"
     shims.mkdir()
     (cwd / ".venv").unlink()
     (cwd / ".venv" / "bin").mkdir(parents=True)
-    for name, real in (("fedmq", BIN / "fedmq"), ("python", BIN / "python")):
+    for name in ("fedmq", "python"):
         for where in (shims, cwd / ".venv" / "bin"):
             path = where / name
-            path.write_text(f'#!/bin/sh\nexec {real} "$@" --dry-run\n')
+            path.write_text(f'#!/bin/sh\nexec {" ".join(client_argv(warm, name))} "$@" --dry-run\n')
             path.chmod(0o755)
     return cli_env(PATH=f"{shims}:{BIN}:{os.environ.get('PATH', '')}")
 
@@ -402,8 +404,8 @@ def test_run_commands_as_written(command: Command, scratch: Path, request) -> No
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", _by_mode("plan"), ids=str)
-def test_plan_commands_as_written(command: Command, scratch: Path) -> None:
-    env = dry_run_shims(scratch)
+def test_plan_commands_as_written(command: Command, scratch: Path, warm_python: Path) -> None:
+    env = dry_run_shims(scratch, warm_python)
     proc = CliProcess(["bash", "-euo", "pipefail", "-c", command.text + "\nwait"], cwd=scratch, env=env)
     code = proc.wait(600)
     assert code == 0, f"exited {code}:\n{proc.output[-4000:]}"

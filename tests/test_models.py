@@ -26,6 +26,7 @@ from fedmq.models import build_model, load_vector, model_spec, resolve_model_nam
 from fedmq.onnx_export import export_onnx
 from fedmq.training import evaluate, fit
 from tests.cli_process import BIN, ROOT, CliProcess, cli_env
+from tests.warm_python import client_argv
 
 MOBILENET = "torchvision:mobilenet_v3_small"
 BARS_DATA = "recipes.my_fleet:load_bars"
@@ -63,14 +64,15 @@ def test_a_bad_reference_is_one_clear_error(model, dataset, says) -> None:
     assert says in str(err.value) and "\n" not in str(err.value)
 
 
-def run_cli(*argv: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "fedmq"), *argv], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=300)
+def run_cli(*argv: str, cwd: Path, env: dict[str, str], warm: Path | None = None) -> subprocess.CompletedProcess:
+    """`fedmq ARGV`, forked from the warm interpreter if given (tests/warm_python.py)."""
+    fedmq = client_argv(warm, "fedmq") if warm else [str(BIN / "fedmq")]
+    return subprocess.run([*fedmq, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_dry_run_resolves_the_model_and_a_factory_in_the_working_directory(tmp_path) -> None:
+def test_dry_run_resolves_the_model_and_a_factory_in_the_working_directory(tmp_path, warm_python) -> None:
     done = run_cli("agent", "--id", "a", "--dataset", "shapes", "--model", MOBILENET, "--dry-run",
-                   cwd=ROOT, env=cli_env())
+                   cwd=ROOT, env=cli_env(), warm=warm_python)
     assert done.returncode == 0, done.stderr
     resolved = json.loads(done.stdout)["resolved"]
     assert resolved["model"] == "torchvision:mobilenet_v3_small?input=3x32x32&num_classes=10"
@@ -79,10 +81,10 @@ def test_dry_run_resolves_the_model_and_a_factory_in_the_working_directory(tmp_p
     (tmp_path / "mynets.py").write_text("from torch import nn\n\ndef tiny(classes=10):\n"
                                         "    return nn.Sequential(nn.Flatten(), nn.Linear(64, classes))\n")
     env = {k: v for k, v in cli_env().items() if k != "PYTHONPATH"}
-    done = run_cli("agent", "--id", "a", "--model", "mynets:tiny", "--dry-run", cwd=tmp_path, env=env)
+    done = run_cli("agent", "--id", "a", "--model", "mynets:tiny", "--dry-run", cwd=tmp_path, env=env, warm=warm_python)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["resolved"]["parameters"] == 650
-    done = run_cli("agent", "--id", "a", "--model", "torchvision:nosuchnet", "--dry-run", cwd=tmp_path, env=env)
+    done = run_cli("agent", "--id", "a", "--model", "torchvision:nosuchnet", "--dry-run", cwd=tmp_path, env=env, warm=warm_python)
     lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
     assert done.returncode == 2 and len(lines) == 1 and "nosuchnet" in lines[0], done.stderr
 

@@ -35,6 +35,7 @@ from sim.attacks import (
     sketch_preimage,
     ssim_matrix,
 )
+from tests.warm_python import client_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -112,9 +113,11 @@ def test_with_dp_at_epsilon_1_no_attack_gains_more_than_the_ceiling(view) -> Non
     assert open_sketch["advantage"] > ceiling + slack, (open_sketch, ceiling, slack)
 
 
-def run_cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_cli(*argv: str, timeout: float = 120, warm: Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m sim.attacks ARGV`, forked from the warm interpreter if given (tests/warm_python.py)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "sim.attacks", *argv], cwd=ROOT, env=env, capture_output=True,
+    python = client_argv(warm, "python") if warm else [sys.executable]
+    return subprocess.run([*python, "-m", "sim.attacks", *argv], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -131,13 +134,13 @@ def test_quick_run_writes_the_json_the_tables_and_the_figure(tmp_path) -> None:
     assert (tmp_path / "reconstructions.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_dry_run_prints_the_plan_and_bad_values_are_one_line() -> None:
-    done = run_cli("--dry-run")
+def test_dry_run_prints_the_plan_and_bad_values_are_one_line(warm_python) -> None:
+    done = run_cli("--dry-run", warm=warm_python)
     assert done.returncode == 0, done.stderr
     assert "rotated-digits" in done.stdout and "20 of n=10" in done.stdout and "dry run" in done.stdout
     for argv, name in ((("--epsilons", "0", "--dry-run"), "--epsilons"), (("--sizes", "ten"), "--sizes"),
                        (("--uploads", "x"), "--uploads"), (("--scenario", "nope", "--dry-run"), "nope")):
-        done = run_cli(*argv)
+        done = run_cli(*argv, warm=warm_python)
         lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
         assert done.returncode == 2 and len(lines) == 1 and name in lines[0], (argv, done.stderr[-2000:])
         assert lines[0].startswith("python -m sim.attacks"), lines
