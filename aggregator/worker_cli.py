@@ -32,7 +32,7 @@ import time
 
 from fedmq.config import Config, add_config_arguments, config_from_args, dry_run_json
 from fedmq.logs import event, get_logger, mask_secrets, setup_logging
-from fedmq.service_logins import derived_url, derived_user, url_user, worker_role
+from fedmq.service_logins import PASSWORD_ENV, derived_url, derived_user, url_user, worker_role
 
 log = get_logger("aggregator")
 
@@ -105,7 +105,8 @@ class LocalWorkers:
         if self._user:
             cfg = dataclasses.replace(cfg, broker=dataclasses.replace(
                 cfg.broker, url=derived_url(cfg.broker.url, worker_role(i))))
-        return {**os.environ, "FEDMQ_WORKER_CONFIG": json.dumps(dataclasses.asdict(cfg)),
+        env = {k: v for k, v in os.environ.items() if k != PASSWORD_ENV or not self._user}  # ours, not theirs
+        return {**env, "FEDMQ_WORKER_CONFIG": json.dumps(dataclasses.asdict(cfg)),
                 "OMP_NUM_THREADS": str(self.threads), "FEDMQ_WORKER_PARENT": str(os.getpid())}
 
     def _spawn(self, i: int) -> None:

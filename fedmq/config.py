@@ -47,7 +47,7 @@ class BrokerSettings:
     """Where the MQTT broker is and how to talk to it."""
 
     url: str = "mqtt://127.0.0.1:1883"
-    """mqtt://[user:pass@]host[:port] or mqtts://... for TLS; the nodes of a broker cluster separated by commas (a client fails over to the next when its node goes down, docs/scaling.md)."""
+    """mqtt://[user:pass@]host[:port] or mqtts://... for TLS; the nodes of a broker cluster separated by commas (a client fails over to the next when its node goes down, docs/scaling.md). A URL with a user and no password (mqtts://car-1@host) takes the password from the environment variable FEDMQ_BROKER_PASSWORD, which, unlike argv, other users of the machine cannot read."""
     ca_file: str = ""
     """CA bundle that signed the broker's certificate (mqtts)."""
     cert_file: str = ""
@@ -725,7 +725,8 @@ def add_config_arguments(parser: Any, flags: tuple[str, ...] = ("broker", "fleet
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", default=[],
                         help="override one config key, e.g. --set codec.name=fp16 (repeatable)")
     helps = {
-        "broker": ("URL", "mqtt://[user:pass@]host[:port] or mqtts://... (default mqtt://127.0.0.1:1883)"),
+        "broker": ("URL", "mqtt://[user[:pass]@]host[:port] or mqtts://... (default mqtt://127.0.0.1:1883); "
+                          "a user without a password reads it from FEDMQ_BROKER_PASSWORD"),
         "fleet": ("NAME", "fleet name, the topic prefix fedmq/NAME/ (default: default)"),
         "ca_file": ("PEM", "CA certificate that signed the broker's (mqtts)"),
         "cert_file": ("PEM", "client certificate (mutual TLS)"),

@@ -18,9 +18,23 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import os
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 REPLIES = "replies"
+
+PASSWORD_ENV = "FEDMQ_BROKER_PASSWORD"
+"""The broker password of a URL that names a user and no password (`mqtts://car-1@host`): a
+password on the command line is visible to every user of the machine (`ps`), one in the
+environment only to the process's owner."""
+
+
+def url_password(raw: str | None) -> str | None:
+    """A URL's password (`urlsplit(url).password`, percent-decoded here), else
+    FEDMQ_BROKER_PASSWORD, else None."""
+    if raw is not None:
+        return unquote(raw)
+    return os.environ.get(PASSWORD_ENV) or None
 
 
 def worker_role(i: int) -> str:
@@ -59,8 +73,9 @@ def derived_url(url: str, role: str) -> str:
             continue
         user = derived_user(unquote(parts.username), role)
         login = quote(user, safe="")
-        if parts.password is not None:
-            login += ":" + quote(derived_password(unquote(parts.password), user), safe="")
+        password = url_password(parts.password)  # the URL's, else FEDMQ_BROKER_PASSWORD
+        if password is not None:
+            login += ":" + quote(derived_password(password, user), safe="")
         host = parts.netloc.rsplit("@", 1)[1]
         nodes.append(urlunsplit((parts.scheme, f"{login}@{host}", parts.path, parts.query, parts.fragment)))
     return ",".join(nodes)

@@ -68,6 +68,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 from fedmq.config import BrokerSettings
 from fedmq.errors import RuntimeFailure, UsageError
 from fedmq.logs import event, get_logger, mask_secrets
+from fedmq.service_logins import url_password
 
 log = get_logger("transport")
 
@@ -418,6 +419,7 @@ def parse_broker_url(url: str) -> BrokerAddress:
     """`mqtt://[user[:pass]@]host[:port]` (1883) or `mqtts://...` (8883, TLS).
 
     User and password are percent-decoded, so a password may hold `@` or `:` as %40 / %3A.
+    A URL with a user and no password takes the password from FEDMQ_BROKER_PASSWORD.
     """
     shown = mask_secrets(url)
     try:
@@ -440,11 +442,10 @@ def parse_broker_url(url: str) -> BrokerAddress:
     if parts.path not in ("", "/") or parts.query or parts.fragment:
         raise BadBrokerURL(f"broker URL {shown!r}: unexpected path, query or fragment after the port")
     username = unquote(parts.username) if parts.username is not None else None
-    password = unquote(parts.password) if parts.password is not None else None
-    if password is not None and not username:
+    if parts.password is not None and not username:
         raise BadBrokerURL(f"broker URL {shown!r}: a password needs a user name (user:pass@host)")
     return BrokerAddress(parts.hostname, port or DEFAULT_PORTS[scheme], scheme == "mqtts",
-                         username or None, password)
+                         username or None, url_password(parts.password) if username else None)
 
 
 @dataclass(frozen=True)

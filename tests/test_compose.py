@@ -141,6 +141,10 @@ class Mapping:
     def argv(self) -> list[str]:
         return [self.text(part) for part in self.service["command"]]
 
+    def environ(self) -> dict[str, str]:
+        """The service's `environment`, interpolated."""
+        return {k: self.text(str(v)) for k, v in (self.service.get("environment") or {}).items()}
+
 
 def run_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
@@ -251,6 +255,8 @@ def test_ports_and_health_checks_agree_with_configs(files: tuple[str, ...], conf
     for name in ("aggregator", "agent", "sim"):
         text = " ".join(doc["services"][name]["command"])
         urls = re.findall(r"(mqtts?)://(?:[^@]*?@)?mosquitto:(\d+)", text)
+        # No password in a command line: `ps` on the host shows it (FEDMQ_BROKER_PASSWORD instead).
+        assert not re.search(r"mqtts?://[^@/\s]*:[^@/\s]*@", text) and "{password}" not in text, (name, text)
         if name == "sim" and conf == "prod.conf":
             assert doc["services"]["sim"]["profiles"] != ["sim"]  # kept off the secure fleet
             continue
@@ -271,7 +277,7 @@ def test_every_command_is_a_valid_fedmq_invocation(tmp_path, warm_python) -> Non
         doc = compose(*files)
         for name in ("aggregator", "agent", "sim"):
             m = Mapping(doc, name, tmp_path, 1883, env={"FEDMQ_AGGREGATOR_PASSWORD": "pw"})
-            argv = [a.replace("{id}", "agent-1").replace("{password}", "pw") for a in m.argv()]
+            argv = [a.replace("{id}", "agent-1") for a in m.argv()]
             if argv[:2] == ["sh", "-c"]:
                 # Let the real shell expand it, with `fedmq` printing its argv instead.
                 shim = tmp_path / "shim"
@@ -413,7 +419,8 @@ def test_secure_stack_runs_against_mosquitto_from_prod_conf(tmp_path) -> None:
                       env={"FEDMQ_AGGREGATOR_PASSWORD": password})
         mport = free_port()
         argv = [a.replace("9100", str(mport)) for a in agg.argv()]
-        proc = subprocess.Popen(argv, cwd=tmp_path, env=run_env(), stdout=subprocess.PIPE,
+        assert agg.environ() == {"FEDMQ_BROKER_PASSWORD": password}
+        proc = subprocess.Popen(argv, cwd=tmp_path, env=run_env(**agg.environ()), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
         agents: list[subprocess.Popen] = []
         try:
@@ -437,6 +444,11 @@ def test_secure_stack_runs_against_mosquitto_from_prod_conf(tmp_path) -> None:
                     time.sleep(0.2)
                 assert {a: p.state for a, p in w.agents.items()} == {"agent-1": "online", "agent-2": "online"}
                 assert w.aggregator is not None and w.aggregator.state == "online"
+            # Logged in with passwords no other user of the host can read in `ps`.
+            secrets = [password, *json.loads(creds.credentials_json.read_text())["agents"].values()]
+            for pid in (proc.pid, *(a.pid for a in agents)):
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode()
+                assert not any(secret in cmdline for secret in secrets), cmdline
             # A restarted replica (same hostname) gets its own identity back.
             claim = ag.argv()[:ag.argv().index("--")]
             ids = [subprocess.run(claim + ["--hostname", h, "--print", "--", "true"], env=run_env(),
