@@ -131,7 +131,7 @@ class Engine:
         self.cluster_accuracy: list[float] = []
         """Accuracy of cluster model k on proxy set k (the global model on each set for
         FedAsync), refreshed by the worker between batches; read by metrics."""
-        self._accuracy_epoch = -1
+        self._accuracy_epoch: int | None = None  # never computed: due at the first refresh
         self.spec = spec
         self.cfg = cfg
         self.journal = journal
@@ -213,7 +213,8 @@ class Engine:
 
     def refresh_cluster_accuracy(self, every_epochs: int = 1) -> None:
         """Recompute `cluster_accuracy` when the models moved by `every_epochs` since."""
-        if self.evaluator is None or self.strategy.uploads_applied - self._accuracy_epoch < every_epochs:
+        if self.evaluator is None or (self._accuracy_epoch is not None
+                                      and self.strategy.uploads_applied - self._accuracy_epoch < every_epochs):
             return
         models = self.strategy.server_models()
         if len(models) == 1:  # one global model (FedAsync, FedBuff): its accuracy on each proxy set

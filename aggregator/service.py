@@ -327,6 +327,9 @@ class AggregatorService:
         self.sole.started()
         replayed = self.engine.recover()
         self.counters["replayed"] += replayed
+        # The clusters' accuracy as they start (pre-trained or recovered), not only after the
+        # first accuracy_every uploads: a dashboard's panel is not empty for a new fleet.
+        self.engine.refresh_cluster_accuracy(self.cfg.aggregator.accuracy_every)
         self._export_graph()
         if self.graph is not None:  # retained before the online status, which points at it
             self.transport.on_connect_hooks.append(lambda t, _: t.publish(

@@ -1,6 +1,7 @@
 """Make sure what the test suite runs exists: Mosquitto (every broker test), iproute2 (the
-documented commands run in private network namespaces, where 127.0.0.1:1883 is theirs) and
-RabbitMQ (a real 2-node broker cluster, fedmq/rabbitmq_cluster.py).
+documented commands run in private network namespaces, where 127.0.0.1:1883 is theirs),
+RabbitMQ (a real 2-node broker cluster, fedmq/rabbitmq_cluster.py) and Prometheus (the
+monitoring profile's scrape config and dashboard queries, tests/test_monitoring.py).
 Installs them with apt-get when root, else says how."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 MOSQUITTO = ("mosquitto", "/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto")
 IP = ("ip", "/usr/sbin/ip", "/sbin/ip")
 RABBITMQ = ("rabbitmq-server", "/usr/sbin/rabbitmq-server")
+PROMETHEUS = ("prometheus", "/usr/bin/prometheus")
 
 
 def find(candidates: tuple[str, ...] = MOSQUITTO) -> str | None:
@@ -30,13 +32,13 @@ def apt_install(packages: list[str]) -> bool:
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
     # Debian starts a system broker on 1883; the tests start their own on free ports.
-    subprocess.run(["apt-get", "install", "-y", "-qq", *packages], check=True, env=env)
+    subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages], check=True, env=env)
     return True
 
 
 def main() -> int:
-    missing = [pkg for pkg, names in (("mosquitto", MOSQUITTO), ("iproute2", IP), ("rabbitmq-server", RABBITMQ))
-               if not find(names)]
+    missing = [pkg for pkg, names in (("mosquitto", MOSQUITTO), ("iproute2", IP), ("rabbitmq-server", RABBITMQ),
+                                      ("prometheus", PROMETHEUS)) if not find(names)]
     if missing:
         apt_install(missing)
     if not find(MOSQUITTO):
@@ -51,6 +53,9 @@ def main() -> int:
     if not find(RABBITMQ):
         print("rabbitmq-server not found: the broker-cluster test (tests/test_broker_cluster.py) will be "
               "skipped (apt-get install rabbitmq-server, as root)", file=sys.stderr)
+    if not find(PROMETHEUS):
+        print("prometheus not found: the monitoring test (tests/test_monitoring.py) will be skipped "
+              "(apt-get install prometheus, as root)", file=sys.stderr)
     return 0
 
 
