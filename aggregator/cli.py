@@ -25,6 +25,7 @@ from fedmq.algorithms import ASYNC_SERVER, ROUNDS
 from fedmq.config import ConfigError, add_config_arguments, config_from_args, dry_run_json
 from fedmq.errors import RuntimeFailure
 from fedmq.logs import mask_secrets, setup_logging
+from fedmq.signals import SignalRelay
 
 ALGORITHMS = ASYNC_SERVER + ROUNDS
 
@@ -65,8 +66,7 @@ def run(args: argparse.Namespace) -> int:
         print(dry_run_json(cfg))
         return 0
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):  # also when started with SIGINT ignored (a background job)
-        signal.signal(sig, lambda *_: stop.set())
+    SignalRelay({signal.SIGTERM: stop.set, signal.SIGINT: stop.set})  # also when started with SIGINT ignored
     from aggregator.journal import Journal, StateDirLock
     from fedmq.transport import check_reachable
 

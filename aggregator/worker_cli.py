@@ -33,6 +33,7 @@ import time
 from fedmq.config import Config, add_config_arguments, config_from_args, dry_run_json
 from fedmq.logs import event, get_logger, mask_secrets, setup_logging
 from fedmq.service_logins import PASSWORD_ENV, derived_url, derived_user, url_user, worker_role
+from fedmq.signals import SignalRelay
 
 log = get_logger("aggregator")
 
@@ -68,8 +69,7 @@ def run(args: argparse.Namespace) -> int:
     check_reachable(cfg.broker.url)
     worker_id = args.id or url_user(cfg.broker.url) or f"{socket.gethostname()}-{os.getpid()}"
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    SignalRelay({signal.SIGTERM: stop.set, signal.SIGINT: stop.set})
     spec, evaluator, personalizer = build_reply_parts(cfg)
     with ReplyWorker(cfg, worker_id, spec, evaluator, personalizer, slots=args.slots) as worker:
         print(f"worker {worker_id} on {mask_secrets(cfg.broker.url)} fleet={cfg.fleet} model={spec.arch} "

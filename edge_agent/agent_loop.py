@@ -248,13 +248,14 @@ class DeviceAgent:
             self.agent.stop()
 
     def request_stop(self) -> None:
-        """Shutdown (SIGTERM): safe from a signal handler; the loop then ends its cycle and returns."""
+        """Shutdown (SIGTERM, relayed by fedmq.signals: it takes locks, so never call it from a
+        signal handler itself): the loop then ends its cycle and returns."""
         self._stop.set()
         if self.agent is not None:
             self.agent.interrupt()
 
     def trigger(self) -> None:
-        """Manual update request (SIGUSR1, --update-now): safe from a signal handler."""
+        """Manual update request (SIGUSR1 through fedmq.signals, --update-now)."""
         self._manual.set()
 
     @property

@@ -29,6 +29,7 @@ import zlib
 from fedmq.algorithms import ASYNC_AGENT, ROUNDS
 from fedmq.config import add_config_arguments, config_from_args, dry_run_json
 from fedmq.logs import event, get_logger, mask_secrets, setup_logging
+from fedmq.signals import SignalRelay
 
 log = get_logger("agent")
 
@@ -71,10 +72,10 @@ def run(args: argparse.Namespace) -> int:
 
     profile = get_profile(cfg.agent.profile, seed=cfg.seed)
     device = DeviceAgent(cfg, make_source(cfg, profile), profile=profile)
-    signal.signal(signal.SIGTERM, lambda *_: device.request_stop())
-    signal.signal(signal.SIGINT, lambda *_: device.request_stop())
+    actions = {signal.SIGTERM: device.request_stop, signal.SIGINT: device.request_stop}
     if hasattr(signal, "SIGUSR1"):
-        signal.signal(signal.SIGUSR1, lambda *_: device.trigger())
+        actions[signal.SIGUSR1] = device.trigger
+    SignalRelay(actions)
     if args.update_now:
         device.trigger()
     try:
@@ -116,8 +117,7 @@ def _run_rounds(cfg) -> int:
     agent = RoundAgent(cfg, cfg.agent.id, train.x[idx], train.y[idx], algorithm=cfg.agent.algorithm,
                        seed=cfg.seed * 2**32 + seed, on_round=say)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    SignalRelay({signal.SIGTERM: stop.set, signal.SIGINT: stop.set})
     agent.start()
     try:
         print(f"agent {agent.agent_id} ({agent.algorithm}, rounds) on {mask_secrets(cfg.broker.url)} "

@@ -40,6 +40,7 @@ from fedmq.broker import (
     free_port,
     rewrite_config,
 )
+from fedmq.signals import SignalRelay
 
 if TYPE_CHECKING:
     from fedmq.rabbitmq_cluster import RabbitCluster
@@ -226,20 +227,19 @@ def _alive(cluster: RabbitCluster) -> set[str]:
 class _StopSignals:
     """SIGINT and SIGTERM ask for a stop, whatever handlers (or SIG_IGN, as for background
     jobs of a non-interactive shell) this process inherited. Installed before the broker
-    starts, so a stop that comes right after the `url:` line is a clean stop, not a kill."""
+    starts, so a stop that comes right after the `url:` line is a clean stop, not a kill.
+    Relayed (fedmq/signals.py): a handler setting the event the main thread waits on could
+    deadlock it, which once left mosquitto running after a SIGTERM."""
 
     def __init__(self) -> None:
         self._stop = threading.Event()
-        self._previous: dict[int, object] = {}
 
     def __enter__(self) -> _StopSignals:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, lambda *_: self._stop.set())
+        self._relay = SignalRelay({signal.SIGINT: self._stop.set, signal.SIGTERM: self._stop.set})
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        self._relay.restore()
 
     def wait_while(self, still_running: Callable[[], bool]) -> bool:
         """Wait until a stop is asked for (True) or `still_running()` turns false (False)."""

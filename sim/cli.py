@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from fedmq.config import add_config_arguments, config_from_args
 from fedmq.logs import mask_secrets, setup_logging
+from fedmq.signals import SignalRelay
 from sim.seeds import int_list, seed_list
 
 
@@ -167,8 +168,7 @@ def run_part(args: argparse.Namespace) -> int:
         return 0
     if args.sim_command == "aggregator":
         stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        SignalRelay({signal.SIGTERM: stop.set, signal.SIGINT: stop.set})
         d = run_aggregator_part(spec, cfg, args.out, stop=stop)
         import json
 

@@ -34,6 +34,7 @@ import torch
 
 from fedmq import protocol
 from fedmq.config import Config, load_config
+from fedmq.signals import SignalRelay
 from soak.fleet_setup import REPO, rss_mib, write_figures
 
 FLEET = "burst"
@@ -75,7 +76,7 @@ def serve(broker_url: str, state_dir: Path, model: str, agents: int) -> int:
     torch.set_num_threads(1)
     cfg = burst_config(broker_url, state_dir, model, agents)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    SignalRelay({signal.SIGTERM: stop.set})
     svc = AggregatorService(cfg, build_engine(cfg, clusters=clusters_for(model, cfg))).start()
     print("ready", flush=True)
     while not stop.wait(0.05):
