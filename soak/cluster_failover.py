@@ -102,6 +102,7 @@ def run(agents: int, kills: int, uploads_per_kill: int, back_within_s: float, ou
                     "not_back": missing, "failures": burst_failures})
                 r = figures["rounds"][-1]
                 r["aggregator_unacked"] = _unacked(cluster, svc)
+                r["aggregator_unacked_own_count"] = svc.transport.unacked  # what the client holds unacked
                 print(f"kill {k + 1}/{kills}: {r['victim']} ({r['agents_on_victim']} agents"
                       f"{', the aggregator' if aggregator_on_victim else ''}), {len(uploaded)} uploads answered, "
                       f"back within {r['back_max_s']} s (mean {r['back_mean_s']}), "
