@@ -78,9 +78,14 @@ class Node:
 class RabbitCluster:
     """`with RabbitCluster(2) as cluster:` nodes up, clustered, session queues mirrored."""
 
-    def __init__(self, nodes: int = 2, *, fd_limit: int = 0, first_mqtt_port: int = 0) -> None:
+    def __init__(self, nodes: int = 2, *, fd_limit: int = 0, first_mqtt_port: int = 0, mirrors: int = 0) -> None:
         if nodes < 1:
             raise ValueError(f"a cluster needs at least one node, got {nodes}")
+        if not 0 <= mirrors <= nodes:
+            raise ValueError(f"mirrors must be 0 (every node) to {nodes}, got {mirrors}")
+        self.mirrors = mirrors
+        """Nodes holding each MQTT session queue: 0 = every node. With 2 of 4, a node holds half
+        the sessions' queues instead of all of them (open files and memory per node)."""
         self.fd_limit = fd_limit
         """Open files per node (its connections), raised before it starts; 0 = inherited."""
         # Not under pytest's tmp_path: its parents are root's, mode 0700, closed to user rabbitmq.
@@ -93,6 +98,13 @@ class RabbitCluster:
     def url(self) -> str:
         """Every node's MQTT URL, comma-separated: what clients take (each reorders to put its own first)."""
         return ",".join(node.url for node in self.nodes)
+
+    def file_descriptors(self, node: Node) -> dict[str, int]:
+        """The node's open-file and socket counts against its limits (`rabbitmqctl status`)."""
+        import json
+
+        fds = json.loads(self.ctl(node, "status", "--formatter", "json", timeout=60)).get("file_descriptors", {})
+        return {k: int(v) for k, v in fds.items() if isinstance(v, (int, float))}
 
     def ctl(self, node: Node, *args: str, timeout: float = 120.0) -> str:
         try:
@@ -123,8 +135,10 @@ class RabbitCluster:
             self.ctl(node, "join_cluster", first.name)
             self.ctl(node, "start_app")
             self.await_startup(node, timeout)
+        mode = (f'"ha-mode":"exactly","ha-params":{self.mirrors}' if self.mirrors and self.mirrors < len(self.nodes)
+                else '"ha-mode":"all"')
         self.ctl(first, "set_policy", "--apply-to", "queues", "mqtt-sessions", "^mqtt-subscription-",
-                 '{"ha-mode":"all","ha-sync-mode":"automatic"}')
+                 "{" + mode + ',"ha-sync-mode":"automatic"}')
         for node in self.nodes:
             self.wait_mqtt(node, timeout)
         return self

@@ -207,9 +207,25 @@ class NetworkLoop:
         self._wake()
 
     def _on_unregister_write(self, client: paho.Client, userdata: Any, sock: Any) -> None:
+        """paho says its queue is empty, but another thread may have queued a packet since it
+        looked: paho's `_registered_write` flag was still set then, so that thread did not
+        register the write, and dropping write interest now would strand the packet for good
+        (a SUBSCRIBE never sent: the 10,000-agent soak's lost SUBACKs). Keep it while paho
+        still has bytes to write; the loop drops it once the queue is really empty."""
         with self._lock:
-            self._writing.discard(sock)
+            if client.want_write():
+                self._writing.add(sock)
+            else:
+                self._writing.discard(sock)
             self._apply(sock, client)
+
+    def _written(self, sock: Any, client: paho.Client) -> None:
+        """After a write: stop watching for writability once paho has nothing left (its own
+        unregister callback may not come when its flag went out of step, above)."""
+        with self._lock:
+            if sock in self._writing and not client.want_write():
+                self._writing.discard(sock)
+                self._apply(sock, client)
 
     def pause(self, client: _GatedClient) -> None:
         """Stop reading `client`'s socket (writes go on) until `resume`: the socket leaves the
@@ -299,6 +315,7 @@ class NetworkLoop:
                     client.loop_read()
                 if mask & selectors.EVENT_WRITE and client.socket() is not None:
                     client.loop_write()
+                    self._written(key.fileobj, client)
             now = time.monotonic()
             if now >= next_misc:
                 next_misc = now + self.MISC_INTERVAL_S

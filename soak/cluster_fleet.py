@@ -85,8 +85,41 @@ def _beam_rss_mib(root_pid: int) -> float:
     return round(total, 1)
 
 
+def _reports(q: Any, procs: list[Any], kind: str, timeout_s: float = 1800) -> list[dict[str, Any]]:
+    """One `kind` report per process; SystemExit naming the stall when a process died without one."""
+    import queue
+
+    got: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < len(procs):
+        try:
+            got.append(q.get(timeout=5))
+        except queue.Empty:
+            dead = [p.name for p in procs if not p.is_alive()]
+            if dead or time.monotonic() > deadline:
+                raise SystemExit(f"stalled before every process reported {kind}: {len(got)} of {len(procs)} did"
+                                 f"{'; died: ' + ', '.join(dead) if dead else ''}") from None
+    return got
+
+
+def _sample_fds(cluster: Any, samples: list[dict[str, Any]], stop: Any, t0: float, every_s: float = 15.0) -> None:
+    """Each node's open files and sockets against its limits, every `every_s`, printed as it goes:
+    a node out of file handles stalls queue declarations (and so SUBACKs) without a word."""
+    from fedmq.rabbitmq_cluster import ClusterError
+
+    while not stop.wait(every_s):
+        row: dict[str, Any] = {"t_s": round(time.perf_counter() - t0, 1)}
+        for node in cluster.nodes:
+            try:
+                row[node.name.split("-")[0]] = cluster.file_descriptors(node)
+            except ClusterError as e:
+                row[node.name.split("-")[0]] = str(e)[:200]
+        samples.append(row)
+        print(f"fds {row}", flush=True)
+
+
 def run(agents: int, processes: int, active: int, uploads: int, out: Path,
-        late_aggregator: bool = False) -> dict[str, Any]:
+        late_aggregator: bool = False, nodes: int = 2, mirrors: int = 0) -> dict[str, Any]:
     from aggregator.bootstrap import build_engine
     from aggregator.service import AggregatorService
     from fedmq.rabbitmq_cluster import RabbitCluster
@@ -95,10 +128,17 @@ def run(agents: int, processes: int, active: int, uploads: int, out: Path,
     work = Path(f"/tmp/fedmq-cluster-soak-{int(time.time())}")
     state = pretrained_state(work / "state")
     figures: dict[str, Any] = {"late_aggregator": late_aggregator, "agents": agents, "processes": processes, "active_per_process": active,
-                               "uploads_per_active_agent": uploads, "broker": "RabbitMQ 3.10, 2 nodes"}
+                               "uploads_per_active_agent": uploads,
+                               "broker": f"RabbitMQ 3.10, {nodes} nodes, each session queue on "
+                                         f"{mirrors or nodes} of them"}
     t0 = time.perf_counter()
-    with RabbitCluster(fd_limit=65536) as cluster:
-        a, b = cluster.nodes
+    with RabbitCluster(nodes, fd_limit=65536, mirrors=mirrors) as cluster:
+        a, b = cluster.nodes[:2]
+        import threading
+
+        sampling, fd_samples = threading.Event(), []
+        threading.Thread(target=_sample_fds, args=(cluster, fd_samples, sampling, t0), daemon=True).start()
+        figures["fd_limit_per_node"] = cluster.file_descriptors(a).get("total_limit")
         figures["cluster_start_s"] = round(time.perf_counter() - t0, 1)
         idle_vm = [_beam_rss_mib(n.proc.pid) for n in cluster.nodes if n.proc is not None]
         cfg = small_config(f"{b.url},{a.url}", state, FLEET, **FAST)
@@ -109,14 +149,15 @@ def run(agents: int, processes: int, active: int, uploads: int, out: Path,
         q, go, done = ctx.Queue(), ctx.Event(), ctx.Event()
         share = agents // processes
         procs = []
-        for p in range(processes):
-            urls = f"{a.url},{b.url}" if p % 2 == 0 else f"{b.url},{a.url}"
+        for p in range(processes):  # process p's agents start on node p mod N, the others next
+            order = cluster.nodes[p % nodes:] + cluster.nodes[:p % nodes]
+            urls = ",".join(n.url for n in order)
             procs.append(ctx.Process(target=_agents, args=(urls, str(state), p * share, share, active, uploads,
                                                            q, go, done), daemon=True))
         t1 = time.perf_counter()
         for proc in procs:
             proc.start()
-        connected = [q.get(timeout=1800) for _ in procs]
+        connected = _reports(q, procs, "connected")
         figures["connect_wall_s"] = round(time.perf_counter() - t1, 1)
         figures["per_process"] = connected
         figures["connected"] = sum(c["connected"] for c in connected)
@@ -132,7 +173,7 @@ def run(agents: int, processes: int, active: int, uploads: int, out: Path,
         applied0 = svc.engine.counters["applied.update"]
         t2 = time.perf_counter()
         go.set()
-        bursts = [q.get(timeout=1800) for _ in procs]
+        bursts = _reports(q, procs, "burst")
         seconds = time.perf_counter() - t2
         applied = svc.engine.counters["applied.update"] - applied0
         figures["burst"] = {"uploads_answered": sum(x["uploads"] for x in bursts),
@@ -145,6 +186,8 @@ def run(agents: int, processes: int, active: int, uploads: int, out: Path,
         for proc in procs:
             proc.join(120)
         svc.stop()
+        sampling.set()
+        figures["fd_samples"] = fd_samples
     path = write_figures("cluster_fleet", figures, out)
     print(f"-> {path}")
     return figures
@@ -157,6 +200,9 @@ def main() -> int:
     p.add_argument("--processes", type=int, default=4)
     p.add_argument("--active", type=int, default=10, help="agents per process that upload (default 10)")
     p.add_argument("--uploads", type=int, default=5, help="uploads per active agent (default 5)")
+    p.add_argument("--nodes", type=int, default=2, help="broker nodes (default 2)")
+    p.add_argument("--mirrors", type=int, default=0,
+                   help="nodes holding each session queue (default 0: every node)")
     p.add_argument("--late-aggregator", action="store_true",
                    help="start the aggregator only once every agent is connected")
     p.add_argument("--out", type=Path, default=RESULTS / "cluster_fleet.json")
@@ -164,7 +210,7 @@ def main() -> int:
     import json
 
     print(json.dumps(run(args.agents, args.processes, args.active, args.uploads, args.out,
-                                args.late_aggregator), indent=1))
+                         args.late_aggregator, args.nodes, args.mirrors), indent=1))
     return 0
 
 

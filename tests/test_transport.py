@@ -567,6 +567,38 @@ def test_one_network_loop_serves_more_clients_than_select_can(mosquitto):
     assert network.clients == 0
 
 
+def test_a_packet_queued_while_the_loop_finds_the_queue_empty_is_still_sent(mosquitto):
+    """The interleaving that stranded SUBSCRIBEs in the 10,000-agent soak, played in order: the
+    loop thread finds paho's queue empty while its write flag is still set; another thread queues
+    a packet (paho sees the flag, so it does not register the write); then the loop thread
+    unregisters the write. The packet must still go out."""
+    s = settings_for(mosquitto)
+    network = NetworkLoop()
+    inbox = Inbox()
+    sender = receiver = None
+    try:
+        receiver = MqttTransport("race-rx", s, network=network).connect()
+        receiver.subscribe("race/t", inbox)
+        sender = MqttTransport("race-tx", s, network=network).connect()
+        client = sender._client
+        assert client is not None
+        with network._lock:  # hold the loop off the queue while the interleaving is set up
+            client._registered_write = True  # the loop thread registered a write and is finishing it
+            client.publish("race/t", b"stranded?", qos=0)  # another thread: flag set, so no register
+        client._call_socket_unregister_write()  # the loop thread, having seen an empty queue
+        got = inbox.wait_for(1, timeout=30)
+        assert [m.payload for m in got] == [b"stranded?"]
+        deadline = time.monotonic() + 30  # and write interest is dropped once the queue is empty
+        while client.socket() in network._writing and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.socket() not in network._writing
+    finally:
+        for t in (sender, receiver):
+            if t is not None:
+                t.close(timeout=1)
+        network.close()
+
+
 _FD_PROBE = """
 import os, sys
 from fedmq.config import BrokerSettings
