@@ -163,26 +163,50 @@ class SoftClusters(Strategy):
             if self.trunk_share > 0.0:
                 trunk_betas = [rate * s * ((1.0 - self.trunk_share) * a + self.trunk_share) for a in weights]
                 info["trunk_betas"] = trunk_betas
-        stats = self.spec.param_numel  # running statistics from here on: averaged, never stepped
-        head0, head1 = self.spec.head
+        refused: list[int] = []
         for k, (beta, trunk_beta) in enumerate(zip(betas, trunk_betas, strict=True)):
             if max(beta, trunk_beta) <= 0.0:
                 continue
             if step is not None:
-                # A step on a variance can make it negative (w_k's is smaller than base - v's):
-                # statistics take the pull rule instead, a convex mixture (beta <= 1 here).
-                self.clusters[k][:stats].add_(step[:stats], alpha=trunk_beta)
-                if trunk_beta != beta:  # the output layer keeps its alpha share
-                    self.clusters[k][head0:head1].add_(step[head0:head1], alpha=beta - trunk_beta)
-                if stats < self.spec.numel:
-                    b = min(beta, 1.0)
-                    self.clusters[k][stats:].mul_(1.0 - b).add_(vector[stats:], alpha=b)
+                before = self.clusters[k].clone() if trunk_beta != beta and self._guards_trunk() else None
+                self._delta_step(k, step, vector, beta, trunk_beta)
+                if before is not None:
+                    shared = self.clusters[k].clone()
+                    self.clusters[k].copy_(before)
+                    self._delta_step(k, step, vector, beta, beta)  # the alpha share alone
+                    if self._shared_step_kept(k, shared, self.clusters[k]):
+                        self.clusters[k].copy_(shared)
+                    else:
+                        refused.append(k)
             else:
                 self.clusters[k].mul_(1.0 - beta).add_(vector, alpha=beta)
             self._changed(k)
         self.counters["applied"] += 1
+        if refused:
+            self.counters["trunk_refused"] += len(refused)
+            info["trunk_refused"] = refused
         info.update(stale=False, betas=betas)
         return info
+
+    def _delta_step(self, k: int, step: Tensor, vector: Tensor, beta: float, trunk_beta: float) -> None:
+        """w_k += the agent's step: trunk_beta below the output layer, beta on it."""
+        stats = self.spec.param_numel  # running statistics from here on: averaged, never stepped
+        head0, head1 = self.spec.head
+        # A step on a variance can make it negative (w_k's is smaller than base - v's):
+        # statistics take the pull rule instead, a convex mixture (beta <= 1 here).
+        self.clusters[k][:stats].add_(step[:stats], alpha=trunk_beta)
+        if trunk_beta != beta:  # the output layer keeps its alpha share
+            self.clusters[k][head0:head1].add_(step[head0:head1], alpha=beta - trunk_beta)
+        if stats < self.spec.numel:
+            b = min(beta, 1.0)
+            self.clusters[k][stats:].mul_(1.0 - b).add_(vector[stats:], alpha=b)
+
+    def _guards_trunk(self) -> bool:
+        """Whether the shared part of a trunk step must prove itself (CDFL, cdfl.trunk_guard)."""
+        return False
+
+    def _shared_step_kept(self, k: int, shared: Tensor, own: Tensor) -> bool:
+        return True
 
     def _changed(self, k: int) -> None:
         """w_k moved at this clock: the evaluator's cluster-loss cache keys on versions."""
@@ -246,7 +270,7 @@ class CDFL(SoftClusters):
                  refresh_steps: int = 0, refresh_lr: float = 0.01, reply_uses_upload: bool = True,
                  server_lr: float = 1.0, delta_hinge_a: float = 0.1, delta_tau0: int = 0,
                  staleness_cap: int = 1, reply_batch: int = 1, delta_moves_head: bool = True,
-                 trunk_share: float = 0.0, refresh_all: bool = False) -> None:
+                 trunk_share: float = 0.0, refresh_all: bool = False, trunk_guard: bool = False) -> None:
         super().__init__(spec, clusters, tau0=tau0, beta0=beta0, hinge_a=hinge_a, hinge_b=hinge_b,
                          update_rule=update_rule, update_power=update_power, server_lr=server_lr,
                          delta_hinge_a=delta_hinge_a, delta_tau0=delta_tau0, staleness_cap=staleness_cap,
@@ -257,6 +281,7 @@ class CDFL(SoftClusters):
         self.refresh_steps = int(refresh_steps)
         self.refresh_lr = float(refresh_lr)
         self.refresh_all = bool(refresh_all)
+        self.trunk_guard = bool(trunk_guard)
         self.reply_uses_upload = bool(reply_uses_upload)
         if reply_batch < 1:
             raise ValueError(f"need reply_batch >= 1, got {reply_batch}")
@@ -303,7 +328,17 @@ class CDFL(SoftClusters):
                    reply_uses_upload=settings.reply_uses_upload, server_lr=settings.server_lr,
                    delta_hinge_a=settings.delta_hinge_a, delta_tau0=settings.delta_tau0,
                    staleness_cap=settings.staleness_cap, reply_batch=settings.reply_batch,
-                   delta_moves_head=settings.delta_moves_head, trunk_share=settings.trunk_share, **kwargs)
+                   delta_moves_head=settings.delta_moves_head, trunk_share=settings.trunk_share,
+                   trunk_guard=settings.trunk_guard, **kwargs)
+
+    def _guards_trunk(self) -> bool:
+        return self.trunk_guard
+
+    def _shared_step_kept(self, k: int, shared: Tensor, own: Tensor) -> bool:
+        """cdfl.trunk_guard: cluster k takes the whole trunk step only where its loss on its
+        own proxy set is no higher than with the alpha share alone (the shared part broke a
+        cluster at trunk_share 0.5, docs/results_cdfl.md section 11)."""
+        return self.evaluator.loss_on(shared, k) <= self.evaluator.loss_on(own, k)
 
     @property
     def reply_is_trained(self) -> bool:

@@ -238,6 +238,8 @@ class CDFLSettings:
     """delta rule: whether the agents' steps also move each cluster's output layer (the model's last weight and bias). false (the default): the fleet teaches the layers below, and each head stays the specialist its proxy refresh keeps it; rotated digits, realistic budget, 3 seeds: cluster federation gain -0.8 / +0.4 / +2.1 / +1.0 pp at K = 2 / 3 / 4 / 6 against -3.3 / -1.3 / +0.9 / +0.2 with the heads moved, received accuracy the same (docs/results_cdfl.md section 10)."""
     trunk_share: float = 0.0
     """delta rule: the share of an agent's step on the layers below the output layer that every cluster takes whatever its alpha: trunk beta_k = server_lr s(d) ((1 - share) alpha_k + share); the output layer keeps alpha_k. 1: every upload teaches every cluster's trunk (the clusters then learn like one trunk with K heads); 0: the alpha share only (docs/results_cdfl.md section 11)."""
+    trunk_guard: bool = False
+    """With trunk_share > 0: cluster k takes the shared part of an agent's trunk step only when that does not raise its loss on its own proxy set (compared with the alpha share alone); else the alpha share alone. Costs two proxy evaluations per cluster per upload."""
     cluster_refresh_steps: int = 1
     """After an upload moves cluster k, w_k takes this many SGD mini-batches (64 samples) on its own proxy set D_k, so the clusters stay specialists under a stream of mixed uploads (aggregator/cluster_refresh.py). Rotated digits, 25 updates per agent: cluster accuracy 0.972 / 0.966 at K = 4 / 6 against 0.954 / 0.945 without it and FedSoft-Async's 0.963 / 0.955, for ~0.04 s per upload (docs/results_cdfl.md section 5). 0: off (the paper's rule)."""
     cluster_refresh_lr: float = 0.05

@@ -331,6 +331,26 @@ def test_trunk_share_gives_every_cluster_the_step_below_the_head(world, moves_he
         CDFL.from_settings(SPEC, w, proxies, CDFLSettings(clusters=K, trunk_share=1.5), device="cpu")
 
 
+def test_trunk_guard_keeps_a_shared_step_only_where_it_does_not_hurt_the_clusters_proxy_loss(world):
+    """cdfl.trunk_guard: cluster 1 (alpha 0) takes the shared trunk step when it lowers its own
+    proxy loss (a descent step for it) and refuses it, staying put, when it raises it."""
+    _, w, proxies = world
+    settings = CDFLSettings(clusters=K, tau0=100, server_lr=0.5, update_rule="delta", personalization="mixture",
+                            cluster_refresh_steps=0, delta_moves_head=False, trunk_share=1.0, trunk_guard=True)
+    head = sum(math.prod(shape) for shape in SPEC.shapes[-2:])
+    for sign, kept in ((-1.0, True), (1.0, False)):
+        s = CDFL.from_settings(SPEC, w, proxies, settings, device="cpu")
+        s.join("a")
+        base = w[0].clone()  # the agent starts from cluster 0 and steps along cluster 1's gradient
+        step = sign * 0.05 * s.evaluator.gradients(w[1])[1]
+        step[-head:] = 0.0
+        reply = s.apply(Upload("a", base + step, tau=0, base=base), alpha=[1.0, 0.0])
+        expected = w[1] + 0.5 * step if kept else w[1]
+        torch.testing.assert_close(s.clusters[1], expected)
+        assert (reply.info.get("trunk_refused") == [1]) is not kept
+        assert s.counters["trunk_refused"] == (0 if kept else 1)
+
+
 def test_refresh_all_refreshes_a_cluster_the_upload_had_no_share_of(world):
     """cdfl.cluster_refresh_all: the proxy refresh also runs on clusters of alpha 0 (which a
     trunk_share step moves), in the frozen control too (beta0 = server_lr = 0)."""
