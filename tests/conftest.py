@@ -34,6 +34,12 @@ def pytest_unconfigure(config) -> None:
         os.environ.pop("FEDMQ_CACHE_DIR", None)
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Slow tests first (stable otherwise): xdist's workers then end on short tests, not with
+    one worker idle while the other runs a minute-long fleet."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture
 def mosquitto(tmp_path) -> Iterator[MosquittoBroker]:
     """A fresh Mosquitto with broker_config/dev.conf on a free port, for one test."""

@@ -373,6 +373,7 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30)
     return proc.wait(timeout)
 
 
+@pytest.mark.slow
 def test_agent_killed_mid_cycle_keeps_tau_and_resends_pending_once(mosquitto, aggregator, tmp_path) -> None:
     cfg = make_cfg(mosquitto.url, tmp_path, **{"agent.reply_timeout_s": 120})
     agg = aggregator(cfg)
@@ -405,6 +406,7 @@ def test_agent_killed_mid_cycle_keeps_tau_and_resends_pending_once(mosquitto, ag
     assert engine.counters["applied.update"] == 1 and engine.strategy.uploads_applied == 1
 
 
+@pytest.mark.slow
 def test_sigterm_during_training_keeps_upload_and_sends_it_once_after_restart(mosquitto, aggregator,
                                                                                 tmp_path) -> None:
     cfg = make_cfg(mosquitto.url, tmp_path)

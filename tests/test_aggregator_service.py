@@ -175,6 +175,7 @@ def _start_aggregator(url: str, state: Path, log: Path) -> subprocess.Popen:
                             cwd=Path(__file__).resolve().parent.parent)
 
 
+@pytest.mark.slow
 def test_kill_9_during_burst_applies_every_upload_exactly_once(mosquitto, pretrained, tmp_path) -> None:
     state = tmp_path / "state"
     shutil.copytree(pretrained, state)

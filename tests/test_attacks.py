@@ -23,6 +23,7 @@ GROUPS = {
 SOAK_ONLY = {"update_flood", "chunk_flood", "storage", "poisoning"}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
 @pytest.mark.parametrize("group", list(GROUPS))
 def test_every_fast_attack_is_held_against_prod_conf(tmp_path, group) -> None:

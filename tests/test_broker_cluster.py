@@ -34,6 +34,7 @@ pytestmark = pytest.mark.skipif(not installed(), reason="rabbitmq-server is not 
 AGENTS, UPLOADS, BACK_WITHIN_S = 4, 6, 10.0
 
 
+@pytest.mark.slow
 def test_a_node_lost_during_a_burst_loses_nothing_and_every_agent_is_back(tmp_path: Path) -> None:
     with CliProcess(["fedmq", "broker", "--rabbitmq", "2", "--port", "0"], cwd=tmp_path) as broker:
         a_url, b_url = broker.wait_for(r"^url: (\S+)$", timeout=300).group(1).split(",")

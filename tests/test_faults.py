@@ -89,6 +89,7 @@ def upload_burst(agents: list[EdgeAgent], per_agent: int, pause_s: float = 0.0) 
 # ---------------------------------------------------------------------------- kill -9
 
 
+@pytest.mark.slow
 def test_kill_9_five_times_during_a_fleet_run(mosquitto, pretrained, tmp_path) -> None:
     figures = run_kills(mosquitto.url, fresh_state(pretrained, tmp_path), fleet="kill", agents=6,
                         updates=10, kills=5, seed=1, workdir=tmp_path)
@@ -257,6 +258,7 @@ def _free_disk(pid: int) -> None:
     resource.prlimit(pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
 
 
+@pytest.mark.slow
 def test_disk_full_stops_acks_keeps_the_checkpoint_and_recovers(mosquitto, pretrained, tmp_path) -> None:
     state = fresh_state(pretrained, tmp_path)
     log = tmp_path / "aggregator.log"

@@ -34,6 +34,7 @@ def pretrained(tmp_path_factory) -> Path:
     return pretrained_state(tmp_path_factory.mktemp("fuzz") / "pretrained")
 
 
+@pytest.mark.slow
 def test_fuzz_campaign_on_the_live_uplink(mosquitto, pretrained, tmp_path) -> None:
     fuzzed = run_campaign(mosquitto.url, pretrained_state(tmp_path / "a", pretrained), fleet="fz-a",
                           messages=MESSAGES, seed=0)

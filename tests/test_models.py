@@ -155,6 +155,7 @@ def test_onnx_runtime_runs_a_batch_norm_model_and_reuses_its_graph(bars, tmp_pat
     assert info.reused_graph  # every state tensor is in the graph under its name: weights swap in
 
 
+@pytest.mark.slow
 def test_a_torchvision_fleet_over_mosquitto_with_a_reply_in_several_chunks(mosquitto, tmp_path) -> None:
     """`fedmq aggregator` and `fedmq agent` with MobileNetV3-small on the shapes dataset."""
     common = ["--broker", mosquitto.url, "--fleet", "tv", "--dataset", "shapes", "--model", MOBILENET,

@@ -67,6 +67,7 @@ def fleets_of(result: list[dict[str, Any]]) -> set[str]:
     return {r["metric"].get("fleet", "") for r in result}
 
 
+@pytest.mark.slow
 def test_prometheus_scrapes_every_fleet_and_every_dashboard_query_runs(mosquitto, tmp_path) -> None:
     scrape = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
     (job,) = scrape["scrape_configs"]

@@ -87,6 +87,7 @@ def test_with_dp_on_the_sketch_never_leaves_without_noise_nor_the_figures_withou
     assert float(np.abs(sketch_off).max()) < 1e-3 and plain.alpha == [0.7, 0.3] and plain.metrics
 
 
+@pytest.mark.slow
 def test_an_agent_whose_budget_is_spent_stops_uploading_and_says_so(mosquitto, tmp_path) -> None:
     """Budget 4 planned over two uploads of 200 samples (the defaults otherwise: batch 128, the
     sketch, the Gaussian mechanism at one multiplier): two uploads spend 4 (to 1 %), a third
@@ -197,13 +198,16 @@ def test_fedsoft_async_sends_only_the_alpha_dp_noised_and_starts_from_it() -> No
     assert agent.update_envelope(result.vector, 200, alpha=[0.7, 0.3]).alpha is None  # never noiseless
 
 
+@pytest.mark.slow
 def test_the_simulator_runs_dp_fleets_reproducibly_and_the_noise_costs_accuracy(tmp_path) -> None:
     """The ablation runner (the trade-off in docs/privacy.md) with DP: the same seed gives the
     same row; at epsilon 1 the uploads are noisier than without DP; the results get the
     accuracy-against-epsilon figure."""
     from sim.ablation import AblationSpec, Fleet, Variant, run_variant, write_results
 
-    fleet = Fleet(AblationSpec(clusters=2, agents=4, updates_per_agent=2, test_samples=100), load_config(None, {}))
+    # Speed only: small server sets and 2-epoch replies (what DP changes is on the agent's side).
+    small = {"data.proxy_per_cluster": 100, "data.pretrain_per_cluster": 200, "cdfl.personalize_epochs": 2}
+    fleet = Fleet(AblationSpec(clusters=2, agents=4, updates_per_agent=2, test_samples=100), load_config(None, small))
     rows = {}
     for method in ("fedsoft-async", "cdfl"):
         rows[method] = run_variant(fleet, Variant.parse(method))

@@ -90,6 +90,7 @@ def test_without_dp_every_attack_beats_chance_at_ten_samples(view) -> None:
     assert herding > control + 0.05, (herding, control)
 
 
+@pytest.mark.slow
 def test_with_dp_at_epsilon_1_no_attack_gains_more_than_the_ceiling(view) -> None:
     from fedmq.privacy import UplinkPrivacy, plan_noise, upload_releases
 
@@ -121,6 +122,7 @@ def run_cli(*argv: str, timeout: float = 120, warm: Path | None = None) -> subpr
                           text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_quick_run_writes_the_json_the_tables_and_the_figure(tmp_path) -> None:
     done = run_cli("--quick", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]

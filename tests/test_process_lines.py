@@ -67,6 +67,7 @@ def cli(*args: str, out: Path, err: Path) -> subprocess.Popen:
                             stdout=out.open("wb"), stderr=err.open("wb"))
 
 
+@pytest.mark.slow
 def test_agent_and_aggregator_print_one_line_per_step_at_the_default_level(mosquitto, tmp_path) -> None:
     common = ["--broker", mosquitto.url, "--fleet", FLEET, "--clusters", "2", *DATA]
     agg_out, agg_err = tmp_path / "aggregator.out", tmp_path / "aggregator.err"
@@ -215,6 +216,7 @@ def test_passwords_in_urls_never_reach_a_log_line(as_json: bool) -> None:
         assert json.loads(out)["broker"] == "mqtt://agg:***@h:1883"
 
 
+@pytest.mark.slow
 def test_no_command_shows_the_broker_password(tmp_path) -> None:
     """What a person sees on stdout and stderr: --dry-run's config, a bad-URL error, an
     unknown flag next to a URL, and a start that cannot reach its broker. The password holds

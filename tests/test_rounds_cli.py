@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import msgpack
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 WAIT_S = 120.0
@@ -69,6 +70,7 @@ class Proc:
             return self.proc.wait()
 
 
+@pytest.mark.slow
 def test_fedavg_round_fleet_from_the_cli(mosquitto, tmp_path) -> None:
     common = ("--broker", mosquitto.url, "--fleet", FLEET)
     state = tmp_path / "agg"

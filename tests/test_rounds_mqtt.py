@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 import torch
 
 from aggregator.catafed import CataFed
@@ -62,6 +63,7 @@ class VanishingAgent(RoundAgent):
         self.transport.kill()
 
 
+@pytest.mark.slow
 def test_catafed_round_with_straggler_and_dropout(mosquitto) -> None:
     # T = 8 s and eps_i = 0.2 s before any upload was measured: a 7.8 s budget. The slow
     # device needs 50 ms per sample: 10 s for its 200 samples (the watchdog aborts), 5 s

@@ -29,6 +29,7 @@ def _sim(*args: str, log: Path) -> subprocess.Popen:
                             stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
 
+@pytest.mark.slow
 def test_aggregator_and_two_agent_processes_merge_into_one_run(mosquitto, tmp_path):
     out = tmp_path / "out"
     common = ["--broker", mosquitto.url, "--fleet", "split", *RUN_FLAGS, "--out", str(out)]
