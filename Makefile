@@ -53,6 +53,7 @@ soak: venv mosquitto
 	$(PY) -m soak.poisoning
 	$(PY) -m soak.attacks
 	$(PY) -m soak.cluster_failover
+	$(PY) -m soak.cluster_fleet
 
 lint: venv
 	$(VENV)/bin/ruff check .
