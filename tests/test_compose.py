@@ -515,6 +515,29 @@ def test_fleets_file_runs_one_aggregator_per_fleet_and_prometheus_scrapes_each(t
     assert datasource["datasources"][0]["url"] == "http://prometheus:9090"
 
 
+def test_both_fleets_can_share_one_gpu(tmp_path, warm_python) -> None:
+    """docker-compose.fleets-gpu.yml over the fleets and the GPU file: both aggregators run on
+    CUDA and reserve the same device (GPU 0), with the rest of each fleet as before."""
+    files = (*FLEETS, "docker-compose.gpu.yml", "docker-compose.fleets-gpu.yml")
+    doc = compose(*files)
+    parser = build_parser()
+    reserved = {}
+    for name in ("aggregator", "aggregator-phones"):
+        svc = doc["services"][name]
+        assert svc["build"]["target"] == "cuda" and svc["image"] == "fedmq:cuda", name
+        (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        reserved[name] = (device["driver"], tuple(device["device_ids"]), tuple(device["capabilities"]))
+        args = fedmq_argv(Mapping(doc, name, tmp_path, 1883).argv())
+        assert args[args.index("--device") + 1] == "cuda"
+        parser.parse_args(args)
+        done = subprocess.run([*client_argv(warm_python, "python"), "-m", "fedmq.cli", *args, "--dry-run"],
+                              cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, (name, done.stderr[-2000:])
+    assert set(reserved.values()) == {("nvidia", ("0",), ("gpu",))}, reserved
+    phones = fedmq_argv(Mapping(doc, "aggregator-phones", tmp_path, 1883).argv())
+    assert phones[phones.index("--fleet") + 1] == "phones" and "--workers" in phones
+
+
 def exported_metrics() -> set[str]:
     """Every metric family aggregator/prometheus.py exports (without _total/_bucket/... suffixes)."""
     text = (ROOT / "aggregator" / "prometheus.py").read_text()
