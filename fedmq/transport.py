@@ -210,22 +210,22 @@ class NetworkLoop:
         """paho says its queue is empty, but another thread may have queued a packet since it
         looked: paho's `_registered_write` flag was still set then, so that thread did not
         register the write, and dropping write interest now would strand the packet for good
-        (a SUBSCRIBE never sent: the 10,000-agent soak's lost SUBACKs). Keep it while paho
-        still has bytes to write; the loop drops it once the queue is really empty."""
+        (a SUBSCRIBE never sent: the 10,000-agent soak's lost SUBACKs). So write interest
+        follows paho's queue itself, here and after every write."""
+        self._match_write_interest(sock, client)
+
+    def _match_write_interest(self, sock: Any, client: paho.Client) -> None:
+        """Watch `sock` for writability exactly while paho has bytes queued (a no-op, on the
+        write path, when that is already so)."""
         with self._lock:
-            if client.want_write():
+            wants = client.want_write()
+            if wants == (sock in self._writing):
+                return
+            if wants:
                 self._writing.add(sock)
             else:
                 self._writing.discard(sock)
             self._apply(sock, client)
-
-    def _written(self, sock: Any, client: paho.Client) -> None:
-        """After a write: stop watching for writability once paho has nothing left (its own
-        unregister callback may not come when its flag went out of step, above)."""
-        with self._lock:
-            if sock in self._writing and not client.want_write():
-                self._writing.discard(sock)
-                self._apply(sock, client)
 
     def pause(self, client: _GatedClient) -> None:
         """Stop reading `client`'s socket (writes go on) until `resume`: the socket leaves the
@@ -315,7 +315,7 @@ class NetworkLoop:
                     client.loop_read()
                 if mask & selectors.EVENT_WRITE and client.socket() is not None:
                     client.loop_write()
-                    self._written(key.fileobj, client)
+                    self._match_write_interest(key.fileobj, client)
             now = time.monotonic()
             if now >= next_misc:
                 next_misc = now + self.MISC_INTERVAL_S
