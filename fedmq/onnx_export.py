@@ -15,10 +15,10 @@ under its name, each model is exported afresh. The default exporter is dynamo
 dynamic batch dimension); "legacy" is the fallback when dynamo fails, and "auto" means
 exactly that order.
 
-Zoo models' graphs are also kept on disk (fedmq/disk_cache.py, `onnx/`), named by the
-model's code, torch and onnx versions and the exporter, so a restarted agent or aggregator
-does not export again. Models from a factory are not: their code may change under the
-same parameter shapes.
+Zoo and torchvision models' graphs are also kept on disk (fedmq/disk_cache.py, `onnx/`),
+named by the model's code (torchvision's version for its models), torch and onnx versions
+and the exporter, so a restarted agent or aggregator does not export again. Models from a
+factory are not: their code may change under the same parameter shapes.
 """
 
 from __future__ import annotations
@@ -59,17 +59,27 @@ _GRAPHS: dict[str, tuple[Any, str]] = {}
 
 
 def _disk_name(model_name: str, exporter: str) -> str | None:
-    """Cache entry of a zoo model's graph: named by what made it (model code, versions,
-    exporter). None for models from a factory, whose code may change under the same shapes."""
+    """Cache entry of a model's graph, named by what made it (model code, versions, exporter):
+    zoo models (our code) and torchvision's (its version fixes the code; a MobileNetV3
+    export costs ~14 s here, paid again at every restart of every process without this).
+    None for models from a factory, whose code may change under the same shapes."""
     import onnx
 
     from fedmq import models
 
-    if model_name not in models.ZOO:
+    if model_name in models.ZOO:
+        code: bytes | str = Path(models.__file__).read_bytes()
+        stem = model_name
+    elif models.is_reference(model_name) and models.parse_reference(model_name).source == "torchvision":
+        import torchvision
+
+        code = f"torchvision {torchvision.__version__}"
+        stem = "torchvision-" + models.parse_reference(model_name).name
+    else:
         return None
-    made_by = disk_cache.digest(model_name, model_spec(model_name).hash, Path(models.__file__).read_bytes(),
-                                torch.__version__, onnx.__version__, exporter)
-    return f"{model_name}-{exporter}-{made_by}.onnx"
+    made_by = disk_cache.digest(model_name, model_spec(model_name).hash, code, torch.__version__,
+                                onnx.__version__, exporter)
+    return f"{stem}-{exporter}-{made_by}.onnx"
 
 
 def _load_cached(model_name: str, exporter: str, spec: ModelSpec) -> Any | None:

@@ -124,3 +124,11 @@ def test_a_new_process_reuses_the_graph_kept_on_disk_and_refuses_a_damaged_one(m
     assert export_onnx("digits-cnn", second)[1].reused_graph
     # Models from a factory are not kept on disk (their code may change under the same shapes).
     assert onnx_export._disk_name("mypkg.nets:make_model", "dynamo") is None
+    # torchvision's are: its version fixes their code, and a new version names a new entry.
+    import torchvision
+
+    tv = "torchvision:mobilenet_v3_small?input=3x32x32&num_classes=10"
+    name = onnx_export._disk_name(tv, "dynamo")
+    assert name is not None and name.startswith("torchvision-mobilenet_v3_small-dynamo-")
+    monkeypatch.setattr(torchvision, "__version__", "0.0.1")
+    assert onnx_export._disk_name(tv, "dynamo") not in (None, name)

@@ -8,6 +8,7 @@ block runs as written in tests/test_documented_commands.py.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 from pathlib import Path
@@ -181,6 +182,8 @@ def test_a_torchvision_fleet_over_mosquitto_with_a_reply_in_several_chunks(mosqu
             assert proc.stop() == 0, proc.output[-3000:]
             assert "Traceback" not in proc.output, proc.output[-3000:]
         # The snapshot and journal of a batch-norm model bring the fleet back where it was.
+        # Both processes exported MobileNetV3 once between them: its graph is on disk for the next.
+        assert list((Path(os.environ["FEDMQ_CACHE_DIR"]) / "onnx").glob("torchvision-mobilenet_v3_small-*.onnx"))
         aggregator = CliProcess(server, cwd=tmp_path)
         aggregator.wait_for(r"^aggregator cdfl on .* epoch=1$", timeout=300)
         assert aggregator.stop() == 0 and "Traceback" not in aggregator.output, aggregator.output[-3000:]
