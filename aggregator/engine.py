@@ -212,16 +212,17 @@ class Engine:
         self.counters[f"applied.{rec['op']}"] += 1
 
     def refresh_cluster_accuracy(self, every_epochs: int = 1) -> None:
-        """Recompute `cluster_accuracy` when the models moved by `every_epochs` since."""
+        """Recompute `cluster_accuracy` when the models moved by `every_epochs` since (0: after
+        every batch that applied an upload; a batch of refused or duplicate messages moves no
+        model, and a fuzzed or flooded aggregator would otherwise evaluate after each one)."""
         if self.evaluator is None or (self._accuracy_epoch is not None
-                                      and self.strategy.uploads_applied - self._accuracy_epoch < every_epochs):
+                                      and self.strategy.uploads_applied - self._accuracy_epoch < max(1, every_epochs)):
             return
         models = self.strategy.server_models()
         if len(models) == 1:  # one global model (FedAsync, FedBuff): its accuracy on each proxy set
-            acc = self.evaluator.accuracies(models)[0]
-        else:
-            acc = torch.diagonal(self.evaluator.accuracies(models))
-        self.cluster_accuracy = [float(a) for a in acc]
+            self.cluster_accuracy = [float(a) for a in self.evaluator.accuracies(models)[0]]
+        else:  # each cluster on its own proxy set only (the rest of the K x K matrix is unused)
+            self.cluster_accuracy = [self.evaluator.accuracy_on(w, k) for k, w in enumerate(models)]
         self._accuracy_epoch = self.strategy.uploads_applied
 
     def snapshot_if_due(self, force: bool = False) -> bool:

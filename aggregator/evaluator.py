@@ -263,9 +263,17 @@ class ProxyEvaluator:
 
     def loss_on(self, vector: Tensor, k: int) -> float:
         """F(vector; D_k) alone (what the cluster cache stores)."""
+        return self._mean_on(vector, k, "loss")
+
+    def accuracy_on(self, vector: Tensor, k: int) -> float:
+        """Accuracy of `vector` on proxy set k alone: a cluster's own accuracy costs 1/K of
+        `accuracies` on every set."""
+        return self._mean_on(vector, k, "correct")
+
+    def _mean_on(self, vector: Tensor, k: int, what: str) -> float:
         rows = (self.offsets[k], self.offsets[k + 1])
         x, y = self.x[rows[0] : rows[1]], self.y[rows[0] : rows[1]]
-        return float(self._per_sample(vector[None], "loss", x, y, rows=rows).mean())
+        return float(self._per_sample(vector[None], what, x, y, rows=rows).mean())
 
     def cluster_losses(self, clusters: Tensor, versions: Sequence[object] | None = None) -> Tensor:
         """[K] F(w_k; D_k), cached per cluster; an entry is recomputed when w_k's version

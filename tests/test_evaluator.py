@@ -130,6 +130,9 @@ def test_fused_is_the_cpu_default_and_splits_work_over_workers_without_changing_
     x, y = proxies[1]
     torch.testing.assert_close(inline.per_sample_on(vectors, x, y), expected[:, 37:], rtol=0, atol=1e-6)
     assert inline.loss_on(vectors[0], 1) == pytest.approx(stacked.loss_on(vectors[0], 1), rel=1e-5)
+    # a cluster's own accuracy (the aggregator's cluster-accuracy metric) is the K x K matrix's diagonal
+    matrix = inline.accuracies(vectors[:2])
+    assert [inline.accuracy_on(vectors[k], k) for k in range(2)] == pytest.approx(torch.diagonal(matrix).tolist())
     monkeypatch.setattr(evaluator_module, "WINDOW_CACHE_BYTES", 0)
     uncached = ProxyEvaluator(model_spec(arch), proxies, device="cpu", chunk=8, workers=1)
     torch.testing.assert_close(uncached.per_sample(vectors), expected, rtol=0, atol=1e-6)

@@ -150,3 +150,27 @@ def test_scraped_counters_match_what_was_sent(mosquitto, pretrained, tmp_path) -
         for k, value in enumerate(accuracy):
             assert m[f'fedmq_aggregator_cluster_accuracy{{cluster="{k}"}}'] == pytest.approx(value)
             assert 0.0 <= value <= 1.0
+
+
+def test_cluster_accuracy_is_recomputed_only_after_uploads_moved_the_models(pretrained, tmp_path, monkeypatch) -> None:
+    """accuracy_every = 0 means after every batch that applied an upload: a batch of refused
+    or duplicate messages moves no model (a fuzzed aggregator evaluated after each one)."""
+    from aggregator.strategy import Upload
+
+    state = tmp_path / "state"
+    shutil.copytree(pretrained, state)
+    engine = build_engine(load_config(None, {**SMALL, "aggregator.state_dir": str(state)}))
+    engine.recover()
+    calls: list[int] = []
+    real = engine.evaluator.accuracy_on
+    monkeypatch.setattr(engine.evaluator, "accuracy_on", lambda w, k: calls.append(k) or real(w, k))
+    engine.refresh_cluster_accuracy(0)
+    assert calls == [0, 1] and len(engine.cluster_accuracy) == 2
+    engine.refresh_cluster_accuracy(0)  # nothing applied since
+    assert calls == [0, 1]
+    engine.strategy.join("car-1")
+    w = engine.strategy.clusters.mean(0)
+    engine.strategy.apply(Upload("car-1", w + 0.01, tau=0, base=w))
+    engine.refresh_cluster_accuracy(0)
+    assert calls == [0, 1, 0, 1]
+    engine.journal.close()
