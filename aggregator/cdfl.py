@@ -64,6 +64,10 @@ class SoftClusters(Strategy):
     """K cluster vectors with staleness-gated, alpha-weighted asynchronous updates."""
 
     def server_models(self) -> Tensor:
+        return self.served()
+
+    def served(self) -> Tensor:
+        """The cluster models replies are made from and reported: the iterates here."""
         return self.clusters
 
     def __init__(self, spec: ModelSpec, clusters: Tensor | Sequence[Tensor], *, tau0: int = 0,
@@ -125,7 +129,7 @@ class SoftClusters(Strategy):
 
     def mixture(self, alpha: Sequence[float]) -> Tensor:
         """sum_k alpha_k w_k (float32)."""
-        return torch.tensor(list(alpha), dtype=torch.float32) @ self.clusters
+        return torch.tensor(list(alpha), dtype=torch.float32) @ self.served()
 
     def _step(self, upload: Upload, vector: Tensor, alpha: list[float]) -> dict[str, Any]:
         """Steps 1 and 3 at t := t + 1; returns what happened for Reply.info."""
@@ -270,7 +274,8 @@ class CDFL(SoftClusters):
                  refresh_steps: int = 0, refresh_lr: float = 0.01, reply_uses_upload: bool = True,
                  server_lr: float = 1.0, delta_hinge_a: float = 0.1, delta_tau0: int = 0,
                  staleness_cap: int = 1, reply_batch: int = 1, delta_moves_head: bool = True,
-                 trunk_share: float = 0.0, refresh_all: bool = False, trunk_guard: bool = False) -> None:
+                 trunk_share: float = 0.0, refresh_all: bool = False, trunk_guard: bool = False,
+                 average: float = 0.0) -> None:
         super().__init__(spec, clusters, tau0=tau0, beta0=beta0, hinge_a=hinge_a, hinge_b=hinge_b,
                          update_rule=update_rule, update_power=update_power, server_lr=server_lr,
                          delta_hinge_a=delta_hinge_a, delta_tau0=delta_tau0, staleness_cap=staleness_cap,
@@ -282,6 +287,12 @@ class CDFL(SoftClusters):
         self.refresh_lr = float(refresh_lr)
         self.refresh_all = bool(refresh_all)
         self.trunk_guard = bool(trunk_guard)
+        if not 0.0 <= average < 1.0:
+            raise ValueError(f"cdfl.cluster_average must be in [0, 1), got {average}")
+        self.average = float(average)
+        self.averaged = self.clusters.clone() if self.average > 0.0 else None
+        """cdfl.cluster_average: an exponential average of the cluster iterates, what replies
+        start from and what is reported (the steps and the refresh move the iterates)."""
         self.reply_uses_upload = bool(reply_uses_upload)
         if reply_batch < 1:
             raise ValueError(f"need reply_batch >= 1, got {reply_batch}")
@@ -329,10 +340,13 @@ class CDFL(SoftClusters):
                    delta_hinge_a=settings.delta_hinge_a, delta_tau0=settings.delta_tau0,
                    staleness_cap=settings.staleness_cap, reply_batch=settings.reply_batch,
                    delta_moves_head=settings.delta_moves_head, trunk_share=settings.trunk_share,
-                   trunk_guard=settings.trunk_guard, **kwargs)
+                   trunk_guard=settings.trunk_guard, average=settings.cluster_average, **kwargs)
 
     def _guards_trunk(self) -> bool:
         return self.trunk_guard
+
+    def served(self) -> Tensor:
+        return self.averaged if self.averaged is not None else self.clusters
 
     def _shared_step_kept(self, k: int, shared: Tensor, own: Tensor) -> bool:
         """cdfl.trunk_guard: cluster k takes the whole trunk step only where its loss on its
@@ -361,6 +375,10 @@ class CDFL(SoftClusters):
                     if info["betas"][k] == 0.0:  # step 3 did not mark it changed
                         self._changed(k)
             info["refresh_seconds"] = time.perf_counter() - t0
+        if self.averaged is not None and not info["stale"]:
+            # Each applied upload's iterates enter the average: an agent's step is one noisy
+            # sample of its cluster's descent, and the average keeps what the steps share.
+            self.averaged.mul_(self.average).add_(self.clusters, alpha=1.0 - self.average)
         return info
 
     def _personalized(self, agent: str, alpha: list[float], info: dict[str, Any],
@@ -380,7 +398,7 @@ class CDFL(SoftClusters):
         return self._reply(agent, alpha, info, u, self.uploads_applied)
 
     def _request(self, alpha: list[float], upload: Tensor) -> PersonalizeRequest:
-        return PersonalizeRequest(self.clusters, alpha, upload if self.reply_uses_upload else None,
+        return PersonalizeRequest(self.served(), alpha, upload if self.reply_uses_upload else None,
                                   seed=self.seed * 1_000_003 + self.uploads_applied)
 
     def _reply(self, agent: str, alpha: list[float], info: dict[str, Any], u: Tensor, epoch: int) -> Reply:
@@ -463,6 +481,8 @@ class CDFL(SoftClusters):
         d = self._base_state()
         d["algorithm"] = self.name
         d["last_sent"] = {a: v.clone() for a, v in self.last_sent.items()}
+        if self.averaged is not None:
+            d["averaged"] = self.averaged.clone()
         return d
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
@@ -470,4 +490,10 @@ class CDFL(SoftClusters):
             raise ValueError(f"state is for {d.get('algorithm')!r}, not {self.name!r}")
         self._load_base(d)
         self.last_sent = {str(a): v.detach().to("cpu", torch.float32).clone() for a, v in d["last_sent"].items()}
+        if self.average > 0.0:
+            # A state saved without the average (or with it off) starts it from the iterates.
+            kept = d.get("averaged")
+            if kept is not None and tuple(kept.shape) != tuple(self.clusters.shape):
+                raise ValueError(f"state averaged clusters {tuple(kept.shape)}, expected {tuple(self.clusters.shape)}")
+            self.averaged = (self.clusters if kept is None else kept).detach().to("cpu", torch.float32).clone()
         self.evaluator.invalidate()

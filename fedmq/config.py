@@ -244,6 +244,8 @@ class CDFLSettings:
     """After an upload moves cluster k, w_k takes this many SGD mini-batches (64 samples) on its own proxy set D_k, so the clusters stay specialists under a stream of mixed uploads (aggregator/cluster_refresh.py). Rotated digits, 25 updates per agent: cluster accuracy 0.972 / 0.966 at K = 4 / 6 against 0.954 / 0.945 without it and FedSoft-Async's 0.963 / 0.955, for ~0.04 s per upload (docs/results_cdfl.md section 5). 0: off (the paper's rule)."""
     cluster_refresh_lr: float = 0.05
     """Learning rate of the cluster refresh (plain SGD); 0.05 beat 0.01 at K = 4 and 6."""
+    cluster_average: float = 0.0
+    """Serve an exponential average of the cluster models instead of the latest iterates: after each applied upload avg_k := d avg_k + (1 - d) w_k. Replies start from it and the reported cluster models (accuracy, metrics) are it; the agents' steps and the proxy refresh still move the iterates w_k. Each step is one agent's noisy descent; averaging keeps what they share (docs/results_cdfl.md section 12). 0: off; 0.995 averages over about the last 200 uploads."""
     cluster_refresh_all: bool = False
     """Refresh every cluster after each upload, not only those with a share of it: with trunk_share > 0 every cluster's lower layers move, also where alpha is 0 (docs/results_cdfl.md section 11). The frozen control refreshes the same clusters."""
 
@@ -402,7 +404,7 @@ class AggregatorSettings:
     pretrain_epochs: int = 0
     """Epochs of server-side pre-training of each cluster model on its pretrain pool. 0 = auto: enough epochs to see about 10,000 samples, at least 5 (5 for the paper's 2000 per cluster; 24 for digits' 418 at K = 3)."""
     accuracy_every: int = 10
-    """Epochs between refreshes of the per-cluster proxy accuracy metric (0 = after every batch)."""
+    """Epochs between refreshes of the per-cluster proxy accuracy metric (0 = after every batch that applied an upload)."""
     snapshot_every: int = 200
     """Journal records between snapshots (a snapshot bounds replay time after a crash)."""
     norm_bound: float = 0.0

@@ -267,3 +267,32 @@ def test_metrics_estimator_keeps_no_per_agent_vectors():
     s.join("a")
     s.update(Upload("a", vector(0), tau=0))
     assert s.last_sent == {} and s.state_dict()["last_sent"] == {}
+
+
+def test_cluster_average_is_served_while_the_iterates_learn_and_survives_a_restart():
+    """cdfl.cluster_average: replies start from (and the reported models are) the average
+    avg := d avg + (1 - d) w after each applied upload; the steps move the iterates w."""
+    d = 0.9
+    s = make_cdfl(2, personalization="mixture", update_rule="delta", average=d)
+    start = s.clusters.clone()
+    s.join("a")
+    base = s.mixture([0.5, 0.5])
+    step = 0.05 * (vector(0) - base)
+    r = s.apply(Upload("a", base + step, tau=0, base=base), alpha=[0.75, 0.25])
+    for k, a in enumerate((0.75, 0.25)):  # server_lr 1: the iterate takes the agent's step in its share
+        torch.testing.assert_close(s.clusters[k], start[k] + a * step)
+    want = d * start + (1 - d) * s.clusters
+    torch.testing.assert_close(s.server_models(), want)
+    torch.testing.assert_close(r.vectors[0], 0.75 * want[0] + 0.25 * want[1])  # the reply: avg's mixture
+    buf = io.BytesIO()
+    torch.save(s.state_dict(), buf)
+    buf.seek(0)
+    b = make_cdfl(2, personalization="mixture", update_rule="delta", average=d)
+    b.load_state_dict(torch.load(buf))
+    assert torch.equal(b.averaged, s.averaged) and torch.equal(b.clusters, s.clusters)
+    off = make_cdfl(2, personalization="mixture", update_rule="delta")
+    assert off.averaged is None and off.server_models() is off.clusters
+    with pytest.raises(ValueError, match="cluster_average"):
+        make_cdfl(2, average=1.0)
+    assert CDFL.from_settings(SPEC, clusters(2), proxies(2), CDFLSettings(clusters=2, cluster_average=0.99),
+                              device="cpu").average == 0.99
