@@ -214,3 +214,31 @@ def test_gains_are_paired_over_seeds_with_a_t_interval():
     table = markdown_table(summarize(runs))
     assert "fed gain received (pp)" in table and "| +4.0 ± 2.5 |" in table
     assert paired_interval([0.02]) == (0.02, 0.0)
+
+
+def test_central_pools_every_cycle_and_rows_compare_with_local_by_seed(tmp_path, capsys):
+    """The pooled-data ceiling sees every cycle's training set: more data than any agent, so on
+    the same fleet it scores above Local; every row then gets its paired gap to Local."""
+    from sim.ablation import VariantResult, markdown_table, summarize
+
+    spec = AblationSpec(clusters=2, seed=1, agents=4, updates_per_agent=2, test_samples=40)
+    fleet = Fleet(spec, small_config())
+    central = run_variant(fleet, Variant.parse("central"))
+    local = run_variant(fleet, Variant.parse("local"))
+    assert central.method == "central" and central.acc_received == central.acc_trained
+    assert central.acc_received > local.acc_received and 0.0 < central.cluster_acc <= 1.0
+    assert math.isnan(central.kl) and central.models_down_per_update == 0
+
+    def run(variant: str, method: str, seed: int, received: float) -> VariantResult:
+        return VariantResult(variant, method, 2, seed, 10, 0.5, 0.5, received, 0.1, 0.9, 1, 4, 0.1, 0.01)
+
+    runs = [run("local", "local", 0, 0.90), run("local", "local", 1, 0.80),
+            run("cdfl", "cdfl", 0, 0.93), run("cdfl", "cdfl", 1, 0.81)]
+    rows = {r["variant"]: r for r in summarize(runs)}
+    assert "local_gain_received" not in rows["local"]
+    assert rows["cdfl"]["local_gain_received"] == pytest.approx(0.02)  # paired: 0.03, 0.01
+    assert "received - Local (pp)" in markdown_table(list(rows.values()))
+    # Not a fleet: refused over the wire, in one line, before anything runs.
+    assert main(["--variant", "central", "--wire", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "central" in err and "--wire" in err and not (tmp_path / "o").exists()
