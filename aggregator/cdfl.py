@@ -67,7 +67,7 @@ class SoftClusters(Strategy):
         return self.served()
 
     def served(self) -> Tensor:
-        """The cluster models replies are made from and reported: the iterates here."""
+        """The cluster models the server reports (accuracy, metrics): the iterates here."""
         return self.clusters
 
     def __init__(self, spec: ModelSpec, clusters: Tensor | Sequence[Tensor], *, tau0: int = 0,
@@ -129,7 +129,7 @@ class SoftClusters(Strategy):
 
     def mixture(self, alpha: Sequence[float]) -> Tensor:
         """sum_k alpha_k w_k (float32)."""
-        return torch.tensor(list(alpha), dtype=torch.float32) @ self.served()
+        return torch.tensor(list(alpha), dtype=torch.float32) @ self.clusters
 
     def _step(self, upload: Upload, vector: Tensor, alpha: list[float]) -> dict[str, Any]:
         """Steps 1 and 3 at t := t + 1; returns what happened for Reply.info."""
@@ -291,8 +291,10 @@ class CDFL(SoftClusters):
             raise ValueError(f"cdfl.cluster_average must be in [0, 1), got {average}")
         self.average = float(average)
         self.averaged = self.clusters.clone() if self.average > 0.0 else None
-        """cdfl.cluster_average: an exponential average of the cluster iterates, what replies
-        start from and what is reported (the steps and the refresh move the iterates)."""
+        """cdfl.cluster_average: an exponential average of the cluster iterates, the cluster
+        models the server reports. Replies are still made from the iterates: an agent's step is
+        relative to the reply it trained from, and added to an average it was not taken from it
+        made both the clusters and the replies worse (docs/results_cdfl.md section 12)."""
         self.reply_uses_upload = bool(reply_uses_upload)
         if reply_batch < 1:
             raise ValueError(f"need reply_batch >= 1, got {reply_batch}")
@@ -398,7 +400,7 @@ class CDFL(SoftClusters):
         return self._reply(agent, alpha, info, u, self.uploads_applied)
 
     def _request(self, alpha: list[float], upload: Tensor) -> PersonalizeRequest:
-        return PersonalizeRequest(self.served(), alpha, upload if self.reply_uses_upload else None,
+        return PersonalizeRequest(self.clusters, alpha, upload if self.reply_uses_upload else None,
                                   seed=self.seed * 1_000_003 + self.uploads_applied)
 
     def _reply(self, agent: str, alpha: list[float], info: dict[str, Any], u: Tensor, epoch: int) -> Reply:

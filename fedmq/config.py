@@ -245,7 +245,7 @@ class CDFLSettings:
     cluster_refresh_lr: float = 0.05
     """Learning rate of the cluster refresh (plain SGD); 0.05 beat 0.01 at K = 4 and 6."""
     cluster_average: float = 0.0
-    """Serve an exponential average of the cluster models instead of the latest iterates: after each applied upload avg_k := d avg_k + (1 - d) w_k. Replies start from it and the reported cluster models (accuracy, metrics) are it; the agents' steps and the proxy refresh still move the iterates w_k. Each step is one agent's noisy descent; averaging keeps what they share (docs/results_cdfl.md section 12). 0: off; 0.995 averages over about the last 200 uploads."""
+    """Report an exponential average of the cluster models instead of the latest iterates (Polyak averaging): after each applied upload avg_k := d avg_k + (1 - d) w_k, and the cluster models the server reports (accuracy, metrics, server_models) are avg_k. Replies are still made from the iterates w_k, which the agents' steps and the proxy refresh move: a step is relative to the reply it was trained from (replies from the average made clusters and replies worse). Each step is one agent's noisy descent; the average keeps what they share (docs/results_cdfl.md section 12). 0: off; 0.995 averages over about the last 200 uploads."""
     cluster_refresh_all: bool = False
     """Refresh every cluster after each upload, not only those with a share of it: with trunk_share > 0 every cluster's lower layers move, also where alpha is 0 (docs/results_cdfl.md section 11). The frozen control refreshes the same clusters."""
 

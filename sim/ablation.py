@@ -1,7 +1,9 @@
 """Ablation runner: the same fleet (same seeds, data, schedule and start models) per variant.
 
 A variant is a method (cdfl, fedsoft-async, local) plus config overrides, e.g.
-`cdfl-distill=cdfl:cdfl.personalization=distill,cdfl.beta0=0.1`. For every (K, seed) the
+`cdfl-distill=cdfl:cdfl.personalization=distill,cdfl.beta0=0.1`; `central` and
+`central-clusters` are references beside them (one model, or one per cluster, trained on the
+pooled data of the whole run; no fleet). For every (K, seed) the
 scenario's clusters are built and the cluster models pre-trained once; every variant then
 starts from those same models and replays the same seeded schedule
 (`sim.fleet.make_schedule`) with the same per-cycle data (`sim.scenarios.draw_cycle`) and
@@ -57,9 +59,15 @@ from sim.stats import paired_interval
 log = get_logger("sim")
 
 CENTRAL = "central"
-"""Not a fleet: one model trained on the pooled data of every cycle of the run, the ceiling a
-federated method approaches (and the check on whether a target is reachable at all)."""
-METHODS = (*ASYNC_AGENT, CENTRAL)  # what an agent runs (the variants replay agents), and the ceiling
+"""Not a fleet: one model trained on the pooled data of every cycle of the run, the reference
+a federated method approaches (and a check on whether a target is reachable at all)."""
+CENTRAL_CLUSTERS = "central-clusters"
+"""Not a fleet either: K models, model k trained on every pooled sample of cluster k, and each
+test sample scored by its own cluster's model. An upper bound for one personalized model per
+agent, which must serve its whole mixture (at K = 2 the clusters are 0 and 180 degrees, where
+a 6 and a 9 look alike: one model for both rotations cannot tell them apart)."""
+CEILINGS = (CENTRAL, CENTRAL_CLUSTERS)
+METHODS = (*ASYNC_AGENT, *CEILINGS)  # what an agent runs (the variants replay agents), and the ceilings
 CENTRAL_EPOCHS = 5
 """Passes over the pooled data; 15 gave the same accuracy within 0.1 pp (rotated digits, K = 2)."""
 
@@ -223,9 +231,10 @@ class Fleet:
 
 
 def run_central(fleet: Fleet, variant: Variant) -> VariantResult:
-    """The ceiling: one model from Local's start trained on every cycle's training set at once
-    (as if the fleet's data were pooled on a server), scored on every cycle's test mixture as
-    the replies are, and on each cluster's test set."""
+    """A ceiling: models from Local's start trained on every cycle's training set at once (as if
+    the fleet's data were pooled on a server), scored on every cycle's test mixture as the
+    replies are, and on each cluster's test set. `central`: one model for all; `central-clusters`:
+    one per cluster, each sample (train and test) going to its own cluster's model."""
     from fedmq.training import evaluate, fit
 
     spec, name = fleet.spec, fleet.model_name
@@ -235,12 +244,33 @@ def run_central(fleet: Fleet, variant: Variant) -> VariantResult:
     y = torch.cat([train.data.y for train, _ in sets])
     start = torch.stack(fleet.starts(cfg)).mean(0)
     a = cfg.agent
-    result = fit(name, start, x, y, epochs=CENTRAL_EPOCHS, batch_size=a.batch_size, lr=a.lr,
-                 momentum=a.momentum, seed=spec.seed)
-    acc = _mean([evaluate(name, result.vector, test.data.x, test.data.y)[0] for _, test in sets])
-    cluster = _mean([evaluate(name, result.vector, t.x, t.y)[0] for t in fleet.tests])
+
+    def trained(keep: torch.Tensor | None) -> torch.Tensor:
+        xs, ys = (x, y) if keep is None else (x[keep], y[keep])
+        return fit(name, start, xs, ys, epochs=CENTRAL_EPOCHS, batch_size=a.batch_size, lr=a.lr,
+                   momentum=a.momentum, seed=spec.seed).vector
+
+    if variant.method == CENTRAL:
+        models = [trained(None)] * spec.clusters
+    else:
+        owner = torch.cat([torch.as_tensor(train.cluster) for train, _ in sets])
+        models = [trained(owner == k) for k in range(spec.clusters)]
+
+    def routed(test: Any) -> float:
+        """Accuracy on a test mixture, each sample scored by its cluster's model."""
+        owner = torch.as_tensor(test.cluster)
+        right = 0.0
+        for k in range(spec.clusters):
+            keep = owner == k
+            if keep.any():
+                right += evaluate(name, models[k], test.data.x[keep], test.data.y[keep])[0] * int(keep.sum())
+        return right / len(test)
+
+    acc = _mean([routed(test) for _, test in sets])
+    cluster = _mean([evaluate(name, w, t.x, t.y)[0] for w, t in zip(models, fleet.tests, strict=True)])
     return VariantResult(
-        variant=variant.name, method=CENTRAL, clusters=spec.clusters, seed=spec.seed, updates=len(fleet.schedule),
+        variant=variant.name, method=variant.method, clusters=spec.clusters, seed=spec.seed,
+        updates=len(fleet.schedule),
         acc_held=acc, acc_trained=acc, acc_received=acc, kl=math.nan, cluster_acc=cluster,
         models_down_per_update=0.0, bytes_down_per_update=0.0, client_compute_s=math.nan,
         aggregator_s_per_upload=math.nan, settings=dict(variant.settings), server_share=fleet.server_share)
@@ -248,7 +278,7 @@ def run_central(fleet: Fleet, variant: Variant) -> VariantResult:
 
 def run_variant(fleet: Fleet, variant: Variant, estimators: Sequence[str] = ()) -> VariantResult:
     """Replay the fleet's schedule with one variant, in-process."""
-    if variant.method == CENTRAL:
+    if variant.method in CEILINGS:
         return run_central(fleet, variant)
     from aggregator.bootstrap import make_strategy
     from aggregator.estimators import EstimationBatch, make_estimator
@@ -563,9 +593,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim.ablation"
         if unknown:
             raise ValueError(f"--controls: unknown {', '.join(unknown)}; use {', '.join(CONTROLS)} or none")
         variants = with_controls(variants, controls)
-        if args.wire and any(v.method == CENTRAL for v in variants):
-            raise ValueError(f"--wire: {CENTRAL} pools the fleet's data on one machine, it is not a fleet; "
-                             "run it without --wire")
+        ceilings = [v.name for v in variants if v.method in CEILINGS]
+        if args.wire and ceilings:
+            raise ValueError(f"--wire: {', '.join(ceilings)} pools the fleet's data on one machine, it is "
+                             "not a fleet; run it without --wire")
     except ValueError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 2

@@ -228,6 +228,10 @@ def test_central_pools_every_cycle_and_rows_compare_with_local_by_seed(tmp_path,
     assert central.method == "central" and central.acc_received == central.acc_trained
     assert central.acc_received > local.acc_received and 0.0 < central.cluster_acc <= 1.0
     assert math.isnan(central.kl) and central.models_down_per_update == 0
+    # one model per cluster, every sample to its own cluster's: another ceiling, same pooled data
+    routed = run_variant(fleet, Variant.parse("central-clusters"))
+    assert routed.method == "central-clusters" and 0.0 < routed.acc_received <= 1.0
+    assert (routed.acc_received, routed.cluster_acc) != (central.acc_received, central.cluster_acc)
 
     def run(variant: str, method: str, seed: int, received: float) -> VariantResult:
         return VariantResult(variant, method, 2, seed, 10, 0.5, 0.5, received, 0.1, 0.9, 1, 4, 0.1, 0.01)

@@ -270,8 +270,8 @@ def test_metrics_estimator_keeps_no_per_agent_vectors():
 
 
 def test_cluster_average_is_served_while_the_iterates_learn_and_survives_a_restart():
-    """cdfl.cluster_average: replies start from (and the reported models are) the average
-    avg := d avg + (1 - d) w after each applied upload; the steps move the iterates w."""
+    """cdfl.cluster_average: the reported cluster models are the average avg := d avg +
+    (1 - d) w after each applied upload; the steps move, and the replies come from, the iterates w."""
     d = 0.9
     s = make_cdfl(2, personalization="mixture", update_rule="delta", average=d)
     start = s.clusters.clone()
@@ -283,7 +283,8 @@ def test_cluster_average_is_served_while_the_iterates_learn_and_survives_a_resta
         torch.testing.assert_close(s.clusters[k], start[k] + a * step)
     want = d * start + (1 - d) * s.clusters
     torch.testing.assert_close(s.server_models(), want)
-    torch.testing.assert_close(r.vectors[0], 0.75 * want[0] + 0.25 * want[1])  # the reply: avg's mixture
+    torch.testing.assert_close(r.vectors[0], 0.75 * s.clusters[0] + 0.25 * s.clusters[1])  # the iterates' mixture
+    assert not torch.allclose(r.vectors[0], 0.75 * want[0] + 0.25 * want[1])
     buf = io.BytesIO()
     torch.save(s.state_dict(), buf)
     buf.seek(0)
