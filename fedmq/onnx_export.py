@@ -67,14 +67,15 @@ def _disk_name(model_name: str, exporter: str) -> str | None:
 
     from fedmq import models
 
+    reference = models.parse_reference(model_name) if models.is_reference(model_name) else None
     if model_name in models.ZOO:
         code: bytes | str = Path(models.__file__).read_bytes()
         stem = model_name
-    elif models.is_reference(model_name) and models.parse_reference(model_name).source == "torchvision":
+    elif reference is not None and reference.source == "torchvision":
         import torchvision
 
         code = f"torchvision {torchvision.__version__}"
-        stem = "torchvision-" + models.parse_reference(model_name).name
+        stem = "torchvision-" + reference.name
     else:
         return None
     made_by = disk_cache.digest(model_name, model_spec(model_name).hash, code, torch.__version__,
