@@ -43,6 +43,7 @@ from torch.func import functional_call, grad, vmap
 
 from aggregator.evaluator import ProxyEvaluator, vector_digest
 from fedmq.config import CDFLSettings
+from fedmq.optimizers import SGD
 
 
 @dataclass
@@ -197,7 +198,7 @@ class DistillPersonalizer(Personalizer):
         x = ev.x.contiguous() if ev.x.ndim != 4 else ev.x
         y = ev.y
         w = start.clone().requires_grad_(True)
-        opt = torch.optim.SGD([w], lr=self.lr, momentum=self.momentum)
+        opt = SGD([w], lr=self.lr, momentum=self.momentum)
         gen = torch.Generator().manual_seed(int(request.seed))
         steps = 0
         T = self.temperature

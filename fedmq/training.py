@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from fedmq.models import build_model, load_vector, model_spec, to_vector
+from fedmq.optimizers import SGD, Adam
 from fedmq.privacy import DpSgd, private_gradients
 
 OPTIMIZERS = ("sgd", "adam")
@@ -91,9 +92,9 @@ def fit(model_name: str, start: torch.Tensor, x: torch.Tensor, y: torch.Tensor, 
             centers.append(center[offset:offset + p.numel()].view_as(p).detach().float())
             offset += p.numel()
     if optimizer == "sgd":
-        opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+        opt: SGD | Adam = SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     else:
-        opt = torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+        opt = Adam(params, lr=lr, weight_decay=weight_decay)
     loss_fn = nn.CrossEntropyLoss()
     generator = torch.Generator().manual_seed(seed)
     n = x.shape[0]

@@ -130,3 +130,52 @@ def test_max_seconds_and_on_epoch_stop_early(digits, partly_trained) -> None:
     one = train_local(MODEL, partly_trained, x[:500], y[:500], epochs=5,
                       on_epoch=lambda epoch, loss: seen.append(epoch) or False)
     assert seen == [0] and one.epochs_done == 1 and one.stopped_early and one.samples_seen == 500
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_training_steps_are_torch_optims_bit_for_bit(digits, partly_trained, optimizer) -> None:
+    """fedmq.optimizers computes torch.optim's updates (its functional forms): same vectors."""
+    from fedmq import training
+
+    x, y = digits
+    kwargs = dict(epochs=2, lr=0.01, optimizer=optimizer, weight_decay=1e-4, seed=3)
+    ours = training.fit(MODEL, partly_trained, x[:256], y[:256], anchors=[(partly_trained, 0.1)], **kwargs)
+    swapped = {"SGD": torch.optim.SGD, "Adam": torch.optim.Adam}
+    saved = {name: getattr(training, name) for name in swapped}
+    try:
+        for name, cls in swapped.items():
+            setattr(training, name, lambda params, cls=cls, **kw: cls(params, **kw))
+        torchs = training.fit(MODEL, partly_trained, x[:256], y[:256], anchors=[(partly_trained, 0.1)], **kwargs)
+    finally:
+        for name, cls in saved.items():
+            setattr(training, name, cls)
+    assert torch.equal(ours.vector, torchs.vector)
+
+
+def test_a_process_that_trains_and_personalizes_does_not_import_the_compiler() -> None:
+    """torch.optim.Optimizer imports torch._dynamo (2-2.4 s of CPU here) in every process that
+    trains: agents, aggregators with fine-tuned replies, reply workers (fedmq/optimizers.py)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch\n"
+        "from sklearn.datasets import load_digits\n"
+        "from fedmq.models import build_model, to_vector\n"
+        "from fedmq.models import model_spec\n"
+        "from fedmq.training import fit\n"
+        "from aggregator.evaluator import ProxyEvaluator\n"
+        "from aggregator.personalize import PersonalizeRequest, make_personalizer\n"
+        "d = load_digits(); x = torch.tensor(d.images[:128], dtype=torch.float32).unsqueeze(1) / 16\n"
+        "y = torch.tensor(d.target[:128])\n"
+        "v = to_vector(build_model('digits-cnn', seed=0))\n"
+        "for opt in ('sgd', 'adam'):\n"
+        "    fit('digits-cnn', v, x, y, epochs=1, optimizer=opt)\n"
+        "ev = ProxyEvaluator(model_spec('digits-cnn'), [(x[:64], y[:64]), (x[64:], y[64:])])\n"
+        "p = make_personalizer('finetune', ev, epochs=1)\n"
+        "p.personalize(PersonalizeRequest(clusters=torch.stack([v, v]), alpha=[0.5, 0.5], upload=v))\n"
+        "print(sorted(m for m in ('torch._dynamo', 'torch.optim.optimizer') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # torch.optim's functional updates live beside the Optimizer class: importing them is fine.
+    assert "torch._dynamo" not in done.stdout, done.stdout
