@@ -36,6 +36,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgpack
 import pytest
 
 from tests.cli_process import BIN, ROOT, CliProcess, cli_env
@@ -474,6 +475,10 @@ def test_fleet_blocks_as_written(block: tuple[str, ...], scratch: Path, netns: N
             assert 1 <= invited == finished <= len(agents), done.group(0)
             if "catafed" not in " ".join(aggregator.argv):  # FedAvg invites everyone it waited for
                 assert invited == len(agents), done.group(0)
+            state = re.search(r"--state-dir (\S+)", " ".join(aggregator.argv))
+            if state:  # the closed round is in the snapshot a restart resumes from
+                snapshot = scratch / state.group(1) / "rounds.msgpack"
+                assert snapshot.exists() and msgpack.unpackb(snapshot.read_bytes(), raw=False), snapshot
         else:
             assert watch is not None and len(agents) == 1, block
             aggregator = next(p for p in procs if "fedmq aggregator" in " ".join(p.argv))
