@@ -29,9 +29,10 @@ mosquitto:
 demo: venv
 	$(VENV)/bin/fedmq demo $(DEMO_ARGS)
 
-# Two workers: most tests wait on brokers and subprocesses, so two halve the wall time on two
-# cores (17 -> 11.5 min here); worksteal evens out the long documented-command tests.
-PYTEST_ARGS ?= -n 2 --dist worksteal
+# Three workers on two cores: the tests wait on brokers and subprocesses, so one worker took
+# 17 min and two 11.5; with three both cores are ~92 % busy (pytest 711 s against 751-765 s
+# with two, same commit, idle machine). worksteal evens out the long documented-command tests.
+PYTEST_ARGS ?= -n 3 --dist worksteal
 
 # The venv (pip, ~1.5 min for torch on a fresh machine) and the test tools (apt: Mosquitto,
 # RabbitMQ, Prometheus) are independent: made side by side.

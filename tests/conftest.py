@@ -16,7 +16,7 @@ import torch
 from fedmq.broker import MosquittoBroker
 
 torch.set_num_threads(1)
-# The fedmq processes tests spawn too: two xdist workers on two cores, each starting an aggregator
+# The fedmq processes tests spawn too: three xdist workers on two cores, each starting an aggregator
 # and agents with a thread per core, oversubscribe the machine (a test of 8 s idle took 162 s).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
