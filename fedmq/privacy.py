@@ -30,9 +30,12 @@ gradients are not defined when batch norm mixes the samples of a batch.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -178,29 +181,45 @@ class UplinkPrivacy:
         self.history = [(float(m), float(q), int(s)) for m, q, s in history]
 
 
+RDP_ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64))
+"""The Renyi orders Opacus' RDPAccountant uses (its DEFAULT_ALPHAS; tests/test_privacy.py checks)."""
+
+
+@lru_cache(maxsize=1)
+def _opacus_rdp() -> ModuleType:
+    """Opacus' RDP analysis (opacus/accountants/analysis/rdp.py, numpy and scipy only), loaded
+    from its file: `import opacus` runs the package's __init__, which imports its optimizers
+    and torch.distributed's tensors, 3-4 s of CPU here for two pure functions (in every agent
+    with DP on, and in every `fedmq privacy plan`)."""
+    found = importlib.util.find_spec("opacus")
+    if found is None or not found.submodule_search_locations:
+        raise RuntimeFailure("privacy accounting needs Opacus: pip install opacus")
+    path = Path(list(found.submodule_search_locations)[0]) / "accountants" / "analysis" / "rdp.py"
+    spec = importlib.util.spec_from_file_location("fedmq_opacus_rdp", path)
+    if spec is None or spec.loader is None:
+        raise RuntimeFailure(f"Opacus has no RDP analysis at {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @lru_cache(maxsize=1024)
 def _rdp_per_step(sample_rate: float, noise_multiplier: float) -> tuple[float, ...]:
-    from opacus.accountants import RDPAccountant
-    from opacus.accountants.analysis import rdp
-
-    return tuple(rdp.compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=1,
-                                 orders=RDPAccountant.DEFAULT_ALPHAS))
+    return tuple(_opacus_rdp().compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=1,
+                                           orders=RDP_ORDERS))
 
 
 def epsilon_of(history: list[Step], delta: float) -> float:
     """What Opacus' RDPAccountant.get_epsilon says for this history, computed once per
     (multiplier, sample rate): RDP is linear in the steps, so entries that repeat one
     mechanism add up. The accountant recomputes each entry (a plan's bisection took 24 s)."""
-    from opacus.accountants import RDPAccountant
-    from opacus.accountants.analysis import rdp
-
     if not history:
         return 0.0
     steps: dict[tuple[float, float], int] = {}
     for multiplier, rate, n in history:
         steps[(float(multiplier), float(rate))] = steps.get((float(multiplier), float(rate)), 0) + int(n)
     total = sum(np.asarray(_rdp_per_step(rate, m)) * n for (m, rate), n in steps.items())
-    eps, _ = rdp.get_privacy_spent(orders=RDPAccountant.DEFAULT_ALPHAS, rdp=total, delta=delta)
+    eps, _ = _opacus_rdp().get_privacy_spent(orders=RDP_ORDERS, rdp=total, delta=delta)
     return float(eps)
 
 

@@ -251,8 +251,11 @@ def test_no_sketch_of_fewer_samples_than_sketch_min_samples() -> None:
 
 def test_the_grouped_accountant_says_what_opacus_says() -> None:
     """epsilon_of adds repeated mechanisms' RDP once per (multiplier, rate): the same epsilon as
-    Opacus' own accountant, which recomputes every entry (a plan's bisection took 24 s)."""
-    from fedmq.privacy import epsilon_of, upload_releases
+    Opacus' own accountant, which recomputes every entry (a plan's bisection took 24 s), and
+    its orders are the accountant's (fedmq loads Opacus' RDP analysis without `import opacus`)."""
+    from fedmq.privacy import RDP_ORDERS, epsilon_of, upload_releases
+
+    assert RDP_ORDERS == RDPAccountant.DEFAULT_ALPHAS
 
     history = upload_releases(3.3, 200, 128, 2, sketch=True, alpha=True) * 7 + upload_releases(1.1, 500, 32, 1)
     accountant = RDPAccountant()
