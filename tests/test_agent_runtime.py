@@ -139,6 +139,7 @@ def test_cli_dry_run_maps_flags_and_requires_an_id(tmp_path) -> None:
     assert missing.returncode == 2 and "--id" in missing.stderr
 
 
+@pytest.mark.slow
 def test_cli_local_agent_runs_without_a_broker_and_saves_state(tmp_path) -> None:
     state = tmp_path / "cam"
     out = _cli("--id", "cam-1", "--algorithm", "local", "--state-dir", str(state), "--dataset", "digits",

@@ -371,6 +371,7 @@ def test_a_flooding_agent_neither_starves_nor_stales_another(service, mosquitto)
         flooder.close()
 
 
+@pytest.mark.slow
 def test_retained_status_follows_the_epoch(service, mosquitto) -> None:
     """The retained online status was published once at connect, so a device joining later read
     that epoch; now it is re-published (at most every aggregator.status_every_s) when it moves."""

@@ -110,6 +110,7 @@ def test_long_pause_keeps_the_connection_alive(mosquitto) -> None:
         network.close()
 
 
+@pytest.mark.slow
 def test_aggregator_inbox_stays_bounded_and_nothing_is_lost(mosquitto, pretrained, tmp_path) -> None:  # noqa: F811
     """A slow engine and a burst of uploads: the inbox never holds more than its limit (a pause
     takes effect at the next packet, even inside one socket read), and every upload is

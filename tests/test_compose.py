@@ -325,6 +325,7 @@ def test_deploy_configs_load() -> None:
 # ----------------------------------------------------------------------------- dynamic
 
 
+@pytest.mark.slow
 def test_dev_stack_runs_against_mosquitto_from_dev_conf(tmp_path) -> None:
     doc = compose("docker-compose.yml")
     # 1. The broker: the service's own shell line renders its config (a stub mosquitto keeps it).
@@ -390,6 +391,7 @@ def test_dev_stack_runs_against_mosquitto_from_dev_conf(tmp_path) -> None:
             assert stop(proc) == 0
 
 
+@pytest.mark.slow
 def test_secure_stack_runs_against_mosquitto_from_prod_conf(tmp_path) -> None:
     doc = compose("docker-compose.yml", "docker-compose.secure.yml")
     creds = make_credentials(tmp_path / "creds", ["agent-1", "agent-2"], monitor_user="monitor",

@@ -105,6 +105,7 @@ def test_kill_9_five_times_during_a_fleet_run(mosquitto, pretrained, tmp_path) -
 # ---------------------------------------------------------------------------- broker restart
 
 
+@pytest.mark.slow
 def test_broker_restart_mid_run_and_with_queued_uploads(mosquitto, pretrained, tmp_path) -> None:
     state = fresh_state(pretrained, tmp_path)
     extra = {"broker.reconnect_min_s": 0.2, "broker.reconnect_max_s": 1.0}

@@ -88,6 +88,7 @@ def test_status_lists_counters_of_retained_status(mosquitto) -> None:
 
 
 @pytest.mark.parametrize("how", ["kill-9", "freeze"])
+@pytest.mark.slow
 def test_dead_agent_goes_offline_within_keepalive_window(mosquitto, how: str) -> None:
     """kill -9 closes the socket (the broker sees it at once); SIGSTOP freezes the agent with
     its socket open, like a device that lost its network: only the keepalive catches that."""

@@ -71,6 +71,7 @@ def run_cli(*argv: str, cwd: Path, env: dict[str, str], warm: Path | None = None
     return subprocess.run([*fedmq, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_dry_run_resolves_the_model_and_a_factory_in_the_working_directory(tmp_path, warm_python) -> None:
     done = run_cli("agent", "--id", "a", "--dataset", "shapes", "--model", MOBILENET, "--dry-run",
                    cwd=ROOT, env=cli_env(), warm=warm_python)

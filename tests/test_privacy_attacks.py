@@ -73,6 +73,7 @@ def test_ssim_is_one_on_itself_and_lower_for_other_images() -> None:
     assert (s - torch.eye(4)).max() < 0.5
 
 
+@pytest.mark.slow
 def test_without_dp_every_attack_beats_chance_at_ten_samples(view) -> None:
     scored, coverage = attack_clients(view, 10, 20)
     rng = np.random.default_rng(0)

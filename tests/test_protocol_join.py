@@ -234,6 +234,7 @@ def wait_online(port: int, deadline: float) -> None:
         watcher.disconnect()
 
 
+@pytest.mark.slow
 def test_a_device_that_knows_only_the_doc_joins_updates_and_runs_its_model(mosquitto, aggregator) -> None:
     deadline = time.monotonic() + DEADLINE_S
     wait_online(mosquitto.port, deadline)

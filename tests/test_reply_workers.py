@@ -88,6 +88,7 @@ def _same_replies(a, b) -> None:
         assert x.alpha == y.alpha
 
 
+@pytest.mark.slow
 def test_workers_train_the_same_replies_as_the_aggregator_and_share_the_batch(mosquitto) -> None:
     cfg = _cfg(mosquitto.url, "pool")
     here = _strategy(cfg)
@@ -111,6 +112,7 @@ def test_workers_train_the_same_replies_as_the_aggregator_and_share_the_batch(mo
 
 
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
+@pytest.mark.slow
 def test_under_prod_conf_the_pool_and_every_worker_log_in_as_their_own_users(tmp_path) -> None:
     """prod.conf keys sessions by user name (use_username_as_clientid): the reply pool and each
     worker need a login of their own (`fedmq creds --workers 1 --worker box-2`), the aggregator's
@@ -177,6 +179,7 @@ def test_under_prod_conf_the_pool_and_every_worker_log_in_as_their_own_users(tmp
             remote.stop()
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_job_costs_a_redispatch_not_a_reply(mosquitto) -> None:
     cfg = _cfg(mosquitto.url, "kill")
     here = _strategy(cfg)

@@ -52,6 +52,7 @@ def replay_invitations(algorithm: str, data: dict, live_rounds: list[dict]) -> N
         assert sorted(outcome.dropouts) == sorted(rec["silent"])
 
 
+@pytest.mark.slow
 def test_live_runs_match_the_strategy_and_the_twin(mosquitto, tmp_path) -> None:
     out = tmp_path / "out"
     assert rounds_live.main(["--broker", mosquitto.url, "--twin", "--out", str(out),

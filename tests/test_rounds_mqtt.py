@@ -116,6 +116,7 @@ def test_catafed_round_with_straggler_and_dropout(mosquitto) -> None:
                     a.stop()
 
 
+@pytest.mark.slow
 def test_fedavg_drops_a_late_update_and_keeps_the_agent(mosquitto) -> None:
     # Cut-off at T + grace = 5 s; the late agent needs 8 s (80 ms per sample), the other
     # well under a second: margins of seconds both ways, for a busy 2-core machine.

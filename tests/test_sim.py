@@ -124,6 +124,7 @@ def test_tiny_fleet_end_to_end_over_mosquitto(mosquitto, tmp_path):
     assert protocol.validate_id(cfg.fleet)
 
 
+@pytest.mark.slow
 def test_same_seed_same_table_with_one_worker(mosquitto):
     cfg = tiny_config()
     cfg.fleet = "simseed"

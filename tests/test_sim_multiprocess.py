@@ -103,6 +103,7 @@ def test_aggregator_and_two_agent_processes_merge_into_one_run(mosquitto, tmp_pa
         merge_parts(out)
 
 
+@pytest.mark.slow
 def test_one_agents_process_reproduces_the_in_process_run(mosquitto, tmp_path):
     """Arrival order is all that differs: with one agents process and one worker, nothing does."""
     spec = RunSpec(clusters=2, agents=4, seed=3, updates_per_agent=2, test_samples=60, local_epochs=1)

@@ -46,6 +46,7 @@ def test_report_covers_a_fresh_rounds_run(tmp_path):
     assert all(p.stat().st_size > 5000 for p in figures)
 
 
+@pytest.mark.slow
 def test_sweep_runs_every_setting_and_summarizes_the_paired_comparisons(tmp_path, capsys):
     from sim.rounds_sweep import main as sweep
 
