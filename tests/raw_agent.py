@@ -55,7 +55,7 @@ class RawAgent:
     def send(self, env: protocol.Envelope) -> None:
         self.publish_raw(protocol.encode(env))
 
-    def expect(self, in_reply_to: str, timeout: float = 30.0) -> protocol.Envelope:
+    def expect(self, in_reply_to: str, timeout: float = 120.0) -> protocol.Envelope:
         """The next downlink answering `in_reply_to` (others are dropped)."""
         deadline = time.monotonic() + timeout
         while True:
@@ -69,7 +69,7 @@ class RawAgent:
             if getattr(env, "in_reply_to", None) == in_reply_to:
                 return env
 
-    def join(self, spec_hash: str, algorithm: str = "cdfl", timeout: float = 30.0) -> protocol.Model:
+    def join(self, spec_hash: str, algorithm: str = "cdfl", timeout: float = 120.0) -> protocol.Model:
         env = protocol.Join(agent=self.agent, msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
                             model=spec_hash, algorithm=algorithm, n_samples=100)
         self.send(env)
