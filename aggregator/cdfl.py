@@ -241,6 +241,21 @@ class SoftClusters(Strategy):
         self.counters.update(d["counters"])
 
 
+AUTO_TRUNK_SHARE = 0.5
+"""What cdfl.trunk_share = -1 (the default) gives at K >= 3 clusters."""
+
+
+def resolve_trunk_share(share: float, k: int) -> float:
+    """cdfl.trunk_share, with -1 (auto) made concrete for K clusters: a shared trunk step helps
+    most where each cluster gets the smallest share of the uploads, and with two clusters it
+    pulled the two specialists together (docs/results_cdfl.md section 13)."""
+    if share == -1.0:
+        return AUTO_TRUNK_SHARE if k >= 3 else 0.0
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"cdfl.trunk_share must be in [0, 1] or -1 (auto), got {share}")
+    return float(share)
+
+
 def cdfl_evaluator(spec: ModelSpec, proxies: Sequence[Proxy], settings: CDFLSettings,
                    device: str = "auto") -> ProxyEvaluator:
     """The proxy evaluator [cdfl] configures (the aggregator's and every reply worker's)."""
@@ -341,7 +356,8 @@ class CDFL(SoftClusters):
                    reply_uses_upload=settings.reply_uses_upload, server_lr=settings.server_lr,
                    delta_hinge_a=settings.delta_hinge_a, delta_tau0=settings.delta_tau0,
                    staleness_cap=settings.staleness_cap, reply_batch=settings.reply_batch,
-                   delta_moves_head=settings.delta_moves_head, trunk_share=settings.trunk_share,
+                   delta_moves_head=settings.delta_moves_head,
+                   trunk_share=resolve_trunk_share(settings.trunk_share, len(clusters)),
                    trunk_guard=settings.trunk_guard, average=settings.cluster_average, **kwargs)
 
     def _guards_trunk(self) -> bool:

@@ -236,8 +236,8 @@ class CDFLSettings:
     """delta rule: uploads with t - tau above this leave the clusters unchanged (0 = 5 x the number of agents seen)."""
     delta_moves_head: bool = False
     """delta rule: whether the agents' steps also move each cluster's output layer (the model's last weight and bias). false (the default): the fleet teaches the layers below, and each head stays the specialist its proxy refresh keeps it; rotated digits, realistic budget, 3 seeds: cluster federation gain -0.8 / +0.4 / +2.1 / +1.0 pp at K = 2 / 3 / 4 / 6 against -3.3 / -1.3 / +0.9 / +0.2 with the heads moved, received accuracy the same (docs/results_cdfl.md section 10)."""
-    trunk_share: float = 0.0
-    """delta rule: the share of an agent's step on the layers below the output layer that every cluster takes whatever its alpha: trunk beta_k = server_lr s(d) ((1 - share) alpha_k + share); the output layer keeps alpha_k. 1: every upload teaches every cluster's trunk (the clusters then learn like one trunk with K heads); 0: the alpha share only (docs/results_cdfl.md section 11)."""
+    trunk_share: float = -1.0
+    """delta rule: the share of an agent's step on the layers below the output layer that every cluster takes whatever its alpha: trunk beta_k = server_lr s(d) ((1 - share) alpha_k + share); the output layer keeps alpha_k. 1: every upload teaches every cluster's trunk (the clusters then learn like one trunk with K heads); 0: the alpha share only. -1 (the default): 0.5 with K >= 3 clusters, 0 with K = 2. Rotated digits, realistic budget, 3 seeds: at K = 3 / 4 / 6 the reported clusters 0.944 / 0.942 / 0.935 against 0.939 / 0.940 / 0.929 with 0 and K = 6's received federation gain +3.1 against +2.5; at K = 2 it brought the cluster federation gain from +0.5 to +0.0 (docs/results_cdfl.md sections 11 and 13)."""
     trunk_guard: bool = False
     """With trunk_share > 0: cluster k takes the shared part of an agent's trunk step only when that does not raise its loss on its own proxy set (compared with the alpha share alone); else the alpha share alone. Costs two proxy evaluations per cluster per upload."""
     cluster_refresh_steps: int = 1

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from aggregator.cdfl import CDFL, update_weights
+from aggregator.cdfl import CDFL, resolve_trunk_share, update_weights
 from aggregator.evaluator import ProxyEvaluator
 from aggregator.personalize import (
     PERSONALIZATIONS,
@@ -329,6 +329,22 @@ def test_trunk_share_gives_every_cluster_the_step_below_the_head(world, moves_he
             torch.testing.assert_close(s.clusters[k, -head:], expected_head)
     with pytest.raises(ValueError, match="trunk_share"):
         CDFL.from_settings(SPEC, w, proxies, CDFLSettings(clusters=K, trunk_share=1.5), device="cpu")
+
+
+def test_the_default_trunk_share_is_half_from_three_clusters_and_none_at_two(world):
+    """cdfl.trunk_share = -1 (the default): 0.5 at K >= 3, 0 at K = 2 (docs/results_cdfl.md
+    section 13); an explicit share is kept whatever K."""
+    assert CDFLSettings().trunk_share == -1.0
+    assert resolve_trunk_share(-1.0, 2) == 0.0
+    assert resolve_trunk_share(-1.0, 3) == resolve_trunk_share(-1.0, 6) == 0.5
+    assert resolve_trunk_share(0.25, 2) == 0.25 and resolve_trunk_share(0.0, 6) == 0.0
+    with pytest.raises(ValueError, match="trunk_share"):
+        resolve_trunk_share(-0.5, 3)
+    _, w, proxies = world
+    assert CDFL.from_settings(SPEC, w, proxies, CDFLSettings(clusters=2), device="cpu").trunk_share == 0.0
+    three = CDFL.from_settings(SPEC, torch.cat([w, w[:1]]), [*proxies, proxies[0]], CDFLSettings(clusters=3),
+                               device="cpu")
+    assert three.trunk_share == 0.5
 
 
 def test_trunk_guard_keeps_a_shared_step_only_where_it_does_not_hurt_the_clusters_proxy_loss(world):
