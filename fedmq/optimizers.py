@@ -5,7 +5,7 @@ wrapped to keep the compiler out): 2.0-2.4 s of CPU on this 2-core machine, paid
 process that trains, at every start: an agent, an aggregator whose replies are fine-tuned, a
 reply worker. That is more than a digits agent's whole local training. The update itself is
 torch's own functional form (torch.optim.sgd.sgd, torch.optim.adam.adam) with torch's
-defaults, so the trained vectors are the same bit for bit (tests/test_training.py).
+defaults, so the trained vectors are the same bit for bit (tests/test_trainer.py).
 """
 
 from __future__ import annotations

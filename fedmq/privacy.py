@@ -189,7 +189,7 @@ RDP_ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64))
 def _opacus_rdp() -> ModuleType:
     """Opacus' RDP analysis (opacus/accountants/analysis/rdp.py, numpy and scipy only), loaded
     from its file: `import opacus` runs the package's __init__, which imports its optimizers
-    and torch.distributed's tensors, 3-4 s of CPU here for two pure functions (in every agent
+    and torch.distributed's tensors, 2-4 s of CPU here for two pure functions (in every agent
     with DP on, and in every `fedmq privacy plan`)."""
     found = importlib.util.find_spec("opacus")
     if found is None or not found.submodule_search_locations:
