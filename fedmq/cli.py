@@ -14,7 +14,7 @@ import sys
 from collections.abc import Collection
 
 from fedmq import __version__
-from fedmq.errors import ArgumentParser, expected_failure, report_failure
+from fedmq.errors import ArgumentParser, expected_failure, report_failure, unwind_on_sigterm
 
 # name -> (module, one-line help). Order is the order shown in --help.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -74,6 +74,7 @@ def requested_command(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    unwind_on_sigterm()  # commands that stop gracefully install their own handler over this
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(load={requested_command(argv)} & SUBCOMMANDS.keys())
     args, extra = parser.parse_known_args(argv)

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 import traceback
 from typing import NoReturn
 
@@ -23,6 +25,7 @@ from fedmq.redact import mask_secrets
 
 USAGE = 2
 RUNTIME = 1
+TERMINATED = 128 + signal.SIGTERM
 
 
 class FedmqError(Exception):
@@ -71,8 +74,28 @@ def report_failure(prog: str, exc: BaseException, debug: bool = False) -> int:
     return expected_failure(exc) or RUNTIME
 
 
+def unwind_on_sigterm() -> None:
+    """Make SIGTERM end the process the way Ctrl-C does: `finally` blocks and context managers
+    run, so the brokers, worker processes and temporary directories a command started are
+    stopped and removed (with the default action they outlive it), and the exit status is 143.
+
+    Only where SIGTERM still has its default action and in the main thread: a command that
+    stops gracefully on SIGTERM (fedmq/signals.py's `SignalRelay`) installs its own handler
+    after this and keeps it."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit_terminated)
+
+
+def _exit_terminated(_signum: int, _frame: object) -> None:
+    raise SystemExit(TERMINATED)
+
+
 def run_main(prog: str, main, argv=None) -> int:
-    """Run `main(argv)` turning expected failures into one line and their exit status."""
+    """Run `main(argv)` turning expected failures into one line and their exit status; SIGTERM
+    unwinds like Ctrl-C (`unwind_on_sigterm`)."""
+    unwind_on_sigterm()
     try:
         return int(main(argv) or 0)
     except KeyboardInterrupt:

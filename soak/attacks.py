@@ -37,6 +37,7 @@ import paho.mqtt.client as mqtt
 from fedmq import protocol
 from fedmq.broker import REPO_BROKER_CONFIG, MosquittoBroker
 from fedmq.creds import make_credentials
+from fedmq.errors import run_main
 from fedmq.models import model_spec
 from soak.fleet_setup import SMALL, pretrained_state, rss_mib, write_figures
 from soak.flood_fairness import flooding_agent
@@ -587,4 +588,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("python -m soak.attacks", main))

@@ -21,6 +21,7 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 
+from fedmq.errors import run_main
 from soak.fleet_setup import write_figures
 
 
@@ -99,4 +100,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("python -m soak.broker_window", main))

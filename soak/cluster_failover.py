@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fedmq.errors import run_main
 from soak.fleet_setup import pretrained_state, small_config, write_figures
 
 FLEET = "failover-soak"
@@ -183,4 +184,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_main("python -m soak.cluster_failover", main))

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fedmq.errors import run_main
 from soak.fleet_setup import RESULTS, pretrained_state, rss_mib, small_config, write_figures
 
 FLEET = "cluster-soak"
@@ -215,4 +216,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("python -m soak.cluster_fleet", main))

@@ -33,6 +33,7 @@ from aggregator.bootstrap import build_engine
 from aggregator.service import AggregatorService
 from fedmq import protocol
 from fedmq.broker import MosquittoBroker
+from fedmq.errors import run_main
 from fedmq.models import model_spec
 from soak.fleet_setup import pretrained_state, small_config, write_figures
 from tests.raw_agent import RawAgent
@@ -160,4 +161,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("python -m soak.flood_fairness", main))

@@ -42,6 +42,7 @@ import paho.mqtt.client as mqtt
 import torch
 
 from fedmq import codecs, protocol
+from fedmq.errors import run_main
 from fedmq.logs import get_logger
 from fedmq.models import model_spec
 from soak.fleet_setup import pretrained_state, rss_mib, small_config, write_figures
@@ -466,4 +467,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("python -m soak.fuzz_uplink", main))

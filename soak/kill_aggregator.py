@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from aggregator.journal import read_snapshot, scan_journal
+from fedmq.errors import run_main
 from fedmq.logs import get_logger
 from soak.fleet_setup import (
     pretrained_state,
@@ -241,4 +242,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("python -m soak.kill_aggregator", main))

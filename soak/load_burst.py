@@ -34,6 +34,7 @@ import torch
 
 from fedmq import protocol
 from fedmq.config import Config, load_config
+from fedmq.errors import run_main
 from fedmq.signals import SignalRelay
 from soak.fleet_setup import REPO, rss_mib, write_figures
 
@@ -248,4 +249,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("python -m soak.load_burst", main))

@@ -36,6 +36,7 @@ from aggregator.engine import Engine
 from fedmq import codecs
 from fedmq.config import AggregatorSettings, load_config
 from fedmq.data import clusters_from_settings, draw_agent
+from fedmq.errors import run_main
 from fedmq.models import model_spec
 from fedmq.training import evaluate, fit
 from soak.fleet_setup import SMALL, write_figures
@@ -169,4 +170,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("python -m soak.poisoning", main))

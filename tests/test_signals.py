@@ -66,3 +66,45 @@ def test_each_signal_calls_its_action_off_the_main_thread_and_restore_puts_the_o
     finally:
         relay.restore()
     assert signal.getsignal(signal.SIGUSR2) == previous
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text()
+        out += [int(c) for c in text.split()]
+    return out
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_sigterm_stops_a_soak_and_the_broker_it_started() -> None:
+    """With SIGTERM's default action the soak died and its Mosquitto kept running; run_main
+    makes SIGTERM unwind like Ctrl-C (fedmq/errors.py `unwind_on_sigterm`)."""
+    # --messages: far more than it sends before the signal, so it is still running then.
+    proc = subprocess.Popen([sys.executable, "-m", "soak.fuzz_uplink", "--messages", "100000000",
+                             "--out", os.devnull], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        broker = None
+        deadline = time.monotonic() + 120
+        while broker is None and time.monotonic() < deadline and proc.poll() is None:
+            broker = next((c for c in _children(proc.pid) if "mosquitto" in _command(c)), None)
+            time.sleep(0.05)
+        assert broker is not None, "the soak never started its broker"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    leaked = Path(f"/proc/{broker}").exists() and "mosquitto" in _command(broker)
+    if leaked:  # the soak exited without stopping it (it waits for it when it does)
+        os.kill(broker, signal.SIGKILL)
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err, err
+    assert not leaked, "the soak's broker outlived it"
