@@ -34,7 +34,7 @@ from aggregator.strategy import (
     check_alpha,
     check_vector,
 )
-from fedmq.config import CDFLSettings
+from fedmq.config import CDFLSettings, ConfigError
 from fedmq.models import ModelSpec
 
 UPDATE_RULES = ("alpha", "sharpen", "confidence", "delta")
@@ -252,7 +252,7 @@ def resolve_trunk_share(share: float, k: int) -> float:
     if share == -1.0:
         return AUTO_TRUNK_SHARE if k >= 3 else 0.0
     if not 0.0 <= share <= 1.0:
-        raise ValueError(f"cdfl.trunk_share must be in [0, 1] or -1 (auto), got {share}")
+        raise ConfigError(f"cdfl.trunk_share must be in [0, 1] or -1 (auto), got {share}")
     return float(share)
 
 
@@ -265,12 +265,19 @@ def cdfl_evaluator(spec: ModelSpec, proxies: Sequence[Proxy], settings: CDFLSett
 
 
 def cdfl_personalizer(settings: CDFLSettings, evaluator: ProxyEvaluator) -> Personalizer:
-    """The reply [cdfl] configures (the aggregator's and every reply worker's)."""
-    return make_personalizer(settings.personalization, evaluator, epochs=settings.personalize_epochs,
-                             lr=settings.personalize_lr, samples=settings.personalize_samples,
-                             kd_weight=settings.personalize_kd_weight,
-                             temperature=settings.personalize_temperature,
-                             start=settings.personalize_start, blend_grid=settings.personalize_blend_grid)
+    """The reply [cdfl] configures (the aggregator's and every reply worker's); ConfigError
+    naming the key for a value out of range or an unknown name."""
+    settings.check()
+    try:
+        return make_personalizer(settings.personalization, evaluator, epochs=settings.personalize_epochs,
+                                 lr=settings.personalize_lr, batch_size=settings.personalize_batch_size,
+                                 samples=settings.personalize_samples,
+                                 kd_weight=settings.personalize_kd_weight,
+                                 temperature=settings.personalize_temperature,
+                                 start=settings.personalize_start,
+                                 blend_grid=settings.personalize_blend_grid)
+    except ValueError as exc:  # an unknown personalization or start, a blend grid out of [0, 1]
+        raise ConfigError(f"[cdfl] reply: {exc}") from None
 
 
 class CDFL(SoftClusters):

@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
                                   "workers": "aggregator.reply_workers"})
     setup_logging(cfg.log.level, cfg.log.json, auto="progress")
     _check_reply_workers(cfg)
+    cfg.cdfl.check()
     if args.dry_run:
         print(dry_run_json(cfg))
         return 0

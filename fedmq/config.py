@@ -216,6 +216,8 @@ class CDFLSettings:
     """finetune/distill: epochs over the alpha-weighted proxy sets per reply (0: the start itself is the reply). 8 against 2: received accuracy +1.0-3.7 pp on rotated digits at 4x the reply's cost (cnn28, K = 4, 1000 proxy samples per cluster, CPU: ~11 s against ~2.8 s per upload on a loaded 2-core machine); see docs/results_cdfl.md section 4."""
     personalize_lr: float = 0.01
     """finetune/distill: SGD learning rate (momentum 0.9)."""
+    personalize_batch_size: int = 64
+    """finetune/distill: proxy samples per SGD step of the reply's training."""
     personalize_samples: int = 0
     """finetune/distill: proxy samples per epoch, drawn with replacement in proportion to alpha (0 = every sample of the clusters with alpha > 0, weighted by alpha). Caps a reply's cost whatever K and the proxy sizes are."""
     reply_batch: int = 1
@@ -248,6 +250,21 @@ class CDFLSettings:
     """Report an exponential average of the cluster models instead of the latest iterates (Polyak averaging): after each applied upload avg_k := d avg_k + (1 - d) w_k, and the cluster models the server reports (accuracy, metrics, server_models) are avg_k. Replies are still made from the iterates w_k, which the agents' steps and the proxy refresh move: a step is relative to the reply it was trained from (replies from the average made clusters and replies worse). Each step is one agent's noisy descent; the average keeps what they share. Rotated digits, realistic budget, 15 updates per agent, 3 seeds: cluster accuracy 0.938 / 0.939 / 0.940 at K = 2 / 3 / 4 against 0.906 / 0.917 / 0.917 for the iterates, replies unchanged (docs/results_cdfl.md section 12). 0: off (the iterates are reported); 0.995 averages over about the last 200 uploads, the start models included until then."""
     cluster_refresh_all: bool = False
     """Refresh every cluster after each upload, not only those with a share of it: with trunk_share > 0 every cluster's lower layers move, also where alpha is 0 (docs/results_cdfl.md section 11). The frozen control refreshes the same clusters."""
+
+    def check(self) -> None:
+        """ConfigError naming the first [cdfl] reply key out of range: said by `--dry-run` and at
+        start, not as a traceback when the first reply is made."""
+        ranges = {"personalize_epochs": (self.personalize_epochs >= 0, ">= 0"),
+                  "personalize_lr": (self.personalize_lr > 0, "> 0"),
+                  "personalize_batch_size": (self.personalize_batch_size >= 1, ">= 1"),
+                  "personalize_samples": (self.personalize_samples >= 0, ">= 0"),
+                  "personalize_kd_weight": (0.0 <= self.personalize_kd_weight <= 1.0, "in [0, 1]"),
+                  "personalize_temperature": (self.personalize_temperature > 0, "> 0"),
+                  "trunk_share": (self.trunk_share == -1.0 or 0.0 <= self.trunk_share <= 1.0,
+                                  "in [0, 1] or -1 (auto)")}
+        for key, (ok, need) in ranges.items():
+            if not ok:
+                raise ConfigError(f"cdfl.{key} must be {need}, got {getattr(self, key)}")
 
 
 @dataclass

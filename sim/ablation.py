@@ -609,7 +609,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim.ablation"
 
         try:
             for v in variants:
-                v.config(cfg)  # every key=value of a variant is a real config key
+                v.config(cfg).cdfl.check()  # every key=value is a real config key, in range
         except ValueError as e:
             print(f"python -m sim.ablation: {e}", file=sys.stderr)
             return 2

@@ -403,6 +403,10 @@ def test_default_reply_carries_another_agents_upload_and_the_frozen_control_does
     assert not torch.equal(reply_to_b(CDFLSettings(**small), steps[0]), reply_to_b(CDFLSettings(**small), steps[1]))
     frozen = CDFLSettings(**small, beta0=0.0, server_lr=0.0)
     assert torch.equal(reply_to_b(frozen, steps[0]), reply_to_b(frozen, steps[1]))
+    # cdfl.personalize_batch_size reaches the reply's training: half the batch, twice the steps
+    halves = CDFLSettings(**small, personalize_batch_size=32)
+    assert CDFL.from_settings(SPEC, w, proxies, halves, device="cpu").personalizer.batch_size == 32
+    assert not torch.equal(reply_to_b(halves, steps[0]), reply_to_b(CDFLSettings(**small), steps[0]))
 
 
 @pytest.mark.parametrize("samples", [0, 96])
