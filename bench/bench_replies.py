@@ -31,6 +31,8 @@ VARIANTS: dict[str, dict] = {
     "upload start (before issue 15)": {"personalize_start": "upload", "update_rule": "alpha"},
     "no refresh": {"cluster_refresh_steps": 0},
     "finetune-ep2": {"personalize_epochs": 2},
+    "finetune-ep16": {"personalize_epochs": 16},
+    "finetune-bs32": {"personalize_batch_size": 32},
     "samples512": {"personalize_samples": 512},
     "samples256": {"personalize_samples": 256},
     "distill-ep8": {"personalization": "distill"},
