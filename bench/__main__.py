@@ -13,31 +13,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import pkgutil
-import platform
 import sys
 import time
 from pathlib import Path
 
 from fedmq.errors import ArgumentParser, run_main
+from fedmq.host import describe_host
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def machine() -> dict:
-    info = {"python": platform.python_version(), "machine": platform.machine(),
-            "cpus": os.cpu_count(), "platform": platform.platform()}
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-        info["torch_threads"] = torch.get_num_threads()
-        if torch.cuda.is_available():
-            info["cuda_device"] = torch.cuda.get_device_name(0)
-    except ImportError:
-        pass
-    return info
 
 
 def available() -> list[str]:
@@ -64,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         figures = module.run(quick=args.quick)
         doc = {"benchmark": name, "quick": args.quick, "wall_s": round(time.perf_counter() - t0, 2),
-               "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(), "figures": figures}
+               "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": describe_host(), "figures": figures}
         path = args.out / f"{name}.json"
         path.write_text(json.dumps(doc, indent=2) + "\n")
         print(json.dumps(figures, indent=2))

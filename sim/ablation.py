@@ -48,6 +48,7 @@ import torch
 from fedmq.algorithms import ASYNC_AGENT
 from fedmq.config import Config, add_config_arguments, config_from_args, load_config
 from fedmq.errors import ArgumentParser, run_main
+from fedmq.host import describe_host
 from fedmq.logs import event, get_logger, setup_logging
 from fedmq.sketch import data_sketch
 from sim.figures import epsilon_figure
@@ -504,11 +505,13 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def write_results(results: Sequence[VariantResult], out: Path, command: str | None = None,
-                  sources: Sequence[str] = ()) -> str:
-    """results.json (every run, the summary) and table.md, headed by the command(s) that made them."""
+                  sources: Sequence[str] = (), hosts: Sequence[dict[str, Any]] | None = None) -> str:
+    """results.json (every run, the summary, the machine(s) they ran on: `hosts`, default this
+    one) and table.md, headed by the command(s) that made them."""
     out.mkdir(parents=True, exist_ok=True)
     rows = summarize(results)
-    data: dict[str, Any] = {"command": command, "runs": [asdict(r) for r in results], "summary": rows}
+    data: dict[str, Any] = {"command": command, "runs": [asdict(r) for r in results], "summary": rows,
+                            "hosts": list(hosts) if hosts is not None else [describe_host()]}
     if sources:
         data["sources"] = list(sources)
     (out / "results.json").write_text(json.dumps(data, indent=1, default=float) + "\n")
@@ -524,7 +527,7 @@ def rewrite_results(out: Path) -> str:
     """Rebuild table.md from results.json (after the table's format changed)."""
     data = json.loads((out / "results.json").read_text())
     return write_results([VariantResult(**r) for r in data["runs"]], out, data.get("command"),
-                         data.get("sources", ()))
+                         data.get("sources", ()), hosts=data.get("hosts", []))
 
 
 def merge_results(sources: Sequence[Path], out: Path, command: str | None = None) -> str:
@@ -535,10 +538,12 @@ def merge_results(sources: Sequence[Path], out: Path, command: str | None = None
     """
     runs: list[VariantResult] = []
     commands: list[str] = []
+    hosts: list[dict[str, Any]] = []
     seen: dict[tuple[int, int, str, str], Path] = {}
     for src in sources:
         data = json.loads((src / "results.json").read_text())
         commands.extend(data.get("sources") or ([data["command"]] if data.get("command") else []))
+        hosts += [h for h in data.get("hosts", []) if h not in hosts]
         for r in data["runs"]:
             run = VariantResult(**r)
             key = (run.clusters, run.seed, run.variant, run.engine)
@@ -546,7 +551,7 @@ def merge_results(sources: Sequence[Path], out: Path, command: str | None = None
                 raise ValueError(f"K={key[0]} seed={key[1]} {key[2]} ({key[3]}) is in both {seen[key]} and {src}")
             seen[key] = src
             runs.append(run)
-    return write_results(runs, out, command, commands)
+    return write_results(runs, out, command, commands, hosts=hosts)
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m sim.ablation") -> int:

@@ -12,6 +12,7 @@ import pytest
 from aggregator.personalize import PERSONALIZATIONS
 from fedmq.config import Config, load_config
 from fedmq.data import clear_cache
+from fedmq.host import describe_host
 from sim.ablation import (
     DEFAULT_VARIANTS,
     AblationSpec,
@@ -164,6 +165,10 @@ def test_merge_builds_one_table_from_separate_runs_and_refuses_a_run_twice(tmp_p
     accs = [r["acc_received"] for r in data["runs"]]
     assert row["acc_received"] == pytest.approx(np.mean(accs))
     assert len(data["sources"]) == 2 and all("--seed" in c for c in data["sources"])
+    # each run says where it ran (float rounding differs between CPUs); one machine made both
+    s0 = json.loads((tmp_path / "s0" / "results.json").read_text())
+    assert s0["hosts"] == [describe_host()] and s0["hosts"][0]["cpu_model"]
+    assert data["hosts"] == s0["hosts"]
     table = (tmp_path / "both" / "table.md").read_text()
     assert table.count("from `python -m sim.ablation") == 2 and "--merge" in table
     assert f"{row['acc_received']:.3f} ± " in table
