@@ -34,7 +34,7 @@ from aggregator.strategy import (
     check_alpha,
     check_vector,
 )
-from fedmq.config import CDFLSettings, ConfigError
+from fedmq.config import CDFLSettings, ConfigError, resolve_trunk_share
 from fedmq.models import ModelSpec
 
 UPDATE_RULES = ("alpha", "sharpen", "confidence", "delta")
@@ -239,21 +239,6 @@ class SoftClusters(Strategy):
         self.ledger.load_state_dict(d.get("ledger", {}))
         self.counters.clear()
         self.counters.update(d["counters"])
-
-
-AUTO_TRUNK_SHARE = 0.5
-"""What cdfl.trunk_share = -1 (the default) gives at K >= 3 clusters."""
-
-
-def resolve_trunk_share(share: float, k: int) -> float:
-    """cdfl.trunk_share, with -1 (auto) made concrete for K clusters: a shared trunk step helps
-    most where each cluster gets the smallest share of the uploads, and with two clusters it
-    pulled the two specialists together (docs/results_cdfl.md section 13)."""
-    if share == -1.0:
-        return AUTO_TRUNK_SHARE if k >= 3 else 0.0
-    if not 0.0 <= share <= 1.0:
-        raise ConfigError(f"cdfl.trunk_share must be in [0, 1] or -1 (auto), got {share}")
-    return float(share)
 
 
 def cdfl_evaluator(spec: ModelSpec, proxies: Sequence[Proxy], settings: CDFLSettings,

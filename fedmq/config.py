@@ -259,12 +259,26 @@ class CDFLSettings:
                   "personalize_batch_size": (self.personalize_batch_size >= 1, ">= 1"),
                   "personalize_samples": (self.personalize_samples >= 0, ">= 0"),
                   "personalize_kd_weight": (0.0 <= self.personalize_kd_weight <= 1.0, "in [0, 1]"),
-                  "personalize_temperature": (self.personalize_temperature > 0, "> 0"),
-                  "trunk_share": (self.trunk_share == -1.0 or 0.0 <= self.trunk_share <= 1.0,
-                                  "in [0, 1] or -1 (auto)")}
+                  "personalize_temperature": (self.personalize_temperature > 0, "> 0")}
         for key, (ok, need) in ranges.items():
             if not ok:
                 raise ConfigError(f"cdfl.{key} must be {need}, got {getattr(self, key)}")
+        resolve_trunk_share(self.trunk_share, self.clusters)
+
+
+AUTO_TRUNK_SHARE = 0.5
+"""What cdfl.trunk_share = -1 (the default) gives at K >= 3 clusters."""
+
+
+def resolve_trunk_share(share: float, k: int) -> float:
+    """cdfl.trunk_share, with -1 (auto) made concrete for K clusters: a shared trunk step helps
+    most where each cluster gets the smallest share of the uploads, and with two clusters it
+    pulled the two specialists together (docs/results_cdfl.md section 13)."""
+    if share == -1.0:
+        return AUTO_TRUNK_SHARE if k >= 3 else 0.0
+    if not 0.0 <= share <= 1.0:
+        raise ConfigError(f"cdfl.trunk_share must be in [0, 1] or -1 (auto), got {share}")
+    return float(share)
 
 
 @dataclass
