@@ -505,18 +505,22 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def write_results(results: Sequence[VariantResult], out: Path, command: str | None = None,
-                  sources: Sequence[str] = (), hosts: Sequence[dict[str, Any]] | None = None) -> str:
+                  sources: Sequence[str] = (), hosts: Sequence[dict[str, Any]] | None = None,
+                  note: str | None = None) -> str:
     """results.json (every run, the summary, the machine(s) they ran on: `hosts`, default this
-    one) and table.md, headed by the command(s) that made them."""
+    one) and table.md, headed by the command(s) that made them (and `note`)."""
     out.mkdir(parents=True, exist_ok=True)
     rows = summarize(results)
     data: dict[str, Any] = {"command": command, "runs": [asdict(r) for r in results], "summary": rows,
                             "hosts": list(hosts) if hosts is not None else [describe_host()]}
     if sources:
         data["sources"] = list(sources)
+    if note:
+        data["note"] = note
     (out / "results.json").write_text(json.dumps(data, indent=1, default=float) + "\n")
     text = markdown_table(rows)
-    head = (f"`{command}`\n\n" if command else "") + "".join(f"from `{c}`\n\n" for c in sources)
+    head = ((f"`{command}`\n\n" if command else "") + "".join(f"from `{c}`\n\n" for c in sources)
+            + (f"**{note}**\n\n" if note else ""))
     (out / "table.md").write_text(head + text + "\n")
     if epsilon_figure(data["runs"], out / "epsilon.png") is not None:
         text += f"\n\nfigure: {out / 'epsilon.png'}"
@@ -527,23 +531,33 @@ def rewrite_results(out: Path) -> str:
     """Rebuild table.md from results.json (after the table's format changed)."""
     data = json.loads((out / "results.json").read_text())
     return write_results([VariantResult(**r) for r in data["runs"]], out, data.get("command"),
-                         data.get("sources", ()), hosts=data.get("hosts", []))
+                         data.get("sources", ()), hosts=data.get("hosts", []), note=data.get("note"))
 
 
-def merge_results(sources: Sequence[Path], out: Path, command: str | None = None) -> str:
-    """One table from runs made by separate commands (e.g. a seed added later, run in parallel).
+MACHINE_FIELDS = ("cpu_model", "machine", "cpus", "python", "torch", "torch_threads")
+"""What makes two runs of one command give different floats (results.json `hosts`)."""
+
+
+def merge_results(sources: Sequence[Path], out: Path, command: str | None = None) -> tuple[str, str | None]:
+    """One table from runs made by separate commands (e.g. a seed added later, run in parallel),
+    and the note on it where they came from different machines.
 
     A (K, seed, variant, engine) present twice is refused: averaging a run with itself would
-    shrink the spread and count one seed as two.
+    shrink the spread and count one seed as two. Runs from different machines (or from a
+    source that does not say) are merged with a note in the table: float rounding differs
+    between CPUs and grows over a run, so a variant and its control make a pair only when
+    one machine ran both (docs/results_cdfl.md section 14).
     """
     runs: list[VariantResult] = []
     commands: list[str] = []
     hosts: list[dict[str, Any]] = []
+    machines: set[tuple[Any, ...]] = set()
     seen: dict[tuple[int, int, str, str], Path] = {}
     for src in sources:
         data = json.loads((src / "results.json").read_text())
         commands.extend(data.get("sources") or ([data["command"]] if data.get("command") else []))
         hosts += [h for h in data.get("hosts", []) if h not in hosts]
+        machines |= {tuple(h.get(f) for f in MACHINE_FIELDS) for h in data.get("hosts", [])} or {("unknown",)}
         for r in data["runs"]:
             run = VariantResult(**r)
             key = (run.clusters, run.seed, run.variant, run.engine)
@@ -551,7 +565,13 @@ def merge_results(sources: Sequence[Path], out: Path, command: str | None = None
                 raise ValueError(f"K={key[0]} seed={key[1]} {key[2]} ({key[3]}) is in both {seen[key]} and {src}")
             seen[key] = src
             runs.append(run)
-    return write_results(runs, out, command, commands, hosts=hosts)
+    note = None
+    if len(machines) > 1:
+        said = sorted("a source that records no machine" if m == ("unknown",) else
+                      "{}, {} CPUs, python {}, torch {}, {} threads".format(*m[:1], *m[2:]) for m in machines)
+        note = (f"Runs from {len(machines)} machines ({'; '.join(said)}): float rounding differs "
+                "between machines; compare a variant only with a control from the same machine.")
+    return write_results(runs, out, command, commands, hosts=hosts, note=note), note
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m sim.ablation") -> int:
@@ -585,7 +605,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim.ablation"
         return 0
     if args.merge:
         try:
-            print(merge_results(args.merge, args.out, command))
+            text, note = merge_results(args.merge, args.out, command)
+            print(text)
+            if note:
+                print(f"{prog}: --merge: warning: {note}", file=sys.stderr)
         except (OSError, ValueError, KeyError) as e:
             print(f"{prog}: --merge: {e}", file=sys.stderr)
             return 2

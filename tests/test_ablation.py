@@ -148,7 +148,7 @@ def test_the_same_command_runs_on_mnist_files_through_data_dir(tmp_path):
     assert "| 2 | cdfl-distill |" in (out / "table.md").read_text()
 
 
-def test_merge_builds_one_table_from_separate_runs_and_refuses_a_run_twice(tmp_path):
+def test_merge_builds_one_table_from_separate_runs_and_refuses_a_run_twice(tmp_path, capsys):
     """A seed run later by its own command joins the table; the table names both commands."""
     for seed in (0, 1):
         rc = main(["--clusters", "2", "--seeds", "1", "--seed", str(seed), "--agents", "2",
@@ -172,10 +172,26 @@ def test_merge_builds_one_table_from_separate_runs_and_refuses_a_run_twice(tmp_p
     table = (tmp_path / "both" / "table.md").read_text()
     assert table.count("from `python -m sim.ablation") == 2 and "--merge" in table
     assert f"{row['acc_received']:.3f} ± " in table
+    assert "machines" not in table and "note" not in data
     # the same seed twice would count one run as two seeds
     assert main(["--merge", str(tmp_path / "s0"), "--merge", str(tmp_path / "s0"),
                  "--out", str(tmp_path / "twice")]) == 2
     assert not (tmp_path / "twice").exists()
+    # a run from another machine (or one that records none) merges with a note and a warning
+    s1 = json.loads((tmp_path / "s1" / "results.json").read_text())
+    s1["hosts"][0].update(cpu_model="Other CPU", torch_threads=7)
+    (tmp_path / "s1" / "results.json").write_text(json.dumps(s1))
+    rc = main(["--merge", str(tmp_path / "s0"), "--merge", str(tmp_path / "s1"), "--out", str(tmp_path / "mixed")])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "warning: Runs from 2 machines" in err and "Other CPU" in err and "7 threads" in err
+    assert "compare a variant only with a control from the same machine" in (tmp_path / "mixed" / "table.md").read_text()
+    del s1["hosts"]
+    (tmp_path / "s1" / "results.json").write_text(json.dumps(s1))
+    assert main(["--merge", str(tmp_path / "s0"), "--merge", str(tmp_path / "s1"), "--out", str(tmp_path / "old")]) == 0
+    assert "a source that records no machine" in capsys.readouterr().err
+    assert main(["--report", "--out", str(tmp_path / "old")]) == 0  # --report keeps the note
+    assert "records no machine" in (tmp_path / "old" / "table.md").read_text()
 
 
 def test_table_says_how_many_seeds_a_row_has_when_they_differ():
