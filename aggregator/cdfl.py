@@ -257,6 +257,7 @@ def cdfl_personalizer(settings: CDFLSettings, evaluator: ProxyEvaluator) -> Pers
         return make_personalizer(settings.personalization, evaluator, epochs=settings.personalize_epochs,
                                  lr=settings.personalize_lr, batch_size=settings.personalize_batch_size,
                                  samples=settings.personalize_samples,
+                                 min_steps=settings.personalize_min_steps,
                                  kd_weight=settings.personalize_kd_weight,
                                  temperature=settings.personalize_temperature,
                                  start=settings.personalize_start,
@@ -282,7 +283,7 @@ class CDFL(SoftClusters):
                  server_lr: float = 1.0, delta_hinge_a: float = 0.1, delta_tau0: int = 0,
                  staleness_cap: int = 1, reply_batch: int = 1, delta_moves_head: bool = True,
                  trunk_share: float = 0.0, refresh_all: bool = False, trunk_guard: bool = False,
-                 average: float = 0.0) -> None:
+                 average: float = 0.0, reply_average: float = 0.0) -> None:
         super().__init__(spec, clusters, tau0=tau0, beta0=beta0, hinge_a=hinge_a, hinge_b=hinge_b,
                          update_rule=update_rule, update_power=update_power, server_lr=server_lr,
                          delta_hinge_a=delta_hinge_a, delta_tau0=delta_tau0, staleness_cap=staleness_cap,
@@ -302,6 +303,12 @@ class CDFL(SoftClusters):
         models the server reports. Replies are still made from the iterates: an agent's step is
         relative to the reply it trained from, and added to an average it was not taken from it
         made both the clusters and the replies worse (docs/results_cdfl.md section 12)."""
+        if not 0.0 <= reply_average < 1.0:
+            raise ValueError(f"cdfl.reply_average must be in [0, 1), got {reply_average}")
+        self.reply_average = float(reply_average)
+        self.reply_averaged = self.clusters.clone() if self.reply_average > 0.0 else None
+        """cdfl.reply_average: a short exponential average of the iterates the replies are made
+        from (None: from the iterates themselves)."""
         self.reply_uses_upload = bool(reply_uses_upload)
         if reply_batch < 1:
             raise ValueError(f"need reply_batch >= 1, got {reply_batch}")
@@ -350,7 +357,8 @@ class CDFL(SoftClusters):
                    staleness_cap=settings.staleness_cap, reply_batch=settings.reply_batch,
                    delta_moves_head=settings.delta_moves_head,
                    trunk_share=resolve_trunk_share(settings.trunk_share, len(clusters)),
-                   trunk_guard=settings.trunk_guard, average=settings.cluster_average, **kwargs)
+                   trunk_guard=settings.trunk_guard, average=settings.cluster_average,
+                   reply_average=settings.reply_average, **kwargs)
 
     def _guards_trunk(self) -> bool:
         return self.trunk_guard
@@ -385,11 +393,17 @@ class CDFL(SoftClusters):
                     if info["betas"][k] == 0.0:  # step 3 did not mark it changed
                         self._changed(k)
             info["refresh_seconds"] = time.perf_counter() - t0
-        if self.averaged is not None and not info["stale"]:
-            # Each applied upload's iterates enter the average: an agent's step is one noisy
-            # sample of its cluster's descent, and the average keeps what the steps share.
-            self.averaged.mul_(self.average).add_(self.clusters, alpha=1.0 - self.average)
+        if not info["stale"]:
+            # Each applied upload's iterates enter the averages: an agent's step is one noisy
+            # sample of its cluster's descent, and an average keeps what the steps share.
+            for avg, decay in ((self.averaged, self.average), (self.reply_averaged, self.reply_average)):
+                if avg is not None:
+                    avg.mul_(decay).add_(self.clusters, alpha=1.0 - decay)
         return info
+
+    def replied_from(self) -> Tensor:
+        """The cluster models replies are made from: the iterates, or their short average."""
+        return self.reply_averaged if self.reply_averaged is not None else self.clusters
 
     def _personalized(self, agent: str, alpha: list[float], info: dict[str, Any],
                       upload: Tensor | None = None, sent: Tensor | None = None) -> Reply:
@@ -401,14 +415,14 @@ class CDFL(SoftClusters):
             u = sent
             info.update(personalization="journal")
         elif upload is None:
-            u = self.mixture(alpha)
+            u = torch.tensor(list(alpha), dtype=torch.float32) @ self.replied_from()
         else:
             u, diag = self.personalizer.personalize(self._request(alpha, upload))
             info.update(personalization=self.personalizer.name, personalize=diag)
         return self._reply(agent, alpha, info, u, self.uploads_applied)
 
     def _request(self, alpha: list[float], upload: Tensor) -> PersonalizeRequest:
-        return PersonalizeRequest(self.clusters, alpha, upload if self.reply_uses_upload else None,
+        return PersonalizeRequest(self.replied_from(), alpha, upload if self.reply_uses_upload else None,
                                   seed=self.seed * 1_000_003 + self.uploads_applied)
 
     def _reply(self, agent: str, alpha: list[float], info: dict[str, Any], u: Tensor, epoch: int) -> Reply:
@@ -487,12 +501,19 @@ class CDFL(SoftClusters):
         info.update(estimator="given")
         return self._personalized(upload.agent, alpha, info, vector, sent=sent)
 
+    def _kept_average(self, d: dict[str, Any], key: str) -> Tensor:
+        kept = d.get(key)
+        if kept is not None and tuple(kept.shape) != tuple(self.clusters.shape):
+            raise ValueError(f"state {key} clusters {tuple(kept.shape)}, expected {tuple(self.clusters.shape)}")
+        return (self.clusters if kept is None else kept).detach().to("cpu", torch.float32).clone()
+
     def state_dict(self) -> dict[str, Any]:
         d = self._base_state()
         d["algorithm"] = self.name
         d["last_sent"] = {a: v.clone() for a, v in self.last_sent.items()}
-        if self.averaged is not None:
-            d["averaged"] = self.averaged.clone()
+        for key, avg in (("averaged", self.averaged), ("reply_averaged", self.reply_averaged)):
+            if avg is not None:
+                d[key] = avg.clone()
         return d
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
@@ -500,10 +521,9 @@ class CDFL(SoftClusters):
             raise ValueError(f"state is for {d.get('algorithm')!r}, not {self.name!r}")
         self._load_base(d)
         self.last_sent = {str(a): v.detach().to("cpu", torch.float32).clone() for a, v in d["last_sent"].items()}
+        # A state saved without an average (or with it off) starts it from the iterates.
         if self.average > 0.0:
-            # A state saved without the average (or with it off) starts it from the iterates.
-            kept = d.get("averaged")
-            if kept is not None and tuple(kept.shape) != tuple(self.clusters.shape):
-                raise ValueError(f"state averaged clusters {tuple(kept.shape)}, expected {tuple(self.clusters.shape)}")
-            self.averaged = (self.clusters if kept is None else kept).detach().to("cpu", torch.float32).clone()
+            self.averaged = self._kept_average(d, "averaged")
+        if self.reply_average > 0.0:
+            self.reply_averaged = self._kept_average(d, "reply_averaged")
         self.evaluator.invalidate()

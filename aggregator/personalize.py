@@ -125,11 +125,12 @@ class DistillPersonalizer(Personalizer):
     def __init__(self, evaluator: ProxyEvaluator, *, epochs: int = 2, lr: float = 0.01,
                  momentum: float = 0.9, batch_size: int = 64, kd_weight: float = 0.5,
                  temperature: float = 2.0, start: str = "upload", rho: float = 0.0, samples: int = 0,
-                 blend_grid: Sequence[float] = BLEND_GRID) -> None:
+                 blend_grid: Sequence[float] = BLEND_GRID, min_steps: int = 0) -> None:
         if (epochs < 0 or lr <= 0 or batch_size < 1 or not 0.0 <= kd_weight <= 1.0 or temperature <= 0
-                or samples < 0):
+                or samples < 0 or min_steps < 0):
             raise ValueError(f"need epochs >= 0, lr > 0, batch_size >= 1, 0 <= kd_weight <= 1, temperature > 0, "
-                             f"samples >= 0; got {epochs}, {lr}, {batch_size}, {kd_weight}, {temperature}, {samples}")
+                             f"samples >= 0, min_steps >= 0; got {epochs}, {lr}, {batch_size}, {kd_weight}, "
+                             f"{temperature}, {samples}, {min_steps}")
         if start not in STARTS:
             raise ValueError(f"personalize_start must be one of {', '.join(STARTS)}, got {start!r}")
         grid = [float(g) for g in blend_grid]
@@ -146,6 +147,7 @@ class DistillPersonalizer(Personalizer):
         self.start = start
         self.rho = float(rho)
         self.samples = int(samples)
+        self.min_steps = int(min_steps)
         self._teacher: dict[int, tuple[str, Tensor]] = {}
 
     def _teacher_logits(self, clusters: Tensor) -> Tensor:
@@ -206,7 +208,7 @@ class DistillPersonalizer(Personalizer):
         keep = self._kept(weights)
         draw_weights = weights.cpu()  # the CPU generator draws from CPU weights
         with torch.enable_grad():
-            for _ in range(self.epochs):
+            for _ in range(self._epochs_for(len(keep))):
                 order = self._epoch_order(draw_weights, keep, gen).to(device)
                 for i in range(0, len(order), self.batch_size):
                     idx = order[i:i + self.batch_size]
@@ -262,6 +264,14 @@ class DistillPersonalizer(Personalizer):
                 out[i] = (vectors[j], {"steps": steps, "seconds": seconds, "batched": len(members), **starts[j][1]})
         return [o for o in out if o is not None]
 
+    def _epochs_for(self, kept: int) -> int:
+        """personalize_epochs, stretched to at least min_steps SGD steps: a reply over few proxy
+        samples (small K, small sets) otherwise takes few steps (docs/results_cdfl.md section 14)."""
+        per_epoch = -(-(self.samples or kept) // self.batch_size)
+        if not self.min_steps or per_epoch == 0:
+            return self.epochs
+        return max(self.epochs, -(-self.min_steps // per_epoch))
+
     @staticmethod
     def _kept(weights: Tensor) -> Tensor:
         """Only samples that matter (CPU indices): a cluster with weight ~0 only costs time."""
@@ -303,7 +313,7 @@ class DistillPersonalizer(Personalizer):
         buf: Tensor | None = None
         steps = 0
         with torch.enable_grad():
-            for _ in range(self.epochs):
+            for _ in range(self._epochs_for(len(keeps[0]))):
                 orders = torch.stack([self._epoch_order(w, k, g) for w, k, g
                                       in zip(draw_weights, keeps, gens, strict=True)]).to(device)
                 for i in range(0, orders.shape[1], self.batch_size):

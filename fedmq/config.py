@@ -218,6 +218,8 @@ class CDFLSettings:
     """finetune/distill: SGD learning rate (momentum 0.9)."""
     personalize_batch_size: int = 64
     """finetune/distill: proxy samples per SGD step of the reply's training. 32 (twice the steps over the same samples), rotated digits, realistic budget, 3 seeds: received accuracy +1.2 pp at K = 2 and +0.6 at K = 3, unchanged at K = 4 and 6, while the reported clusters lose 0.4-2.0 pp (docs/results_cdfl.md section 14)."""
+    personalize_min_steps: int = 0
+    """finetune/distill: train the reply for at least this many SGD steps, stretching personalize_epochs where the alpha-weighted proxy sets are small (0 = personalize_epochs as set). Epochs over 100 samples per cluster take 16 steps per cluster at batch 64, so small K gets the fewest."""
     personalize_samples: int = 0
     """finetune/distill: proxy samples per epoch, drawn with replacement in proportion to alpha (0 = every sample of the clusters with alpha > 0, weighted by alpha). Caps a reply's cost whatever K and the proxy sizes are."""
     reply_batch: int = 1
@@ -248,6 +250,8 @@ class CDFLSettings:
     """Learning rate of the cluster refresh (plain SGD); 0.05 beat 0.01 at K = 4 and 6."""
     cluster_average: float = 0.995
     """Report an exponential average of the cluster models instead of the latest iterates (Polyak averaging): after each applied upload avg_k := d avg_k + (1 - d) w_k, and the cluster models the server reports (accuracy, metrics, server_models) are avg_k. Replies are still made from the iterates w_k, which the agents' steps and the proxy refresh move: a step is relative to the reply it was trained from (replies from the average made clusters and replies worse). Each step is one agent's noisy descent; the average keeps what they share. Rotated digits, realistic budget, 15 updates per agent, 3 seeds: cluster accuracy 0.938 / 0.939 / 0.940 at K = 2 / 3 / 4 against 0.906 / 0.917 / 0.917 for the iterates, replies unchanged (docs/results_cdfl.md section 12). 0: off (the iterates are reported); 0.995 averages over about the last 200 uploads, the start models included until then."""
+    reply_average: float = 0.0
+    """Make replies from an exponential average of the cluster iterates with this decay (after each applied upload ravg_k := d ravg_k + (1 - d) w_k) instead of the iterates themselves. 0 (the default): from the iterates. A short average (0.9: about the last 10 uploads) keeps the reply near the iterates the agents' steps are added to; cluster_average's 0.995 lags ~200 uploads, too far (docs/results_cdfl.md section 12)."""
     cluster_refresh_all: bool = False
     """Refresh every cluster after each upload, not only those with a share of it: with trunk_share > 0 every cluster's lower layers move, also where alpha is 0 (docs/results_cdfl.md section 11). The frozen control refreshes the same clusters."""
 
@@ -258,6 +262,8 @@ class CDFLSettings:
                   "personalize_lr": (self.personalize_lr > 0, "> 0"),
                   "personalize_batch_size": (self.personalize_batch_size >= 1, ">= 1"),
                   "personalize_samples": (self.personalize_samples >= 0, ">= 0"),
+                  "personalize_min_steps": (self.personalize_min_steps >= 0, ">= 0"),
+                  "reply_average": (0.0 <= self.reply_average < 1.0, "in [0, 1)"),
                   "personalize_kd_weight": (0.0 <= self.personalize_kd_weight <= 1.0, "in [0, 1]"),
                   "personalize_temperature": (self.personalize_temperature > 0, "> 0")}
         for key, (ok, need) in ranges.items():

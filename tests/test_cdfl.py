@@ -13,7 +13,7 @@ from aggregator.cdfl import CDFL
 from aggregator.estimators import ESTIMATORS, make_estimator
 from aggregator.fedasync import FedAsync
 from aggregator.fedsoft_async import FedSoftAsync
-from aggregator.strategy import Upload
+from aggregator.strategy import Reply, Upload
 from fedmq.config import CDFLSettings
 from fedmq.models import build_model, model_spec, to_vector
 
@@ -269,11 +269,10 @@ def test_metrics_estimator_keeps_no_per_agent_vectors():
     assert s.last_sent == {} and s.state_dict()["last_sent"] == {}
 
 
-def test_cluster_average_is_served_while_the_iterates_learn_and_survives_a_restart():
-    """cdfl.cluster_average: the reported cluster models are the average avg := d avg +
-    (1 - d) w after each applied upload; the steps move, and the replies come from, the iterates w."""
-    d = 0.9
-    s = make_cdfl(2, personalization="mixture", update_rule="delta", average=d)
+def after_one_delta_step(**kw) -> tuple[CDFL, torch.Tensor, Reply]:
+    """A mixture-reply CDFL with `kw` after one delta-rule upload of alpha [0.75, 0.25]: the
+    server, its iterates before the upload, the reply."""
+    s = make_cdfl(2, personalization="mixture", update_rule="delta", **kw)
     start = s.clusters.clone()
     s.join("a")
     base = s.mixture([0.5, 0.5])
@@ -281,15 +280,29 @@ def test_cluster_average_is_served_while_the_iterates_learn_and_survives_a_resta
     r = s.apply(Upload("a", base + step, tau=0, base=base), alpha=[0.75, 0.25])
     for k, a in enumerate((0.75, 0.25)):  # server_lr 1: the iterate takes the agent's step in its share
         torch.testing.assert_close(s.clusters[k], start[k] + a * step)
+    return s, start, r
+
+
+def restarted(s: CDFL, **kw) -> CDFL:
+    """A new mixture-reply CDFL with `kw`, loaded from s's saved state."""
+    buf = io.BytesIO()
+    torch.save(s.state_dict(), buf)
+    buf.seek(0)
+    b = make_cdfl(2, personalization="mixture", update_rule="delta", **kw)
+    b.load_state_dict(torch.load(buf))
+    return b
+
+
+def test_cluster_average_is_served_while_the_iterates_learn_and_survives_a_restart():
+    """cdfl.cluster_average: the reported cluster models are the average avg := d avg +
+    (1 - d) w after each applied upload; the steps move, and the replies come from, the iterates w."""
+    d = 0.9
+    s, start, r = after_one_delta_step(average=d)
     want = d * start + (1 - d) * s.clusters
     torch.testing.assert_close(s.server_models(), want)
     torch.testing.assert_close(r.vectors[0], 0.75 * s.clusters[0] + 0.25 * s.clusters[1])  # the iterates' mixture
     assert not torch.allclose(r.vectors[0], 0.75 * want[0] + 0.25 * want[1])
-    buf = io.BytesIO()
-    torch.save(s.state_dict(), buf)
-    buf.seek(0)
-    b = make_cdfl(2, personalization="mixture", update_rule="delta", average=d)
-    b.load_state_dict(torch.load(buf))
+    b = restarted(s, average=d)
     assert torch.equal(b.averaged, s.averaged) and torch.equal(b.clusters, s.clusters)
     off = make_cdfl(2, personalization="mixture", update_rule="delta")
     assert off.averaged is None and off.server_models() is off.clusters
@@ -297,3 +310,19 @@ def test_cluster_average_is_served_while_the_iterates_learn_and_survives_a_resta
         make_cdfl(2, average=1.0)
     assert CDFL.from_settings(SPEC, clusters(2), proxies(2), CDFLSettings(clusters=2, cluster_average=0.99),
                               device="cpu").average == 0.99
+
+
+def test_reply_average_makes_replies_from_a_short_average_and_survives_a_restart():
+    """cdfl.reply_average: replies (and joins) come from ravg := d ravg + (1 - d) w, while the
+    steps still move the iterates w; a state saved without it starts it from the iterates."""
+    d = 0.5
+    s, start, r = after_one_delta_step(reply_average=d)
+    want = d * start + (1 - d) * s.clusters
+    torch.testing.assert_close(r.vectors[0], 0.75 * want[0] + 0.25 * want[1])
+    torch.testing.assert_close(s.join("b").vectors[0], want.mean(0))
+    assert s.server_models() is s.clusters  # reporting is cluster_average's, off here
+    assert torch.equal(restarted(s, reply_average=d).reply_averaged, s.reply_averaged)
+    fresh = restarted(make_cdfl(2, personalization="mixture", update_rule="delta"), reply_average=d)
+    assert torch.equal(fresh.reply_averaged, fresh.clusters)
+    with pytest.raises(ValueError, match="reply_average"):
+        make_cdfl(2, reply_average=1.0)

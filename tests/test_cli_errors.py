@@ -66,6 +66,8 @@ def assert_one_line(done: subprocess.CompletedProcess, status: int, *names: str)
     (("aggregator", "--set", "cdfl.clusters=three", "--dry-run"), ("cdfl.clusters", "three")),
     (("aggregator", "--set", "cdfl.personalize_batch_size=0", "--dry-run"), ("cdfl.personalize_batch_size", ">= 1")),
     (("aggregator", "--set", "cdfl.trunk_share=2", "--dry-run"), ("cdfl.trunk_share", "-1 (auto)")),
+    (("aggregator", "--set", "cdfl.reply_average=1", "--dry-run"), ("cdfl.reply_average", "in [0, 1)")),
+    (("aggregator", "--set", "cdfl.personalize_min_steps=-5", "--dry-run"), ("cdfl.personalize_min_steps", ">= 0")),
     (("sim", "run", "--set", "cdfl.personalize_epochs=-1", "--out", "OUT"), ("fedmq sim run", "cdfl.personalize_epochs")),
     (("agent", "--id", "a", "--set", "agent.epochs", "--dry-run"), ("--set", "key=value", "agent.epochs")),
     (("agent", "--id", "a", "--broker", "mqtt://u:secret@host:99999", "--dry-run"), ("broker URL", "port")),

@@ -445,3 +445,28 @@ def test_personalize_many_groups_replies_whose_epochs_differ(world):
     assert [d["batched"] for _, d in made] == [2, 1, 2]
     for r, (v, _) in zip(requests, made, strict=True):
         torch.testing.assert_close(v, p.personalize(r)[0], atol=1e-5, rtol=1e-4)
+
+
+def test_min_steps_stretch_the_epochs_of_a_reply_over_few_samples(world):
+    """cdfl.personalize_min_steps: epochs grow until the reply takes at least that many SGD
+    steps; where the epochs already give them, the reply is the same model; trained together
+    the replies take the same steps as one by one."""
+    _, w, proxies = world
+    ev = ProxyEvaluator(SPEC, proxies, device="cpu")
+    one_set = PersonalizeRequest(w, [1.0, 0.0], None, seed=3)  # 150 samples: 3 batches of 64 per epoch
+    both = PersonalizeRequest(w, [0.5, 0.5], None, seed=3)  # 300 samples: 5 per epoch
+    plain = make_personalizer("finetune", ev, epochs=2, start="mixture")
+    floor = make_personalizer("finetune", ev, epochs=2, start="mixture", min_steps=10)
+    assert plain.personalize(one_set)[1]["steps"] == 6
+    assert floor.personalize(one_set)[1]["steps"] == 12  # 4 epochs of 3: the first count >= 10
+    v, diag = floor.personalize(both)
+    assert diag["steps"] == 10  # 2 epochs of 5 already make 10
+    torch.testing.assert_close(v, plain.personalize(both)[0], atol=0, rtol=0)
+    requests = [PersonalizeRequest(w, a, None, seed=i) for i, a in enumerate([[1.0, 0.0], [1.0, 0.0]])]
+    for r in requests:
+        floor.fix_start(r)
+    assert [d["steps"] for _, d in floor.personalize_many(requests)] == [12, 12]
+    with pytest.raises(ValueError, match="min_steps"):
+        make_personalizer("finetune", ev, min_steps=-1)
+    settings = CDFLSettings(clusters=K, estimator="metrics", personalize_min_steps=64)
+    assert CDFL.from_settings(SPEC, w, proxies, settings, device="cpu").personalizer.min_steps == 64
