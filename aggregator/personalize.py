@@ -266,9 +266,10 @@ class DistillPersonalizer(Personalizer):
 
     def _epochs_for(self, kept: int) -> int:
         """personalize_epochs, stretched to at least min_steps SGD steps: a reply over few proxy
-        samples (small K, small sets) otherwise takes few steps (docs/results_cdfl.md section 14)."""
-        per_epoch = -(-(self.samples or kept) // self.batch_size)
-        if not self.min_steps or per_epoch == 0:
+        samples (small K, small sets) otherwise takes few steps (docs/results_cdfl.md section 15).
+        An explicit `samples` per epoch is a cap on the reply's cost, and the floor leaves it."""
+        per_epoch = -(-kept // self.batch_size)
+        if not self.min_steps or self.samples or per_epoch == 0:
             return self.epochs
         return max(self.epochs, -(-self.min_steps // per_epoch))
 

@@ -38,6 +38,13 @@ VARIANTS: dict[str, dict] = {
     "distill-ep8": {"personalization": "distill"},
 }
 """Name -> CDFLSettings fields that differ from the defaults."""
+SMALL_SERVER = 100
+"""Proxy samples per cluster of the realistic-budget rows (docs/results_cdfl.md sections 11-15):
+there a reply's epochs hold few SGD steps, and cdfl.personalize_min_steps sets its price."""
+SMALL = {f"{SMALL_SERVER} proxy/cluster, min-steps 0 (before)": {"personalize_min_steps": 0},
+         f"{SMALL_SERVER} proxy/cluster, min-steps 64": {"personalize_min_steps": 64},
+         f"{SMALL_SERVER} proxy/cluster, min-steps 128 (default)": {}}
+"""Name -> settings for replies over small proxy sets (the same cnn28, K and uploads)."""
 QUEUED = {"default, 8 queued, one by one": ("cnn28", 1), "default, 8 queued, trained together": ("cnn28", 8),
           "digits-cnn, 8 queued, one by one": ("digits-cnn", 1),
           "digits-cnn, 8 queued, trained together": ("digits-cnn", 8)}
@@ -80,15 +87,16 @@ def run(quick: bool = False) -> dict:
     sketch = data_sketch(agent_x)
     out: dict = {"device": device, "torch_threads": torch.get_num_threads(), "arch": ARCH, "K": K,
                  "proxy_per_cluster": n_proxy, "uploads_per_variant": uploads_per_variant, "variants": {}}
-    runs = [(name, fields, 0, ARCH) for name, fields in VARIANTS.items()]
-    runs += [(name, {"reply_batch": batch}, 8, arch) for name, (arch, batch) in QUEUED.items()]
-    worlds = {ARCH: (spec, proxies, clusters, sketch)}
-    for name, fields, queued, arch in runs:
-        if arch not in worlds:
-            arch_proxies, arch_clusters = random_world(n_proxy, arch=arch)
-            worlds[arch] = (model_spec(arch), arch_proxies, arch_clusters,
-                            data_sketch(torch.cat([arch_proxies[0][0][:300], arch_proxies[1][0][:100]])))
-        spec, proxies, clusters, sketch = worlds[arch]
+    runs = [(name, fields, 0, ARCH, n_proxy) for name, fields in VARIANTS.items()]
+    runs += [(name, {"reply_batch": batch}, 8, arch, n_proxy) for name, (arch, batch) in QUEUED.items()]
+    runs += [(name, fields, 0, ARCH, SMALL_SERVER) for name, fields in SMALL.items()]
+    worlds = {(ARCH, n_proxy): (spec, proxies, clusters, sketch)}
+    for name, fields, queued, arch, size in runs:
+        if (arch, size) not in worlds:
+            arch_proxies, arch_clusters = random_world(size, arch=arch)
+            worlds[arch, size] = (model_spec(arch), arch_proxies, arch_clusters,
+                                  data_sketch(torch.cat([arch_proxies[0][0][:300], arch_proxies[1][0][:100]])))
+        spec, proxies, clusters, sketch = worlds[arch, size]
         settings = CDFLSettings(clusters=K, tau0=1000, **fields)
         strategy = CDFL.from_settings(spec, clusters, proxies, settings, device=device)
         strategy.join("warm-up")
@@ -105,8 +113,8 @@ def run(quick: bool = False) -> dict:
                                      "s_per_upload": round(s_per, 4)}
             print(f"{name:28s} {s_per:8.3f} s/upload", flush=True)
             continue
-        out["variants"][name] = {"settings": fields, **time_uploads(strategy, clusters, sketch, uploads_per_variant,
-                                                                    device, g)}
+        out["variants"][name] = {"settings": fields, **({"proxy_per_cluster": size} if size != n_proxy else {}),
+                                 **time_uploads(strategy, clusters, sketch, uploads_per_variant, device, g)}
         print(f"{name:28s} {out['variants'][name]['s_per_upload']:8.3f} s/upload", flush=True)
     base = out["variants"][DEFAULT]["s_per_upload"]
     for row in out["variants"].values():

@@ -466,6 +466,8 @@ def test_min_steps_stretch_the_epochs_of_a_reply_over_few_samples(world):
     for r in requests:
         floor.fix_start(r)
     assert [d["steps"] for _, d in floor.personalize_many(requests)] == [12, 12]
+    capped = make_personalizer("finetune", ev, epochs=2, start="mixture", min_steps=10, samples=64)
+    assert capped.personalize(one_set)[1]["steps"] == 2  # personalize_samples caps the cost: no floor
     with pytest.raises(ValueError, match="min_steps"):
         make_personalizer("finetune", ev, min_steps=-1)
     settings = CDFLSettings(clusters=K, estimator="metrics", personalize_min_steps=64)
