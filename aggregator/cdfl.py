@@ -25,7 +25,12 @@ from aggregator.aggregation import hinge_staleness
 from aggregator.cluster_refresh import refresh_cluster
 from aggregator.estimators import EstimationBatch, Estimator, make_estimator, uniform
 from aggregator.evaluator import Proxy, ProxyEvaluator
-from aggregator.personalize import Personalizer, PersonalizeRequest, make_personalizer
+from aggregator.personalize import (
+    Personalizer,
+    PersonalizeRequest,
+    alpha_mixture,
+    make_personalizer,
+)
 from aggregator.strategy import (
     Reply,
     Strategy,
@@ -129,7 +134,7 @@ class SoftClusters(Strategy):
 
     def mixture(self, alpha: Sequence[float]) -> Tensor:
         """sum_k alpha_k w_k (float32)."""
-        return torch.tensor(list(alpha), dtype=torch.float32) @ self.clusters
+        return alpha_mixture(self.clusters, alpha)
 
     def _step(self, upload: Upload, vector: Tensor, alpha: list[float]) -> dict[str, Any]:
         """Steps 1 and 3 at t := t + 1; returns what happened for Reply.info."""
@@ -415,7 +420,7 @@ class CDFL(SoftClusters):
             u = sent
             info.update(personalization="journal")
         elif upload is None:
-            u = torch.tensor(list(alpha), dtype=torch.float32) @ self.replied_from()
+            u = alpha_mixture(self.replied_from(), alpha)
         else:
             u, diag = self.personalizer.personalize(self._request(alpha, upload))
             info.update(personalization=self.personalizer.name, personalize=diag)

@@ -534,8 +534,10 @@ def rewrite_results(out: Path) -> str:
                          data.get("sources", ()), hosts=data.get("hosts", []), note=data.get("note"))
 
 
-MACHINE_FIELDS = ("cpu_model", "machine", "cpus", "python", "torch", "torch_threads")
-"""What makes two runs of one command give different floats (results.json `hosts`)."""
+def machine_of(host: dict[str, Any]) -> str:
+    """What makes two runs of one command give different floats, from a results.json `hosts` entry."""
+    return (f"{host.get('cpu_model')} ({host.get('machine')}), {host.get('cpus')} CPUs, python {host.get('python')}, "
+            f"torch {host.get('torch')}, {host.get('torch_threads')} threads")
 
 
 def merge_results(sources: Sequence[Path], out: Path, command: str | None = None) -> tuple[str, str | None]:
@@ -551,13 +553,13 @@ def merge_results(sources: Sequence[Path], out: Path, command: str | None = None
     runs: list[VariantResult] = []
     commands: list[str] = []
     hosts: list[dict[str, Any]] = []
-    machines: set[tuple[Any, ...]] = set()
+    machines: set[str] = set()
     seen: dict[tuple[int, int, str, str], Path] = {}
     for src in sources:
         data = json.loads((src / "results.json").read_text())
         commands.extend(data.get("sources") or ([data["command"]] if data.get("command") else []))
         hosts += [h for h in data.get("hosts", []) if h not in hosts]
-        machines |= {tuple(h.get(f) for f in MACHINE_FIELDS) for h in data.get("hosts", [])} or {("unknown",)}
+        machines |= {machine_of(h) for h in data.get("hosts", [])} or {"a source that records no machine"}
         for r in data["runs"]:
             run = VariantResult(**r)
             key = (run.clusters, run.seed, run.variant, run.engine)
@@ -567,9 +569,7 @@ def merge_results(sources: Sequence[Path], out: Path, command: str | None = None
             runs.append(run)
     note = None
     if len(machines) > 1:
-        said = sorted("a source that records no machine" if m == ("unknown",) else
-                      "{}, {} CPUs, python {}, torch {}, {} threads".format(*m[:1], *m[2:]) for m in machines)
-        note = (f"Runs from {len(machines)} machines ({'; '.join(said)}): float rounding differs "
+        note = (f"Runs from {len(machines)} machines ({'; '.join(sorted(machines))}): float rounding differs "
                 "between machines; compare a variant only with a control from the same machine.")
     return write_results(runs, out, command, commands, hosts=hosts, note=note), note
 
