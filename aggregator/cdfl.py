@@ -263,6 +263,8 @@ def cdfl_personalizer(settings: CDFLSettings, evaluator: ProxyEvaluator) -> Pers
                                  lr=settings.personalize_lr, batch_size=settings.personalize_batch_size,
                                  samples=settings.personalize_samples,
                                  min_steps=settings.personalize_min_steps,
+                                 tail_average=settings.personalize_tail_average,
+                                 rho=settings.personalize_rho,
                                  kd_weight=settings.personalize_kd_weight,
                                  temperature=settings.personalize_temperature,
                                  start=settings.personalize_start,

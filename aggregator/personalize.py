@@ -30,6 +30,7 @@ deterministic for a given seed on CPU, so journal replay rebuilds the same reply
 
 from __future__ import annotations
 
+import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -125,12 +126,14 @@ class DistillPersonalizer(Personalizer):
     def __init__(self, evaluator: ProxyEvaluator, *, epochs: int = 2, lr: float = 0.01,
                  momentum: float = 0.9, batch_size: int = 64, kd_weight: float = 0.5,
                  temperature: float = 2.0, start: str = "upload", rho: float = 0.0, samples: int = 0,
-                 blend_grid: Sequence[float] = BLEND_GRID, min_steps: int = 0) -> None:
+                 blend_grid: Sequence[float] = BLEND_GRID, min_steps: int = 0,
+                 tail_average: float = 0.0) -> None:
         if (epochs < 0 or lr <= 0 or batch_size < 1 or not 0.0 <= kd_weight <= 1.0 or temperature <= 0
-                or samples < 0 or min_steps < 0):
+                or samples < 0 or min_steps < 0 or rho < 0 or not 0.0 <= tail_average <= 1.0):
             raise ValueError(f"need epochs >= 0, lr > 0, batch_size >= 1, 0 <= kd_weight <= 1, temperature > 0, "
-                             f"samples >= 0, min_steps >= 0; got {epochs}, {lr}, {batch_size}, {kd_weight}, "
-                             f"{temperature}, {samples}, {min_steps}")
+                             f"samples >= 0, min_steps >= 0, rho >= 0, 0 <= tail_average <= 1; got {epochs}, "
+                             f"{lr}, {batch_size}, {kd_weight}, {temperature}, {samples}, {min_steps}, {rho}, "
+                             f"{tail_average}")
         if start not in STARTS:
             raise ValueError(f"personalize_start must be one of {', '.join(STARTS)}, got {start!r}")
         grid = [float(g) for g in blend_grid]
@@ -148,6 +151,7 @@ class DistillPersonalizer(Personalizer):
         self.rho = float(rho)
         self.samples = int(samples)
         self.min_steps = int(min_steps)
+        self.tail_average = float(tail_average)
         self._teacher: dict[int, tuple[str, Tensor]] = {}
 
     def _teacher_logits(self, clusters: Tensor) -> Tensor:
@@ -207,8 +211,10 @@ class DistillPersonalizer(Personalizer):
         module = ev.module
         keep = self._kept(weights)
         draw_weights = weights.cpu()  # the CPU generator draws from CPU weights
+        epochs = self._epochs_for(len(keep))
+        tail = TailAverage(self._tail_from(epochs, len(keep)))
         with torch.enable_grad():
-            for _ in range(self._epochs_for(len(keep))):
+            for _ in range(epochs):
                 order = self._epoch_order(draw_weights, keep, gen).to(device)
                 for i in range(0, len(order), self.batch_size):
                     idx = order[i:i + self.batch_size]
@@ -227,7 +233,8 @@ class DistillPersonalizer(Personalizer):
                     loss.backward()
                     opt.step()
                     steps += 1
-        out = w.detach().to("cpu", torch.float32)
+                    tail.see(steps, w.detach())
+        out = tail.result(w.detach()).to("cpu", torch.float32)
         return out, {"steps": steps, "seconds": time.perf_counter() - t0, **chosen}
 
     def fix_start(self, request: PersonalizeRequest) -> None:
@@ -273,6 +280,12 @@ class DistillPersonalizer(Personalizer):
             return self.epochs
         return max(self.epochs, -(-self.min_steps // per_epoch))
 
+    def _tail_from(self, epochs: int, kept: int) -> int:
+        """The first SGD step (1-based) whose iterate enters the tail average; past the last
+        step when tail_average is 0 (the reply is then the last iterate)."""
+        total = epochs * -(-(self.samples or kept) // self.batch_size)
+        return total - math.ceil(self.tail_average * total) + 1
+
     @staticmethod
     def _kept(weights: Tensor) -> Tensor:
         """Only samples that matter (CPU indices): a cluster with weight ~0 only costs time."""
@@ -313,8 +326,10 @@ class DistillPersonalizer(Personalizer):
         W = starts.clone()
         buf: Tensor | None = None
         steps = 0
+        epochs = self._epochs_for(len(keeps[0]))
+        tail = TailAverage(self._tail_from(epochs, len(keeps[0])))
         with torch.enable_grad():
-            for _ in range(self._epochs_for(len(keeps[0]))):
+            for _ in range(epochs):
                 orders = torch.stack([self._epoch_order(w, k, g) for w, k, g
                                       in zip(draw_weights, keeps, gens, strict=True)]).to(device)
                 for i in range(0, orders.shape[1], self.batch_size):
@@ -329,7 +344,31 @@ class DistillPersonalizer(Personalizer):
                     buf = g if buf is None else buf.mul_(self.momentum).add_(g)
                     W = W - self.lr * buf
                     steps += 1
-        return W.detach().to("cpu", torch.float32), steps
+                    tail.see(steps, W.detach())
+        return tail.result(W.detach()).to("cpu", torch.float32), steps
+
+
+class TailAverage:
+    """The running mean of the iterates from step `first` on (cdfl.personalize_tail_average):
+    SGD's last iterate on a few hundred proxy samples wanders about the minimum, and the mean
+    of the last ones sits nearer it (Polyak-Ruppert / stochastic weight averaging)."""
+
+    def __init__(self, first: int) -> None:
+        self.first = first
+        self.mean: Tensor | None = None
+        self.n = 0
+
+    def see(self, step: int, w: Tensor) -> None:
+        if step < self.first:
+            return
+        self.n += 1
+        if self.mean is None:
+            self.mean = w.clone()
+        else:
+            self.mean.add_(w - self.mean, alpha=1.0 / self.n)
+
+    def result(self, last: Tensor) -> Tensor:
+        return last if self.mean is None else self.mean
 
 
 def _proxy(evaluator: ProxyEvaluator | None, name: str) -> ProxyEvaluator:

@@ -220,6 +220,10 @@ class CDFLSettings:
     """finetune/distill: proxy samples per SGD step of the reply's training. 32 (twice the steps over the same samples), rotated digits, realistic budget, 3 seeds: received accuracy +1.2 pp at K = 2 and +0.6 at K = 3, unchanged at K = 4 and 6, while the reported clusters lose 0.4-2.0 pp (docs/results_cdfl.md section 14)."""
     personalize_min_steps: int = 128
     """finetune/distill: train the reply for at least this many SGD steps, stretching personalize_epochs where the alpha-weighted proxy sets are small (0 = personalize_epochs as set). At batch 64, 8 epochs over 100 samples per cluster are 16 steps per cluster, so small proxy sets and small K got the fewest; with paper-sized sets (1000 per cluster) 8 epochs already pass 128 steps and nothing changes. Not applied when personalize_samples is set (that caps the reply's cost). Rotated digits, realistic budget: received accuracy +1.6 / +0.6 (ten seeds) / +0.4 / +0.0 pp at K = 2 / 3 / 4 / 6 over 0, the reported clusters -0.1 to -0.8 pp (docs/results_cdfl.md section 15)."""
+    personalize_tail_average: float = 0.0
+    """finetune/distill: the reply is the mean of its training's iterates over this last fraction of its SGD steps (0 = the last iterate; 0.5 = the mean of the second half's): on a few hundred proxy samples the last iterate wanders about the minimum."""
+    personalize_rho: float = 0.0
+    """finetune/distill: proximal weight of the reply's training toward its start: loss + (rho/2)||w - start||^2 (0 = none)."""
     personalize_samples: int = 0
     """finetune/distill: proxy samples per epoch, drawn with replacement in proportion to alpha (0 = every sample of the clusters with alpha > 0, weighted by alpha). Caps a reply's cost whatever K and the proxy sizes are."""
     reply_batch: int = 1
@@ -263,6 +267,8 @@ class CDFLSettings:
                   "personalize_batch_size": (self.personalize_batch_size >= 1, ">= 1"),
                   "personalize_samples": (self.personalize_samples >= 0, ">= 0"),
                   "personalize_min_steps": (self.personalize_min_steps >= 0, ">= 0"),
+                  "personalize_tail_average": (0.0 <= self.personalize_tail_average <= 1.0, "in [0, 1]"),
+                  "personalize_rho": (self.personalize_rho >= 0, ">= 0"),
                   "reply_average": (0.0 <= self.reply_average < 1.0, "in [0, 1)"),
                   "personalize_kd_weight": (0.0 <= self.personalize_kd_weight <= 1.0, "in [0, 1]"),
                   "personalize_temperature": (self.personalize_temperature > 0, "> 0")}

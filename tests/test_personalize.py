@@ -472,3 +472,43 @@ def test_min_steps_stretch_the_epochs_of_a_reply_over_few_samples(world):
         make_personalizer("finetune", ev, min_steps=-1)
     settings = CDFLSettings(clusters=K, estimator="metrics", personalize_min_steps=64)
     assert CDFL.from_settings(SPEC, w, proxies, settings, device="cpu").personalizer.min_steps == 64
+
+
+def test_tail_average_is_the_mean_of_the_last_iterates_one_by_one_and_together(world):
+    """cdfl.personalize_tail_average: the reply is the mean of the iterates of its last
+    steps. With one 64-sample draw per epoch, a run of j epochs stops at the j-th iterate of
+    a longer run with the same seed, so the mean can be rebuilt from shorter runs."""
+    _, w, proxies = world
+    ev = ProxyEvaluator(SPEC, proxies, device="cpu")
+    request = PersonalizeRequest(w, [0.7, 0.3], None, seed=5)
+    iterate = {j: make_personalizer("finetune", ev, epochs=j, start="mixture", samples=64).personalize(request)[0]
+               for j in (4, 5, 6)}
+    tail = make_personalizer("finetune", ev, epochs=6, start="mixture", samples=64, tail_average=0.5)
+    v, diag = tail.personalize(request)
+    assert diag["steps"] == 6
+    torch.testing.assert_close(v, (iterate[4] + iterate[5] + iterate[6]) / 3, atol=1e-6, rtol=1e-5)
+    assert not torch.equal(v, iterate[6])
+    last_only = make_personalizer("finetune", ev, epochs=6, start="mixture", samples=64, tail_average=0.01)
+    torch.testing.assert_close(last_only.personalize(request)[0], iterate[6], atol=0, rtol=0)
+    requests = [PersonalizeRequest(w, a, None, seed=i) for i, a in enumerate([[0.7, 0.3], [0.2, 0.8]])]
+    for r in requests:
+        tail.fix_start(r)
+    for r, (u, _) in zip(requests, tail.personalize_many(requests), strict=True):
+        torch.testing.assert_close(u, tail.personalize(r)[0], atol=1e-5, rtol=1e-4)
+    for bad in ({"tail_average": 1.5}, {"tail_average": -0.1}, {"rho": -1.0}):
+        with pytest.raises(ValueError, match="tail_average|rho"):
+            make_personalizer("finetune", ev, **bad)
+
+
+def test_personalize_rho_holds_the_reply_near_its_start(world):
+    """cdfl.personalize_rho: the proximal term toward the start shortens the reply's move."""
+    _, w, proxies = world
+    request = PersonalizeRequest(w, [0.5, 0.5], None, seed=1)
+    start = alpha_mixture(w, [0.5, 0.5])
+    moves = []
+    for rho in (0.0, 10.0):
+        settings = CDFLSettings(clusters=K, estimator="metrics", personalize_rho=rho, personalize_epochs=2,
+                                personalize_min_steps=0)
+        personalizer = CDFL.from_settings(SPEC, w, proxies, settings, device="cpu").personalizer
+        moves.append(float((personalizer.personalize(request)[0] - start).norm()))
+    assert moves[1] < 0.8 * moves[0]
