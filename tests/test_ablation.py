@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import math
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,6 +31,7 @@ from sim.ablation import (
 
 # Speed only: tiny agents and server sets so a replayed fleet takes seconds; the defaults
 # run in test_documented_commands (the results commands, --dry-run) and test_data.
+ROOT = Path(__file__).resolve().parent.parent
 SMALL = {"data.min_samples": "60", "data.max_samples": "90", "data.proxy_per_cluster": "60",
          "data.pretrain_per_cluster": "120", "aggregator.pretrain_epochs": "3"}
 
@@ -267,3 +271,21 @@ def test_central_pools_every_cycle_and_rows_compare_with_local_by_seed(tmp_path,
     assert main(["--variant", "central", "--wire", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "central" in err and "--wire" in err and not (tmp_path / "o").exists()
+
+
+def test_reply_step_stats_measures_each_agents_step_against_its_replys_fit(tmp_path):
+    """scripts/reply_step_stats.py, as section 16 runs it: every upload after an agent's first
+    starts from the reply that agent was sent, so each is measured; a trained reply has a fit."""
+    out = tmp_path / "out"
+    sets = [x for k, v in SMALL.items() for x in ("--set", f"{k}={v}")]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "reply_step_stats.py"), "--clusters", "2", "--seeds", "1",
+         "--agents", "3", "--updates-per-agent", "2", "--test-samples", "30", "--controls", "none",
+         "--variant", "cdfl", *sets, "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    stats = json.loads((out / "step_stats.json").read_text())
+    assert stats["uploads"] >= 3  # 6 uploads, the first of each agent's starts from its join
+    assert stats["fit_norm"]["mean"] > 0 and stats["step_norm"]["mean"] > 0
+    assert -1.0 <= stats["cosine"]["mean"] <= 1.0
+    assert "step-stats" in proc.stdout
