@@ -23,13 +23,14 @@ from fedmq.config import CDFLSettings
 from fedmq.models import model_spec
 from fedmq.sketch import data_sketch
 
-DEFAULT = "default (mixture start, finetune-ep8, delta, refresh 1)"
+DEFAULT = "default (mixture start, finetune-ep8, rho 0.1, delta, refresh 1)"
 VARIANTS: dict[str, dict] = {
     "paper (mixture, no refresh)": {"personalization": "mixture", "cluster_refresh_steps": 0,
                                     "update_rule": "alpha"},
     DEFAULT: {},
     "upload start (before issue 15)": {"personalize_start": "upload", "update_rule": "alpha"},
     "no refresh": {"cluster_refresh_steps": 0},
+    "no proximal term (rho 0, before)": {"personalize_rho": 0.0},
     "finetune-ep2": {"personalize_epochs": 2},
     "finetune-ep16": {"personalize_epochs": 16},
     "finetune-bs32": {"personalize_batch_size": 32},
@@ -41,9 +42,10 @@ VARIANTS: dict[str, dict] = {
 SMALL_SERVER = 100
 """Proxy samples per cluster of the realistic-budget rows (docs/results_cdfl.md sections 11-15):
 there a reply's epochs hold few SGD steps, and cdfl.personalize_min_steps sets its price."""
-SMALL = {f"{SMALL_SERVER} proxy/cluster, min-steps 0 (before)": {"personalize_min_steps": 0},
-         f"{SMALL_SERVER} proxy/cluster, min-steps 64": {"personalize_min_steps": 64},
-         f"{SMALL_SERVER} proxy/cluster, min-steps 128 (default)": {}}
+SMALL = {f"{SMALL_SERVER} proxy/cluster, min-steps 0, rho 0": {"personalize_min_steps": 0, "personalize_rho": 0.0},
+         f"{SMALL_SERVER} proxy/cluster, min-steps 64, rho 0": {"personalize_min_steps": 64, "personalize_rho": 0.0},
+         f"{SMALL_SERVER} proxy/cluster, min-steps 128, rho 0 (before)": {"personalize_rho": 0.0},
+         f"{SMALL_SERVER} proxy/cluster, min-steps 128, rho 0.1 (default)": {}}
 """Name -> settings for replies over small proxy sets (the same cnn28, K and uploads)."""
 QUEUED = {"default, 8 queued, one by one": ("cnn28", 1), "default, 8 queued, trained together": ("cnn28", 8),
           "digits-cnn, 8 queued, one by one": ("digits-cnn", 1),

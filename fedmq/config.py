@@ -222,8 +222,8 @@ class CDFLSettings:
     """finetune/distill: train the reply for at least this many SGD steps, stretching personalize_epochs where the alpha-weighted proxy sets are small (0 = personalize_epochs as set). At batch 64, 8 epochs over 100 samples per cluster are 16 steps per cluster, so small proxy sets and small K got the fewest; with paper-sized sets (1000 per cluster) 8 epochs already pass 128 steps and nothing changes. Not applied when personalize_samples is set (that caps the reply's cost). Rotated digits, realistic budget: received accuracy +1.6 / +0.6 (ten seeds) / +0.4 / +0.0 pp at K = 2 / 3 / 4 / 6 over 0, the reported clusters -0.1 to -0.8 pp (docs/results_cdfl.md section 15)."""
     personalize_tail_average: float = 0.0
     """finetune/distill: the reply is the mean of its training's iterates over this last fraction of its SGD steps (0 = the last iterate; 0.5 = the mean of the second half's): on a few hundred proxy samples the last iterate wanders about the minimum."""
-    personalize_rho: float = 0.0
-    """finetune/distill: proximal weight of the reply's training toward its start: loss + (rho/2)||w - start||^2 (0 = none)."""
+    personalize_rho: float = 0.1
+    """finetune/distill: proximal weight of the reply's training toward its start (the alpha-mixture): loss + (rho/2)||w - start||^2 (0 = none, the default before session 20). Without it a reply trained 128+ steps on small proxy sets moved ~6x as far from the mixture as the agent's own step, and the agent's step partly undid that fit (cosine -0.09), which the clusters then took. Rotated digits, realistic budget, ten seeds at K = 3: received accuracy +0.7 pp, clusters +1.6 pp over 0 (docs/results_cdfl.md section 16)."""
     personalize_samples: int = 0
     """finetune/distill: proxy samples per epoch, drawn with replacement in proportion to alpha (0 = every sample of the clusters with alpha > 0, weighted by alpha). Caps a reply's cost whatever K and the proxy sizes are."""
     reply_batch: int = 1
