@@ -75,6 +75,8 @@ def main(argv: list[str]) -> int:
     stats = StepStats()
     stats.install()
     rc = ablation_main(argv)
+    if "--dry-run" in argv:  # planned, nothing measured
+        return rc
     summary = stats.summary()
     print("step-stats", json.dumps(summary), flush=True)
     if "--out" in argv:

@@ -96,8 +96,8 @@ RULES: list[Rule] = [
          proof="fleet garage:", broker=True),
     Rule(r"^fedmq fleet status --fleet garage --json$", "run", proof='"fleet": "garage"', broker=True),
     # Experiments: minutes to hours on this machine's CPU.
-    Rule(r"(^|\n)(OMP_NUM_THREADS=1 )?(\.venv/bin/)?python -m sim\.(ablation|attacks|rounds|rounds_sweep|rounds_live) ", "plan",
-         "an experiment of minutes to hours"),
+    Rule(r"(^|\n)(OMP_NUM_THREADS=1 )?(\.venv/bin/)?python (-m sim\.(ablation|attacks|rounds|rounds_sweep|rounds_live)"
+         r"|scripts/reply_step_stats\.py) ", "plan", "an experiment of minutes to hours"),
     Rule(r"(^|\n)fedmq sim (run|aggregator|agents) ", "plan", "an experiment of minutes to hours"),
     # Long-running processes.
     Rule(r"^fedmq broker --config broker_config/prod\.conf", "serve", proof=r"^url: mqtts://",

@@ -155,7 +155,8 @@ def client_argv(sock: Path, program: str, *args: str) -> list[str]:
 def _shim_main(argv: list[str]) -> int:
     path, program, args = argv[1], argv[2], argv[3:]
     if program == "python" and (len(args) < 2 or args[0] != "-m"):
-        os.execv(os.path.join(os.path.dirname(sys.executable), "python"), ["python", *args])
+        real = os.path.join(os.path.dirname(sys.executable), "python")
+        os.execv(real, [real, *args])  # argv[0] a bare "python" would find a python on PATH, not the venv's
     return client(path, program, args)
 
 
