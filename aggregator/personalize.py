@@ -20,9 +20,12 @@ differ in how that one model is made. Select one by name (cfg.cdfl.personalizati
 
 finetune and distill start from `start` (cfg.cdfl.personalize_start): the alpha-mixture (the
 default), the upload, the dominant cluster, or a blend (1 - lam) upload + lam mixture with lam
-picked per reply from a grid by the alpha-weighted proxy loss. Starting from the upload
-alone, the reply never contains the cluster models, so it is the same whether the fleet's
-uploads move the clusters or not (the frozen control, docs/results_cdfl.md section 9).
+picked per reply from a grid by the alpha-weighted proxy loss. A proximal term (rho,
+cfg.cdfl.personalize_rho) holds the training near its start, so the agent's next step is not
+spent undoing the reply's proxy fit, which the clusters never held (docs/results_cdfl.md
+section 16). Starting from the upload alone, the reply never contains the cluster models, so
+it is the same whether the fleet's uploads move the clusters or not (the frozen control,
+docs/results_cdfl.md section 9).
 
 The server-side training runs on the evaluator's device (the GPU when there is one) and is
 deterministic for a given seed on CPU, so journal replay rebuilds the same reply.
@@ -349,9 +352,9 @@ class DistillPersonalizer(Personalizer):
 
 
 class TailAverage:
-    """The running mean of the iterates from step `first` on (cdfl.personalize_tail_average):
-    SGD's last iterate on a few hundred proxy samples wanders about the minimum, and the mean
-    of the last ones sits nearer it (Polyak-Ruppert / stochastic weight averaging)."""
+    """The running mean of the iterates from step `first` on (cdfl.personalize_tail_average,
+    Polyak-Ruppert / stochastic weight averaging). Measured no help for CDFL's replies on
+    rotated digits (docs/results_cdfl.md section 16); kept as an option, off."""
 
     def __init__(self, first: int) -> None:
         self.first = first
