@@ -2,9 +2,10 @@
 
     python scripts/reply_step_stats.py ARGS...   # ARGS as for `python -m sim.ablation`, one CDFL variant, --controls none
 
-For every upload whose base is the last reply that agent was sent (the delta rule's step
-v - u), it records the step's norm, the norm of the reply's fit on the proxy sets (u minus
-the alpha-mixture the reply started from) and the cosine between the two, over the model's
+For every upload whose base is the last trained reply that agent was sent (the delta rule's
+step v - u; a join's untrained mixture has no fit and is left out), it records the step's
+norm, the norm of the reply's fit on the proxy sets (u minus the start its training took,
+the alpha-mixture by default) and the cosine between the two, over the model's
 parameters (running statistics left out). A negative cosine is a step that partly undoes the
 reply's fit; the clusters, which never held that fit, take it all the same. Prints one
 `step-stats` JSON line (means and medians) and writes it to OUT/step_stats.json.
@@ -25,7 +26,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from aggregator.cdfl import CDFL  # noqa: E402
-from aggregator.personalize import alpha_mixture  # noqa: E402
 from sim.ablation import main as ablation_main  # noqa: E402
 
 
@@ -42,7 +42,11 @@ class StepStats:
 
         def _personalized(self: CDFL, agent: str, alpha: list[float], info: dict[str, Any],
                           upload: torch.Tensor | None = None, sent: torch.Tensor | None = None) -> Any:
-            start = alpha_mixture(self.replied_from(), alpha)
+            start_of = getattr(self.personalizer, "start_vector", None)
+            if upload is None or start_of is None:  # a join's mixture, or an untrained reply: no fit
+                stats.fits.pop(agent, None)
+                return personalized(self, agent, alpha, info, upload, sent)
+            start, _ = start_of(self._request(alpha, upload))  # where the reply's own training starts
             reply = personalized(self, agent, alpha, info, upload, sent)
             u = reply.vectors[0]
             stats.fits[agent] = (u.clone(), u - start)

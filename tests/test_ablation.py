@@ -285,7 +285,7 @@ def test_reply_step_stats_measures_each_agents_step_against_its_replys_fit(tmp_p
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     stats = json.loads((out / "step_stats.json").read_text())
-    assert stats["uploads"] >= 3  # 6 uploads, the first of each agent's starts from its join
+    assert stats["uploads"] >= 3  # of ~6 uploads, those from a trained reply (not the first after a join)
     assert stats["fit_norm"]["mean"] > 0 and stats["step_norm"]["mean"] > 0
     assert -1.0 <= stats["cosine"]["mean"] <= 1.0
     assert "step-stats" in proc.stdout
