@@ -214,8 +214,7 @@ class DistillPersonalizer(Personalizer):
         module = ev.module
         keep = self._kept(weights)
         draw_weights = weights.cpu()  # the CPU generator draws from CPU weights
-        epochs = self._epochs_for(len(keep))
-        tail = TailAverage(self._tail_from(epochs, len(keep)))
+        epochs, tail = self._plan(len(keep))
         with torch.enable_grad():
             for _ in range(epochs):
                 order = self._epoch_order(draw_weights, keep, gen).to(device)
@@ -274,20 +273,19 @@ class DistillPersonalizer(Personalizer):
                 out[i] = (vectors[j], {"steps": steps, "seconds": seconds, "batched": len(members), **starts[j][1]})
         return [o for o in out if o is not None]
 
-    def _epochs_for(self, kept: int) -> int:
-        """personalize_epochs, stretched to at least min_steps SGD steps: a reply over few proxy
-        samples (small K, small sets) otherwise takes few steps (docs/results_cdfl.md section 15).
-        An explicit `samples` per epoch is a cap on the reply's cost, and the floor leaves it."""
-        per_epoch = -(-kept // self.batch_size)
-        if not self.min_steps or self.samples or per_epoch == 0:
-            return self.epochs
-        return max(self.epochs, -(-self.min_steps // per_epoch))
+    def _plan(self, kept: int) -> tuple[int, TailAverage]:
+        """The reply's epochs over `kept` samples, and the average of its last iterates.
 
-    def _tail_from(self, epochs: int, kept: int) -> int:
-        """The first SGD step (1-based) whose iterate enters the tail average; past the last
-        step when tail_average is 0 (the reply is then the last iterate)."""
-        total = epochs * -(-(self.samples or kept) // self.batch_size)
-        return total - math.ceil(self.tail_average * total) + 1
+        personalize_epochs is stretched to at least min_steps SGD steps: a reply over few proxy
+        samples (small K, small sets) otherwise takes few steps (docs/results_cdfl.md section 15).
+        An explicit `samples` per epoch is a cap on the reply's cost, and the floor leaves it.
+        The tail average starts past the last step when tail_average is 0 (the last iterate)."""
+        per_epoch = -(-(self.samples or kept) // self.batch_size)
+        epochs = self.epochs
+        if self.min_steps and not self.samples and per_epoch:
+            epochs = max(self.epochs, -(-self.min_steps // per_epoch))
+        total = epochs * per_epoch
+        return epochs, TailAverage(total - math.ceil(self.tail_average * total) + 1)
 
     @staticmethod
     def _kept(weights: Tensor) -> Tensor:
@@ -329,8 +327,7 @@ class DistillPersonalizer(Personalizer):
         W = starts.clone()
         buf: Tensor | None = None
         steps = 0
-        epochs = self._epochs_for(len(keeps[0]))
-        tail = TailAverage(self._tail_from(epochs, len(keeps[0])))
+        epochs, tail = self._plan(len(keeps[0]))
         with torch.enable_grad():
             for _ in range(epochs):
                 orders = torch.stack([self._epoch_order(w, k, g) for w, k, g
