@@ -802,7 +802,19 @@ def config_from_args(args: Any, extra: dict[str, str] | None = None) -> Config:
         if value is not None:
             overrides[key] = value
     overrides.update(parse_overrides(getattr(args, "set", None)))
-    return load_config(getattr(args, "config", None), overrides)
+    cfg = load_config(getattr(args, "config", None), overrides)
+    data_dir = getattr(args, "data_dir", None)
+    if data_dir and getattr(args, "scenario", None) is None:  # a scenario names its own dataset
+        from fedmq.data.sources import dataset_for_data_dir
+
+        named = "data.dataset" in overrides or "data.dataset" in _file_keys(getattr(args, "config", None))
+        cfg.data.dataset = dataset_for_data_dir(cfg.data.dataset if named else None, data_dir)
+    return cfg
+
+
+def _file_keys(path: str | os.PathLike[str] | None) -> set[str]:
+    """The dotted keys a TOML config file sets (load_config has checked it already)."""
+    return set(_flatten(tomllib.loads(Path(path).read_text()))) if path else set()
 
 
 def dry_run_json(cfg: Config) -> str:

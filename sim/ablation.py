@@ -53,7 +53,7 @@ from fedmq.logs import event, get_logger, setup_logging
 from fedmq.sketch import data_sketch
 from sim.figures import epsilon_figure
 from sim.fleet import RunSpec, agent_privacy, configure, dp_seed, kl_divergence, make_schedule
-from sim.scenarios import build_clusters, draw_cycle
+from sim.scenarios import build_clusters, draw_cycle, resolve_scenario
 from sim.seeds import int_list, seed_list
 from sim.stats import paired_interval
 
@@ -577,7 +577,8 @@ def merge_results(sources: Sequence[Path], out: Path, command: str | None = None
 def main(argv: Sequence[str] | None = None, prog: str = "python -m sim.ablation") -> int:
     p = ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     add_config_arguments(p, ("broker", "log_level", "data_dir", "seed", "device"))
-    p.add_argument("--scenario", default="rotated-digits")
+    p.add_argument("--scenario", help="a scenario of sim/scenarios.py (default rotated-digits, or the rotated "
+                   "scenario of the dataset under --data-dir)")
     p.add_argument("--clusters", default="3", help="K or a comma list")
     p.add_argument("--seeds", default="1", help="N (seeds base..base+N-1) or a comma list")
     p.add_argument("--agents", type=int, default=0, help="agents per fleet (default 20*K)")
@@ -615,6 +616,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim.ablation"
         return 0
     cfg = config_from_args(args)
     setup_logging(cfg.log.level, cfg.log.json)
+    args.scenario = resolve_scenario(args.scenario, cfg, args.data_dir).name
     try:
         variants = [Variant.parse(v) for v in (args.variant or DEFAULT_VARIANTS)]
         controls = [c.strip() for c in args.controls.split(",") if c.strip() and c.strip() != "none"]

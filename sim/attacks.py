@@ -925,11 +925,13 @@ QUICK = {"sizes": "10", "epsilons": "none,4", "clients": 4}
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m sim.attacks") -> int:
+    from sim.scenarios import resolve_scenario
     from sim.seeds import int_list
 
     p = ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     add_config_arguments(p, ("log_level", "data_dir", "seed"))
-    p.add_argument("--scenario", default="rotated-digits", help="a scenario of sim/scenarios.py (default: %(default)s)")
+    p.add_argument("--scenario", help="a scenario of sim/scenarios.py (default: rotated-digits, or the rotated "
+                   "scenario of the dataset under --data-dir)")
     p.add_argument("--clusters", type=int, default=2, help="K (default: %(default)s)")
     p.add_argument("--sizes", default=None, help="client sample counts, comma list (default: 10,100,1000)")
     p.add_argument("--epsilons", default=None,
@@ -947,6 +949,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim.attacks")
     command = " ".join(["python -m sim.attacks", *(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))])
     cfg = config_from_args(args)
     setup_logging(cfg.log.level, cfg.log.json)
+    args.scenario = resolve_scenario(args.scenario, cfg, args.data_dir).name
     sizes = tuple(int_list(args.sizes or (QUICK["sizes"] if args.quick else "10,100,1000"), "--sizes", minimum=1))
     epsilons = parse_epsilons(args.epsilons or (QUICK["epsilons"] if args.quick else "none,16,4,1"))
     clients = args.clients if args.clients is not None else (QUICK["clients"] if args.quick else 0)

@@ -1,6 +1,6 @@
 """Simulated fleets: run the CDFL paper's comparisons over a real broker, then report.
 
-    fedmq sim run --scenario rotated-digits --methods cdfl,fedsoft-async,local \\
+    fedmq sim run --methods cdfl,fedsoft-async,local \\
         --clusters 2,3,4 --seeds 3 --updates-per-agent 5 --out results/
     fedmq sim report results/
 
@@ -34,7 +34,7 @@ def _add_part_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p, ("broker", "fleet", "log_level", "data_dir", "seed"))
     p.add_argument("--dry-run", action="store_true",
                    help="check the scenario, dataset and flags, print the plan and exit")
-    p.add_argument("--scenario", default="rotated-digits", help="as in `fedmq sim run` (default rotated-digits)")
+    p.add_argument("--scenario", help="as in `fedmq sim run` (default rotated-digits, or the dataset under --data-dir)")
     p.add_argument("--method", default="cdfl", help="cdfl (default), fedsoft-async, fedasync, fedbuff or local")
     p.add_argument("--clusters", type=int, default=3, help="K (default 3)")
     p.add_argument("--agents", type=int, default=0, help="agents in the whole fleet (default 20*K)")
@@ -50,8 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="sim_command", metavar="{run,report,rounds,ablation,aggregator,agents,merge}")
     r = sub.add_parser("run", help="run scenarios x methods x K x seeds and write CSV/JSON + report")
     add_config_arguments(r, ("broker", "fleet", "log_level", "data_dir", "seed"))
-    r.add_argument("--scenario", default="rotated-digits",
-                   help="rotated-digits (default), rotated-mnist, rotated-fashionmnist, rotated-cifar100, "
+    r.add_argument("--scenario",
+                   help="rotated-digits (default; with --data-dir: the rotated scenario of the dataset there), rotated-mnist, rotated-fashionmnist, rotated-cifar100, "
                         "rotated-shapes, digits-domains, or rotated (the dataset --set data.dataset=NAME names)")
     r.add_argument("--methods", default="cdfl,fedsoft-async,local",
                    help="comma list of cdfl, fedsoft-async, fedasync, fedbuff, local (default cdfl,fedsoft-async,local)")
@@ -143,7 +143,8 @@ def run_part(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from sim.fleet import METHODS, RunSpec, fleet_name, get_scenario, make_schedule
+    from sim.fleet import METHODS, RunSpec, fleet_name, make_schedule
+    from sim.scenarios import resolve_scenario
     from sim.split import run_agents_part, run_aggregator_part
 
     cfg = config_from_args(args, {"min_samples": "data.min_samples", "max_samples": "data.max_samples"})
@@ -154,7 +155,7 @@ def run_part(args: argparse.Namespace) -> int:
         print(f"fedmq sim {args.sim_command}: unknown method {args.method!r}; one of {', '.join(METHODS)}",
               file=sys.stderr)
         return 2
-    scenario = get_scenario(args.scenario)
+    scenario = resolve_scenario(args.scenario, cfg, args.data_dir)
     spec = RunSpec(scenario=scenario.name, method=args.method, clusters=args.clusters, agents=args.agents,
                    seed=cfg.seed, updates_per_agent=args.updates_per_agent,
                    workers=getattr(args, "workers", 1), test_samples=args.test_samples)
@@ -190,14 +191,15 @@ def run_part(args: argparse.Namespace) -> int:
 
 
 def run_experiments(args: argparse.Namespace) -> int:
-    from sim.fleet import METHODS, RunSpec, get_scenario, make_schedule, run_fleet, write_run
+    from sim.fleet import METHODS, RunSpec, make_schedule, run_fleet, write_run
     from sim.report import write_report
+    from sim.scenarios import resolve_scenario
 
     cfg = config_from_args(args, {"min_samples": "data.min_samples", "max_samples": "data.max_samples"})
     if args.fleet is None:
         cfg.fleet = "sim"
     setup_logging(cfg.log.level, cfg.log.json)
-    scenario = get_scenario(args.scenario)
+    scenario = resolve_scenario(args.scenario, cfg, args.data_dir)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         if m not in METHODS:

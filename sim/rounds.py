@@ -49,7 +49,7 @@ from fedmq.config import (
     TiflSettings,
     load_config,
 )
-from fedmq.data import Dataset, load_dataset
+from fedmq.data import Dataset, dataset_for_data_dir, load_dataset
 from fedmq.errors import ArgumentParser, UsageError, run_main
 from fedmq.models import build_model, resolve_model_name, to_vector
 from fedmq.training import evaluate, fit
@@ -596,8 +596,9 @@ def add_round_arguments(p: argparse.ArgumentParser, *, agents: int, slow_share: 
                         "variants (e.g. no-pf=catafed:catafed.selection=random); default all four")
     p.add_argument("--seeds", default="1",
                    help="fleet seeds: a comma list (0,1,2) or a count N (seeds 0..N-1); default 1 (seed 0)")
-    p.add_argument("--dataset", default="digits",
-                   help="digits (default, offline), synthetic, or any fedmq dataset (mnist, ... with --data-dir)")
+    p.add_argument("--dataset",
+                   help="digits (default, offline; with --data-dir: the dataset there), synthetic, or any fedmq "
+                        "dataset (mnist, ... with --data-dir)")
     p.add_argument("--data-dir", default=None, metavar="DIR", help="dataset root (torchvision layout)")
     p.add_argument("--model", default="auto", help="zoo name, auto (default: fits the dataset), torchvision:NAME[?k=v&...] or "
                    "module.path:factory[?k=v&...] (docs/models.md)")
@@ -633,6 +634,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m sim.rounds") -> i
                    help="stop each run at this simulated time (same for every algorithm)")
     p.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     a = p.parse_args(argv)
+    a.dataset = dataset_for_data_dir(a.dataset, a.data_dir)
     torch.set_num_threads(1)
     spec = FleetSpec(agents=a.agents, slow_share=a.slow_share, slow_factor=a.slow_factor,
                      dropout_p=a.dropout_p, return_p=a.return_p, label_alpha=a.label_alpha)

@@ -59,7 +59,7 @@ from fedmq.config import (
     TiflSettings,
     load_config,
 )
-from fedmq.data import Dataset, load_dataset
+from fedmq.data import Dataset, dataset_for_data_dir, load_dataset
 from fedmq.errors import ArgumentParser, RuntimeFailure, UsageError, run_main
 from fedmq.models import build_model, resolve_model_name, to_vector
 from fedmq.redact import mask_secrets
@@ -375,6 +375,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m sim.rounds_live")
     p.add_argument("--twin", action="store_true",
                    help="also run sim.rounds' simulator on the same seeds and settings")
     a = p.parse_args(argv)
+    a.dataset = dataset_for_data_dir(a.dataset, a.data_dir)
     torch.set_num_threads(1)
     if not (a.time_scale > 0 and math.isfinite(a.time_scale)):
         raise UsageError(f"--time-scale must be > 0, got {a.time_scale}")

@@ -1,6 +1,6 @@
 """The deadline-round comparison over a grid of settings: non-IID level x share of slow devices.
 
-    python -m sim.rounds_sweep --dataset digits --seeds 10 --target 0.9 --until 600 \\
+    python -m sim.rounds_sweep --seeds 10 --target 0.9 --until 600 \\
         --out docs/results_catafed/digits
 
 Each setting (Dirichlet label_alpha, slow share) is one `python -m sim.rounds` run with the
@@ -17,6 +17,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from fedmq.data import dataset_for_data_dir
 from fedmq.errors import ArgumentParser, UsageError, run_main
 from sim.rounds import load_results, summary_rows
 from sim.rounds import main as rounds_main
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m sim.rounds_sweep"
     p.add_argument("--algorithms", default="catafed,fedavg,fedprox,tifl",
                    help="as sim.rounds --algorithms (variants LABEL=ALG:key=value allowed)")
     p.add_argument("--seeds", default="10", help="as sim.rounds --seeds (default 10 fleets)")
-    p.add_argument("--dataset", default="digits")
+    p.add_argument("--dataset", help="as sim.rounds --dataset (default digits; with --data-dir: the dataset there)")
     p.add_argument("--data-dir", default=None, metavar="DIR")
     p.add_argument("--model", default="auto")
     p.add_argument("--target", type=float, default=0.9)
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m sim.rounds_sweep"
     p.add_argument("--dry-run", action="store_true",
                    help="print and check the sim.rounds command lines, run nothing")
     a = p.parse_args(argv)
+    a.dataset = dataset_for_data_dir(a.dataset, a.data_dir)
     if "--dry-run" in extra:  # also after `--` (a wrapper that appends it must not run the grid)
         extra = [x for x in extra if x != "--dry-run"]
         a.dry_run = True

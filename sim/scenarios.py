@@ -81,6 +81,27 @@ def get_scenario(name: str) -> Scenario:
         raise UsageError(f"unknown scenario {name!r}; use one of {', '.join(SCENARIOS)}") from None
 
 
+DEFAULT_SCENARIO = "rotated-digits"
+
+
+def resolve_scenario(name: str | None, cfg: Config, data_dir: str | None) -> Scenario:
+    """The scenario a command runs: the one named, else the rotated scenario of the dataset
+    found under an explicit `--data-dir` (config_from_args put it in cfg.data.dataset), else
+    rotated-digits. An offline scenario named beside `--data-dir` is refused: the files there
+    would be silently ignored."""
+    from fedmq.data.sources import OFFLINE, offline_with_data_dir
+
+    if name is None:
+        name = DEFAULT_SCENARIO
+        if data_dir:
+            found = f"rotated-{cfg.data.dataset}"
+            name = found if found in SCENARIOS else "rotated"
+    scenario = get_scenario(name)
+    if data_dir and (scenario.dataset or cfg.data.dataset) in OFFLINE:
+        raise UsageError(offline_with_data_dir(f"scenario {name!r}", data_dir))
+    return scenario
+
+
 class DomainClusters(RotatedClusters):
     """Three clusters of one dataset that differ by appearance, not by angle.
 

@@ -122,6 +122,35 @@ def test_experiment_without_its_dataset_is_one_line_and_exit_1(tmp_path) -> None
     assert_one_line(done, 1, "python -m sim.rounds", "mnist", "not found", str(tmp_path))
 
 
+@pytest.mark.parametrize("module, argv, plan", [
+    ("sim.ablation", ("--clusters", "2", "--seeds", "1", "--out", "OUT"), "scenario rotated-mnist"),
+    ("fedmq.cli", ("sim", "run", "--clusters", "2", "--out", "OUT"), "scenario rotated-mnist"),
+    ("sim.rounds", (), "on mnist ("),
+])
+def test_data_dir_alone_runs_a_documented_command_on_the_data_there(module, argv, plan, tmp_path) -> None:
+    """What acceptance does: a command as documented, plus --data-dir at an MNIST root."""
+    from tests.test_data import write_mnist_like
+
+    write_mnist_like(tmp_path / "data", "MNIST", n_train=1200, n_test=60)
+    argv = tuple(str(tmp_path / "out") if a == "OUT" else a for a in argv)
+    done = run(*argv, "--data-dir", str(tmp_path / "data"), "--dry-run", module=module)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert plan in done.stdout
+
+
+@pytest.mark.parametrize("module, argv, names", [
+    ("sim.ablation", ("--scenario", "rotated-digits", "--out", "OUT"), ("'rotated-digits'", "offline", "holds mnist")),
+    ("sim.rounds", ("--dataset", "synthetic"), ("'synthetic'", "offline", "holds mnist")),
+    ("fedmq.cli", ("agent", "--id", "a1", "--dataset", "digits"), ("fedmq agent", "'digits'", "holds mnist")),
+])
+def test_an_offline_dataset_named_beside_data_dir_is_refused(module, argv, names, tmp_path) -> None:
+    from tests.test_data import write_mnist_like
+
+    write_mnist_like(tmp_path / "data", "MNIST", n_train=20, n_test=20)
+    argv = tuple(str(tmp_path / "out") if a == "OUT" else a for a in argv)
+    assert_one_line(run(*argv, "--data-dir", str(tmp_path / "data"), "--dry-run", module=module), 2, *names)
+
+
 def test_seed_lists_parse_the_same_everywhere() -> None:
     assert seed_list("1,", 0) == [1]  # `python -m sim.ablation --seeds 1,` used to be int('')
     assert seed_list(" 2 , 3 ", 0) == [2, 3]

@@ -25,6 +25,7 @@ from fedmq.data import (
     clear_cache,
     cluster_angles,
     clusters_from_settings,
+    dataset_for_data_dir,
     draw_agent,
     draw_from_pool,
     draw_mixture,
@@ -220,6 +221,26 @@ def test_mnist_files_do_not_stand_in_for_fashionmnist(tmp_path):
     write_idx(tmp_path / "FashionMNIST" / "raw" / "train-images-idx3-ubyte", np.zeros((2, 28, 28), np.uint8))
     with pytest.raises(DatasetNotFound, match="t10k-labels-idx1-ubyte"):
         load_dataset("fashionmnist", data_dir=tmp_path)
+
+
+def test_data_dir_alone_chooses_the_dataset_found_there(tmp_path):
+    """Acceptance adds --data-dir to a documented command: the files there decide the dataset,
+    never a silent fall-back to offline digits."""
+    empty, one, two = tmp_path / "empty", tmp_path / "one", tmp_path / "two"
+    empty.mkdir()
+    write_mnist_like(one, "MNIST", n_train=5, n_test=5)
+    write_mnist_like(two, "MNIST", n_train=5, n_test=5)
+    write_mnist_like(two, "FashionMNIST", n_train=5, n_test=5)
+    assert dataset_for_data_dir(None, None) == "digits"  # no --data-dir: the default
+    assert dataset_for_data_dir("shapes", None) == "shapes"
+    assert dataset_for_data_dir(None, str(one)) == "mnist"
+    assert dataset_for_data_dir("fashionmnist", str(two)) == "fashionmnist"  # named: kept
+    with pytest.raises(ValueError, match="holds mnist, fashionmnist: name one"):
+        dataset_for_data_dir(None, str(two))
+    with pytest.raises(ValueError, match=r"holds none of the datasets fedmq reads \(MNIST/raw"):
+        dataset_for_data_dir(None, str(empty))
+    with pytest.raises(ValueError, match="'digits' is made offline and reads nothing from --data-dir .*holds mnist"):
+        dataset_for_data_dir("digits", str(one))
 
 
 def test_unknown_dataset_name():

@@ -83,7 +83,7 @@ def test_rounds_and_sweep_run_unchanged_on_held_out_data_through_data_dir(tmp_pa
 
     write_mnist_like(tmp_path / "data", "MNIST", n_train=400, n_test=60)
     out = tmp_path / "mnist"
-    assert sweep(["--dataset", "mnist", "--data-dir", str(tmp_path / "data"), "--alphas", "0.3",
+    assert sweep(["--data-dir", str(tmp_path / "data"), "--alphas", "0.3",  # the dataset found there
                   "--slow-shares", "0.3", "--seeds", "1", "--algorithms", "catafed,tifl",
                   "--target", "0.5", "--until", "40", "--jobs", "1", "--out", str(out), "--",
                   "--agents", "4", "--groups", "2", "--per-group", "2", "--epochs", "1"]) == 0

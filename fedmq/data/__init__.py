@@ -15,7 +15,14 @@ from fedmq.data.clusters import (
     rotate,
 )
 from fedmq.data.mixtures import AgentData, draw_agent, draw_mixture, sample_agent_data, split_counts
-from fedmq.data.sources import DATASETS, Dataset, DatasetNotFound, clear_cache, load_dataset
+from fedmq.data.sources import (
+    DATASETS,
+    Dataset,
+    DatasetNotFound,
+    clear_cache,
+    dataset_for_data_dir,
+    load_dataset,
+)
 
 __all__ = [
     "DATASETS",
@@ -27,6 +34,7 @@ __all__ = [
     "clear_cache",
     "cluster_angles",
     "clusters_from_settings",
+    "dataset_for_data_dir",
     "draw_agent",
     "draw_from_pool",
     "draw_mixture",

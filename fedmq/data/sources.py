@@ -108,6 +108,13 @@ _EXPECTED_FILES: dict[str, list[str]] = {
     "usps": ["usps.bz2", "usps.t.bz2"],
 }
 
+_MARKERS: dict[str, str] = {"mnist": "MNIST/raw", "fashionmnist": "FashionMNIST/raw",
+                             "cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python",
+                             "svhn": "train_32x32.mat", "usps": "usps.bz2"}
+"""Dataset -> the path under a data root that says its files are there (the loader then checks
+every file and names what is missing)."""
+
+
 DATASETS: tuple[str, ...] = ("digits", "synthetic", "shapes", "mnist", "fashionmnist", "cifar10", "cifar100",
                              "svhn", "usps")
 """Names `load_dataset` accepts, besides `folder:NAME` (a directory of PNG/JPEG images) and
@@ -140,6 +147,48 @@ def load_dataset(name: str, *, data_dir: str | os.PathLike[str] | None = None, t
     data = _load_uncached(key_name, root, train, download)
     with _cache_lock:
         return _cache.setdefault(key, data)
+
+
+def datasets_in(root: str | os.PathLike[str]) -> list[str]:
+    """The datasets whose torchvision files lie under `root` (mnist, cifar100, ...)."""
+    base = Path(root).expanduser()
+    return [name for name, marker in _MARKERS.items() if (base / marker).exists()]
+
+
+def dataset_for_data_dir(named: str | None, data_dir: str | None, *, default: str = "digits") -> str:
+    """The dataset a command runs on, given the dataset it names (None: not named) and the
+    `--data-dir` it was given (None: not given). An unnamed dataset under a given `--data-dir` is
+    the one found there, so a documented command runs unchanged on other data by adding
+    `--data-dir`; an offline dataset named beside `--data-dir` is refused, since the files there
+    would be silently ignored."""
+    if not data_dir:
+        return named or default
+    if named:
+        if canonical_dataset(named) in OFFLINE:
+            raise UsageError(offline_with_data_dir(f"dataset {named!r}", data_dir))
+        return named
+    found = datasets_in(data_dir)
+    if len(found) == 1:
+        return found[0]
+    if found:
+        raise UsageError(f"--data-dir {data_dir} holds {', '.join(found)}: name one (--dataset NAME, "
+                         f"or --scenario rotated-NAME)")
+    raise UsageError(f"--data-dir {data_dir} holds {_none_here()}: put one there, or drop --data-dir to run on "
+                     f"{default} (offline)")
+
+
+def offline_with_data_dir(what: str, data_dir: str) -> str:
+    """One line for a command that names an offline dataset (or scenario) beside `--data-dir`,
+    whose files it would silently ignore."""
+    found = datasets_in(data_dir)
+    holds = ", ".join(found) if found else _none_here()
+    return (f"{what} is made offline and reads nothing from --data-dir {data_dir}, which holds {holds}: "
+            "name the dataset there (--dataset NAME or --scenario rotated-NAME), or drop --data-dir")
+
+
+def _none_here() -> str:
+    return ("none of the datasets fedmq reads (" + ", ".join(_MARKERS.values())
+            + " in torchvision's layout, docs/data.md)")
 
 
 def clear_cache() -> None:
