@@ -6,7 +6,10 @@ The accuracy of each variant is measured on rotated digits by `python -m sim.abl
 sketch estimator (the default), on CUDA when available, else this CPU. Every variant handles
 the same uploads, one at a time through `CDFL.update` (estimate + cluster update + reply),
 and reports the median seconds per upload and where they went (estimate, reply training,
-cluster refresh). The ratios within one run are the figures to compare across machines.
+cluster refresh). The rows take turns: each round times one upload of every row, in an order
+rotated per round, so a slow spell of a shared machine hits every row alike; `x_default` is
+the median over rounds of each row's time over the default's in the same round, with the
+range it spanned. The ratios within one run are the figures to compare across machines.
 """
 
 from __future__ import annotations
@@ -55,32 +58,53 @@ does with a queue: torch.func batched replies against the same queue one reply a
 cnn28 (compute-bound on a CPU) and the 14 k-parameter digits model (overhead-bound)."""
 
 
-def time_uploads(strategy: CDFL, clusters: torch.Tensor, sketch: torch.Tensor, uploads: int, device: str,
-                 g: torch.Generator) -> dict:
-    """Median seconds per upload through `CDFL.update`, one at a time, and where they went."""
+def time_upload(strategy: CDFL, clusters: torch.Tensor, sketch: torch.Tensor, i: int, device: str,
+                g: torch.Generator) -> tuple[float, dict[str, float]]:
+    """Seconds for upload `i` through `CDFL.update`, and where they went."""
     k = clusters.shape[0]
-    seconds: list[float] = []
-    parts: dict[str, list[float]] = {"estimate": [], "reply": [], "refresh": []}
-    for i in range(uploads):
-        v = clusters[i % k] + 0.01 * torch.randn(clusters.shape[1], generator=g)
-        t0 = time.perf_counter()
-        reply = strategy.update(Upload(f"agent{i}", v, tau=strategy.uploads_applied, sketch=sketch,
-                                       base=clusters[i % k]))  # the delta rule needs it
-        if device == "cuda":
-            torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - t0)
-        info = reply.info
-        parts["estimate"].append(info.get("estimate_seconds", 0.0))
-        parts["reply"].append(info.get("personalize", {}).get("seconds", 0.0))
-        parts["refresh"].append(info.get("refresh_seconds", 0.0))
-    return {"s_per_upload": round(statistics.median(seconds), 4),
-            **{f"{name}_s": round(statistics.median(x), 4) for name, x in parts.items()}}
+    v = clusters[i % k] + 0.01 * torch.randn(clusters.shape[1], generator=g)
+    t0 = time.perf_counter()
+    reply = strategy.update(Upload(f"agent{i}", v, tau=strategy.uploads_applied, sketch=sketch,
+                                   base=clusters[i % k]))  # the delta rule needs it
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    info = reply.info
+    return seconds, {"estimate": info.get("estimate_seconds", 0.0),
+                     "reply": info.get("personalize", {}).get("seconds", 0.0),
+                     "refresh": info.get("refresh_seconds", 0.0)}
+
+
+def interleaved(rows: dict[str, tuple[CDFL, torch.Tensor, torch.Tensor]], rounds: int, device: str,
+                reference: str) -> dict[str, dict]:
+    """Every row's median seconds per upload over `rounds` rounds of one upload per row (order
+    rotated per round), and its time over `reference`'s in the same round: median and range."""
+    names = list(rows)
+    seconds: dict[str, list[float]] = {n: [] for n in names}
+    parts: dict[str, dict[str, list[float]]] = {n: {"estimate": [], "reply": [], "refresh": []} for n in names}
+    g = torch.Generator().manual_seed(1)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            strategy, clusters, sketch = rows[name]
+            t, where = time_upload(strategy, clusters, sketch, r, device, g)
+            seconds[name].append(t)
+            for part, x in where.items():
+                parts[name][part].append(x)
+        print(f"round {r + 1}/{rounds}: default {seconds[reference][-1]:.3f} s", flush=True)
+    out = {}
+    for name in names:
+        ratios = [a / b for a, b in zip(seconds[name], seconds[reference], strict=True)]
+        out[name] = {"s_per_upload": round(statistics.median(seconds[name]), 4),
+                     **{f"{part}_s": round(statistics.median(x), 4) for part, x in parts[name].items()},
+                     "x_default": round(statistics.median(ratios), 3),
+                     "x_default_range": [round(min(ratios), 3), round(max(ratios), 3)]}
+    return out
 
 
 def run(quick: bool = False) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     n_proxy = 250 if quick else 1000
-    uploads_per_variant = 2 if quick else 4
+    rounds = 2 if quick else 8
     spec = model_spec(ARCH)
     proxies, clusters = random_world(n_proxy)
     g = torch.Generator().manual_seed(1)
@@ -88,11 +112,12 @@ def run(quick: bool = False) -> dict:
     agent_x = torch.cat([proxies[0][0][:300], proxies[1][0][:100]])
     sketch = data_sketch(agent_x)
     out: dict = {"device": device, "torch_threads": torch.get_num_threads(), "arch": ARCH, "K": K,
-                 "proxy_per_cluster": n_proxy, "uploads_per_variant": uploads_per_variant, "variants": {}}
+                 "proxy_per_cluster": n_proxy, "rounds": rounds, "variants": {}}
     runs = [(name, fields, 0, ARCH, n_proxy) for name, fields in VARIANTS.items()]
-    runs += [(name, {"reply_batch": batch}, 8, arch, n_proxy) for name, (arch, batch) in QUEUED.items()]
     runs += [(name, fields, 0, ARCH, SMALL_SERVER) for name, fields in SMALL.items()]
+    runs += [(name, {"reply_batch": batch}, 8, arch, n_proxy) for name, (arch, batch) in QUEUED.items()]
     worlds = {(ARCH, n_proxy): (spec, proxies, clusters, sketch)}
+    timed: dict[str, tuple[CDFL, torch.Tensor, torch.Tensor]] = {}
     for name, fields, queued, arch, size in runs:
         if (arch, size) not in worlds:
             arch_proxies, arch_clusters = random_world(size, arch=arch)
@@ -103,24 +128,26 @@ def run(quick: bool = False) -> dict:
         strategy = CDFL.from_settings(spec, clusters, proxies, settings, device=device)
         strategy.join("warm-up")
         strategy.update(Upload("warm-up", clusters[0] + 0.01, tau=0, sketch=sketch))
-        if queued:
-            ups = [Upload(f"agent{i}", clusters[i % K] + 0.01 * torch.randn(spec.numel, generator=g),
-                          tau=strategy.uploads_applied, sketch=sketch, base=clusters[i % K]) for i in range(queued)]
-            t0 = time.perf_counter()
-            strategy.update_many(ups)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            s_per = (time.perf_counter() - t0) / queued
-            out["variants"][name] = {"settings": fields, "arch": arch, "queued": queued,
-                                     "s_per_upload": round(s_per, 4)}
-            print(f"{name:28s} {s_per:8.3f} s/upload", flush=True)
+        if not queued:
+            timed[name] = (strategy, clusters, sketch)
+            out["variants"][name] = {"settings": fields, **({"proxy_per_cluster": size} if size != n_proxy else {})}
             continue
-        out["variants"][name] = {"settings": fields, **({"proxy_per_cluster": size} if size != n_proxy else {}),
-                                 **time_uploads(strategy, clusters, sketch, uploads_per_variant, device, g)}
-        print(f"{name:28s} {out['variants'][name]['s_per_upload']:8.3f} s/upload", flush=True)
+        ups = [Upload(f"agent{i}", clusters[i % K] + 0.01 * torch.randn(spec.numel, generator=g),
+                      tau=strategy.uploads_applied, sketch=sketch, base=clusters[i % K]) for i in range(queued)]
+        t0 = time.perf_counter()
+        strategy.update_many(ups)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        s_per = (time.perf_counter() - t0) / queued
+        out["variants"][name] = {"settings": fields, "arch": arch, "queued": queued, "s_per_upload": round(s_per, 4)}
+        print(f"{name:28s} {s_per:8.3f} s/upload", flush=True)
+    for name, figures in interleaved(timed, rounds, device, DEFAULT).items():
+        out["variants"][name].update(figures)
+        print(f"{name:28s} {figures['s_per_upload']:8.3f} s/upload  x{figures['x_default']:.3f} "
+              f"{figures['x_default_range']}", flush=True)
     base = out["variants"][DEFAULT]["s_per_upload"]
     for row in out["variants"].values():
-        row["x_default"] = round(row["s_per_upload"] / base, 3)
+        row.setdefault("x_default", round(row["s_per_upload"] / base, 3))  # queued rows: one timing each
     v = out["variants"]
     for prefix in ("default", "digits-cnn"):
         v[f"{prefix}, 8 queued, trained together"]["speedup_vs_one_by_one"] = round(
