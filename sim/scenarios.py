@@ -28,7 +28,7 @@ import torch
 from fedmq.config import Config
 from fedmq.data import AgentData, RotatedClusters, clusters_from_settings, draw_agent, load_dataset
 from fedmq.data.mixtures import sample_agent_data
-from fedmq.data.sources import Dataset
+from fedmq.data.sources import OFFLINE, Dataset, offline_with_data_dir
 from fedmq.errors import UsageError
 
 DOMAINS: tuple[str, ...] = ("printed", "inverted", "bold")
@@ -89,8 +89,6 @@ def resolve_scenario(name: str | None, cfg: Config, data_dir: str | None) -> Sce
     found under an explicit `--data-dir` (config_from_args put it in cfg.data.dataset), else
     rotated-digits. An offline scenario named beside `--data-dir` is refused: the files there
     would be silently ignored."""
-    from fedmq.data.sources import OFFLINE, offline_with_data_dir
-
     if name is None:
         name = DEFAULT_SCENARIO
         if data_dir:

@@ -108,11 +108,10 @@ _EXPECTED_FILES: dict[str, list[str]] = {
     "usps": ["usps.bz2", "usps.t.bz2"],
 }
 
-_MARKERS: dict[str, str] = {"mnist": "MNIST/raw", "fashionmnist": "FashionMNIST/raw",
-                             "cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python",
-                             "svhn": "train_32x32.mat", "usps": "usps.bz2"}
-"""Dataset -> the path under a data root that says its files are there (the loader then checks
-every file and names what is missing)."""
+_MARKERS: dict[str, str] = {name: os.path.dirname(files[0]) or files[0] for name, files in _EXPECTED_FILES.items()}
+"""Dataset -> the path under a data root that says its files are there: the folder of its first
+expected file, or that file where it lies in the root (the loader then checks every file and
+names what is missing)."""
 
 
 DATASETS: tuple[str, ...] = ("digits", "synthetic", "shapes", "mnist", "fashionmnist", "cifar10", "cifar100",
