@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import shlex
 import sys
 import time
@@ -401,28 +402,93 @@ def run_variant_wire(spec: AblationSpec, variant: Variant, base: Config,
         settings=dict(variant.settings), engine="wire")
 
 
+def run_fleet_variants(spec: AblationSpec, variants: Sequence[Variant], base: Config,
+                       estimators: Sequence[str] = (), wire: bool = False, broker_url: str | None = None,
+                       on_result: Any = None) -> list[VariantResult]:
+    """Every variant on one (K, seed) fleet, in order."""
+    fleet = None if wire else Fleet(spec, base)
+    out = []
+    for v in variants:
+        t0 = time.perf_counter()
+        r = run_variant_wire(spec, v, base, broker_url) if wire else run_variant(fleet, v, estimators)
+        event(log, "ablation.variant", variant=v.name, k=spec.clusters, seed=spec.seed,
+              seconds=round(time.perf_counter() - t0, 1), received=r.acc_received, kl=r.kl)
+        out.append(r)
+        if on_result is not None:
+            on_result(r)
+    return out
+
+
+def _start_worker(level: str, json_logs: bool) -> None:
+    """A `--jobs` worker: one thread, as the serial runner uses, so its floats are the same."""
+    setup_logging(level, json_logs)
+    torch.set_num_threads(1)
+
+
 def run_ablation(variants: Sequence[Variant], *, clusters: Sequence[int], seeds: Sequence[int],
                  base: Config | None = None, scenario: str = "rotated-digits", agents: int = 0,
                  updates_per_agent: float = 3.0, test_samples: int = 300, estimators: Sequence[str] = (),
                  wire: bool = False, broker_url: str | None = None,
-                 on_result: Any = None) -> list[VariantResult]:
-    """Every variant on the same fleet for each (K, seed); results in (K, seed, variant) order."""
+                 on_result: Any = None, jobs: int = 1, prior: Sequence[VariantResult] = ()) -> list[VariantResult]:
+    """Every variant on the same fleet for each (K, seed); results in (K, seed, variant) order.
+
+    `jobs` > 1 runs that many fleets at once, each in its own single-threaded process: a fleet
+    depends only on its (K, seed), so the figures equal the serial run's (timings aside, which
+    then share the CPU). `prior` results (a resumed run's) are kept and not run again."""
     base = base or Config()
+    specs = [AblationSpec(scenario=scenario, clusters=k, seed=seed, agents=agents,
+                          updates_per_agent=updates_per_agent, test_samples=test_samples)
+             for k in clusters for seed in seeds]
+    have = {(r.clusters, r.seed, r.variant): r for r in prior}
+    todo = {i: [v for v in variants if (s.clusters, s.seed, v.name) not in have] for i, s in enumerate(specs)}
+    todo = {i: vs for i, vs in todo.items() if vs}
+    if jobs <= 1 or len(todo) <= 1:
+        fresh = {i: run_fleet_variants(specs[i], vs, base, estimators, wire, broker_url, on_result)
+                 for i, vs in todo.items()}
+    else:
+        if wire:
+            raise ValueError("--jobs: --wire runs one fleet at a time (fleets would share the broker's topics)")
+        fresh = _run_fleets_at_once(specs, todo, base, estimators, on_result, jobs)
     out = []
-    for k in clusters:
-        for seed in seeds:
-            spec = AblationSpec(scenario=scenario, clusters=k, seed=seed, agents=agents,
-                                updates_per_agent=updates_per_agent, test_samples=test_samples)
-            fleet = None if wire else Fleet(spec, base)
-            for v in variants:
-                t0 = time.perf_counter()
-                r = run_variant_wire(spec, v, base, broker_url) if wire else run_variant(fleet, v, estimators)
-                event(log, "ablation.variant", variant=v.name, k=k, seed=seed,
-                      seconds=round(time.perf_counter() - t0, 1), received=r.acc_received, kl=r.kl)
-                out.append(r)
-                if on_result is not None:
-                    on_result(r)
+    for i, s in enumerate(specs):
+        got = {r.variant: r for r in fresh.get(i, [])}
+        out += [got.get(v.name) or have[(s.clusters, s.seed, v.name)] for v in variants]
     return out
+
+
+def _run_fleets_at_once(specs: Sequence[AblationSpec], todo: dict[int, list[Variant]], base: Config,
+                        estimators: Sequence[str], on_result: Any, jobs: int) -> dict[int, list[VariantResult]]:
+    """`run_fleet_variants` for each fleet in `todo`, `jobs` spawned workers at a time; each
+    variant's result reaches `on_result` as it ends."""
+    import multiprocessing
+    import queue
+    from concurrent.futures import ProcessPoolExecutor, wait
+
+    spawn = multiprocessing.get_context("spawn")
+    done: dict[int, list[VariantResult]] = {}
+    with spawn.Manager() as manager, ProcessPoolExecutor(
+            max_workers=min(jobs, len(todo)), mp_context=spawn, initializer=_start_worker,
+            initargs=(base.log.level, base.log.json)) as pool:
+        finished = manager.Queue()
+        futures = {pool.submit(run_fleet_variants, specs[i], vs, base, estimators, False, None, finished.put): i
+                   for i, vs in todo.items()}
+        pending = set(futures)
+        try:
+            while pending:
+                ended, pending = wait(pending, timeout=1.0)
+                for f in ended:
+                    done[futures[f]] = f.result()  # a worker's error ends the run here
+                try:
+                    while True:
+                        r = finished.get_nowait()
+                        if on_result is not None:
+                            on_result(r)
+                except queue.Empty:
+                    pass
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+    return done
 
 
 # ---------------------------------------------------------------------------------- report
@@ -459,22 +525,98 @@ def summarize(results: Sequence[VariantResult]) -> list[dict[str, Any]]:
             for attr, short in (("acc_received", "received"), ("cluster_acc", "cluster")):
                 diffs = [getattr(own[c.seed], attr) - getattr(c, attr) for c in ctl if c.seed in own]
                 row[f"{gain}_gain_{short}"], row[f"{gain}_gain_{short}_ci"] = paired_interval(diffs)
-    locals_ = {k: rs for (k, _), rs in groups.items() if rs[0].method == "local"}
-    for row in rows:
-        local = {r.seed: r for r in locals_.get(row["K"], [])}
-        if row["method"] == "local" or not local:
-            continue
-        diffs = [r.acc_received - local[r.seed].acc_received for r in groups[(row["K"], row["variant"])]
-                 if r.seed in local]
-        row["local_gain_received"], row["local_gain_received_ci"] = paired_interval(diffs)
+    for method, name, pairs in REFERENCES:
+        refs = {k: rs for (k, _), rs in groups.items() if rs[0].method == method}
+        for row in rows:
+            ref = {r.seed: r for r in refs.get(row["K"], [])}
+            if row["method"] == method or not ref:
+                continue
+            mine = [r for r in groups[(row["K"], row["variant"])] if r.seed in ref]
+            for attr, short in pairs:
+                diffs = [getattr(r, attr) - getattr(ref[r.seed], attr) for r in mine]
+                row[f"{name}_gain_{short}"], row[f"{name}_gain_{short}_ci"] = paired_interval(diffs)
+            row[f"{name}_kl"] = _mean([ref[r.seed].kl for r in mine])
     return rows
 
 
+REFERENCES = (("local", "local", (("acc_received", "received"), ("acc_trained", "trained"))),
+              ("fedsoft-async", "fedsoft", (("acc_received", "received"), ("cluster_acc", "cluster"))))
+"""Every other row is paired by seed with the same fleet's row of these methods."""
+
 GAINS = [("fed_gain_received", "fed gain received (pp)"), ("fed_gain_cluster", "fed gain cluster (pp)"),
          ("client_gain_received", "client gain received (pp)"), ("client_gain_cluster", "client gain cluster (pp)"),
-         ("local_gain_received", "received - Local (pp)")]
-"""Paired over seeds, variant minus its control (or minus the `local` variant of the same
-fleet), in percentage points, ± the 95 % t interval."""
+         ("local_gain_received", "received - Local (pp)"), ("local_gain_trained", "trained - Local (pp)"),
+         ("fedsoft_gain_received", "received - FedSoft (pp)"), ("fedsoft_gain_cluster", "cluster - FedSoft (pp)")]
+"""Paired over seeds, variant minus its control (or minus the `local` or `fedsoft-async`
+variant of the same fleet), in percentage points, ± the 95 % t interval."""
+
+
+@dataclass(frozen=True)
+class Target:
+    text: str
+    key: str
+    """A summary row's key: a paired gain, or `kl` (judged against `fedsoft_kl`)."""
+    least: float = 0.0
+    """The gain must be at least this; `strict`: above it."""
+    strict: bool = False
+    least_from_k4: float | None = None
+    """A larger bar at K >= 4 (the federation gain's +3 pp)."""
+
+    def bar(self, k: int) -> float:
+        return self.least_from_k4 if self.least_from_k4 is not None and k >= 4 else self.least
+
+    def met(self, row: dict[str, Any]) -> bool | None:
+        """Judged on the mean over seeds; None where the row lacks the figure."""
+        if self.key == "kl":
+            ref = row.get("fedsoft_kl", math.nan)
+            return None if math.isnan(ref) or math.isnan(row["kl"]) else bool(row["kl"] < ref)
+        v = row.get(self.key, math.nan)
+        if math.isnan(v):
+            return None
+        return bool(v > self.bar(row["K"]) if self.strict else v >= self.bar(row["K"]) - 1e-12)
+
+
+TARGETS = (
+    Target("received >= Local + 3 pp", "local_gain_received", 0.03),
+    Target("federation gain, received: > 0, >= +3 pp at K >= 4", "fed_gain_received", 0.0, True, 0.03),
+    Target("federation gain, cluster: > 0", "fed_gain_cluster", 0.0, True),
+    Target("trained >= Local", "local_gain_trained"),
+    Target("received >= FedSoft-Async", "fedsoft_gain_received"),
+    Target("cluster >= FedSoft-Async", "fedsoft_gain_cluster"),
+    Target("KL < FedSoft-Async's argmin", "kl"),
+)
+"""What a CDFL reply must show against its controls and baselines (issue 15,
+docs/results_cdfl.md)."""
+
+
+def targets_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Per CDFL variant whose fleets also ran its frozen control, Local and FedSoft-Async: each
+    target per K, met or missed, and the reply's cost; empty when no variant has all three."""
+    out = []
+    for variant in dict.fromkeys(r["variant"] for r in rows if r["method"] == "cdfl"):
+        mine = sorted((r for r in rows if r["variant"] == variant and "fed_gain_received" in r
+                       and "local_gain_received" in r and "fedsoft_gain_received" in r), key=lambda r: r["K"])
+        if not mine:
+            continue
+        lines = [f"Targets for `{variant}` (judged on the mean over seeds; ± the paired 95 % t interval):", "",
+                 "| target | " + " | ".join(f"K={r['K']}" for r in mine) + " | verdict |",
+                 "|---|" + "---|" * (len(mine) + 1)]
+        for t in TARGETS:
+            cells, missed = [], []
+            for r in mine:
+                ok = t.met(r)
+                if t.key == "kl":
+                    cell = f"{r['kl']:.3f} vs {r.get('fedsoft_kl', math.nan):.3f}"
+                else:
+                    cell = f"{100 * r[t.key]:+.1f}" + (f" ± {100 * r[t.key + '_ci']:.1f}" if r["seeds"] > 1 else "")
+                cells.append(cell + ("" if ok is None else " met" if ok else " **missed**"))
+                missed += [str(r["K"])] if ok is False else []
+            verdict = f"**missed** at K = {', '.join(missed)}" if missed else "met"
+            lines.append(f"| {t.text} | " + " | ".join(cells) + f" | {verdict} |")
+        lines.append("| reply cost per upload (s) | "
+                     + " | ".join(f"{r['aggregator_s_per_upload']:.2f}" for r in mine) + " | - |")
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
 
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -519,6 +661,8 @@ def write_results(results: Sequence[VariantResult], out: Path, command: str | No
         data["note"] = note
     (out / "results.json").write_text(json.dumps(data, indent=1, default=float) + "\n")
     text = markdown_table(rows)
+    targets = targets_table(rows)
+    text += f"\n\n{targets}" if targets else ""
     head = ((f"`{command}`\n\n" if command else "") + "".join(f"from `{c}`\n\n" for c in sources)
             + (f"**{note}**\n\n" if note else ""))
     (out / "table.md").write_text(head + text + "\n")
@@ -567,11 +711,47 @@ def merge_results(sources: Sequence[Path], out: Path, command: str | None = None
                 raise ValueError(f"K={key[0]} seed={key[1]} {key[2]} ({key[3]}) is in both {seen[key]} and {src}")
             seen[key] = src
             runs.append(run)
-    note = None
-    if len(machines) > 1:
-        note = (f"Runs from {len(machines)} machines ({'; '.join(sorted(machines))}): float rounding differs "
-                "between machines; compare a variant only with a control from the same machine.")
+    note = machines_note(machines)
     return write_results(runs, out, command, commands, hosts=hosts, note=note), note
+
+
+def machines_note(machines: set[str]) -> str | None:
+    """The table's warning when its runs came from more than one machine."""
+    if len(machines) <= 1:
+        return None
+    return (f"Runs from {len(machines)} machines ({'; '.join(sorted(machines))}): float rounding differs "
+            "between machines; compare a variant only with a control from the same machine.")
+
+
+def _plan_of(command: str | None) -> list[str]:
+    """A command's arguments without those that say where and how it runs, not what it computes."""
+    plan: list[str] = []
+    skip = False
+    for w in shlex.split(command or ""):
+        if skip or w == "--resume" or w.split("=")[0] in ("--jobs", "--out") and "=" in w:
+            skip = False
+            continue
+        skip = w in ("--jobs", "--out")
+        if not skip:
+            plan.append(w)
+    return plan
+
+
+def resumable(out: Path, command: str) -> tuple[list[VariantResult], list[dict[str, Any]]]:
+    """The runs OUT/results.json holds from this same command (an interrupted run), and the
+    machines they ran on; refused if the file is not a results file or came from another command."""
+    path = out / "results.json"
+    try:
+        data = json.loads(path.read_text())
+        runs = [VariantResult(**r) for r in data["runs"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a results file this command can resume ({type(e).__name__}: {e})") from e
+    if _plan_of(data.get("command")) != _plan_of(command):
+        raise ValueError(f"{path} holds the runs of another command ({data.get('command')}); "
+                         "resume with that command, or give another --out")
+    hosts = list(data.get("hosts", []))
+    here = describe_host()
+    return runs, hosts + ([here] if here not in hosts else [])
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m sim.ablation") -> int:
@@ -593,7 +773,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim.ablation"
                         "client gains (default: %(default)s)")
     p.add_argument("--estimators", default="", help="also score these estimators on every CDFL upload")
     p.add_argument("--wire", action="store_true", help="run each variant through the fleet runner (MQTT)")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="run N (K, seed) fleets at once, one process and one thread each; 0: one per CPU "
+                        "core. The figures equal a serial run's; the timing columns then share the CPU "
+                        "(default 1)")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--resume", action="store_true",
+                   help="keep the runs OUT/results.json already holds from this same command (one that was "
+                        "interrupted) and run only the rest")
     p.add_argument("--report", action="store_true", help="only rebuild OUT/table.md from OUT/results.json")
     p.add_argument("--merge", action="append", type=Path, default=[], metavar="DIR",
                    help="only write OUT from the runs in DIR/results.json (repeatable; runs nothing)")
@@ -625,6 +812,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim.ablation"
             raise ValueError(f"--controls: unknown {', '.join(unknown)}; use {', '.join(CONTROLS)} or none")
         variants = with_controls(variants, controls)
         ceilings = [v.name for v in variants if v.method in CEILINGS]
+        if args.jobs < 0:
+            raise ValueError(f"--jobs: {args.jobs} is negative; give N >= 1, or 0 for one per CPU core")
+        if args.wire and args.jobs != 1:
+            raise ValueError("--jobs: --wire runs one fleet at a time (fleets would share the broker's topics)")
         if args.wire and ceilings:
             raise ValueError(f"--wire: {', '.join(ceilings)} pools the fleet's data on one machine, it is "
                              "not a fleet; run it without --wire")
@@ -634,6 +825,16 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim.ablation"
     seeds = seed_list(args.seeds, cfg.seed)
     clusters = int_list(args.clusters, "--clusters", minimum=1)
     estimators = [e.strip() for e in args.estimators.split(",") if e.strip()]
+    jobs = min(args.jobs or os.cpu_count() or 1, len(seeds) * len(clusters))
+    prior: list[VariantResult] = []
+    hosts: list[dict[str, Any]] | None = None
+    if args.resume and (args.out / "results.json").exists():
+        try:
+            prior, hosts = resumable(args.out, command)
+        except ValueError as e:
+            print(f"{prog}: --resume: {e}", file=sys.stderr)
+            return 2
+    note = machines_note({machine_of(h) for h in hosts}) if hosts else None
     if args.dry_run:
         from sim.scenarios import describe_plan
 
@@ -648,14 +849,18 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim.ablation"
             print(f"  variant {v.name}: {v.method}" + "".join(f", {k}={val}" for k, val in v.settings))
         print(f"{len(variants)} variants x K {', '.join(map(str, clusters))} x seeds "
               f"{', '.join(map(str, seeds))}, {args.updates_per_agent:g} updates per agent"
-              f"{' over MQTT' if args.wire else ''}; output {args.out} (dry run: nothing run)")
+              f"{' over MQTT' if args.wire else ''}, {jobs} fleet{'s' if jobs > 1 else ''} at a time; "
+              f"output {args.out}" + (f", {len(prior)} runs kept from it" if args.resume else "")
+              + " (dry run: nothing run)")
         return 0
     torch.set_num_threads(1)
-    done: list[VariantResult] = []
+    done: list[VariantResult] = list(prior)
+    if prior:
+        print(f"resuming: {len(prior)} runs kept from {args.out / 'results.json'}", flush=True)
 
     def progress(r: VariantResult) -> None:
         done.append(r)
-        write_results(done, args.out, command)
+        write_results(done, args.out, command, hosts=hosts, note=note)
         print(f"K={r.clusters} seed={r.seed} {r.variant}: held {r.acc_held:.3f} trained {r.acc_trained:.3f} "
               f"received {r.acc_received:.3f} KL {r.kl:.3f} cluster {r.cluster_acc:.3f} "
               f"agg {r.aggregator_s_per_upload:.3f}s {r.estimator_kl}", flush=True)
@@ -663,8 +868,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim.ablation"
     results = run_ablation(variants, clusters=clusters, seeds=seeds, base=cfg, scenario=args.scenario,
                            agents=args.agents, updates_per_agent=args.updates_per_agent,
                            test_samples=args.test_samples, estimators=estimators, wire=args.wire,
-                           broker_url=cfg.broker.url if args.broker else None, on_result=progress)
-    print(write_results(results, args.out, command))
+                           broker_url=cfg.broker.url if args.broker else None, on_result=progress, jobs=jobs,
+                           prior=prior)
+    print(write_results(results, args.out, command, hosts=hosts, note=note))
     return 0
 
 

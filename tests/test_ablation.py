@@ -89,6 +89,55 @@ def test_every_variant_replays_the_same_fleet_and_a_rerun_is_identical():
     assert again.acc_received == results["mix"].acc_received and again.kl == results["mix"].kl
 
 
+def test_jobs_run_fleets_in_parallel_processes_with_the_serial_runs_figures(tmp_path, capsys, monkeypatch):
+    small = [a for k, v in SMALL.items() for a in ("--set", f"{k}={v}")]
+    argv = ["--clusters", "2,3", "--seeds", "1", "--agents", "4", "--updates-per-agent", "1",
+            "--test-samples", "40", "--variant", "local=local", "--variant", MIXTURE, "--controls", "frozen", *small]
+    assert main([*argv, "--out", str(tmp_path / "serial")]) == 0
+    with monkeypatch.context() as m:  # the fleets run in spawned workers, never in this process
+        m.setattr("sim.ablation.Fleet", lambda *a: pytest.fail("--jobs 2 built a fleet in the parent"))
+        capsys.readouterr()
+        assert main([*argv, "--jobs", "2", "--out", str(tmp_path / "jobs")]) == 0
+    progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("K=")]
+    assert len(progress) == 6  # a line per variant as it ends, from the workers
+    figures = ("variant", "clusters", "seed", "acc_held", "acc_trained", "acc_received", "kl", "cluster_acc")
+    serial, jobs = ([[r[k] for k in figures] for r in json.loads((tmp_path / d / "results.json").read_text())["runs"]]
+                    for d in ("serial", "jobs"))
+    assert len(serial) == 6 and jobs == serial  # same figures, in (K, seed, variant) order
+    assert "--jobs 2" in json.loads((tmp_path / "jobs" / "results.json").read_text())["command"]
+    assert main([*argv, "--jobs", "0", "--out", str(tmp_path / "plan"), "--dry-run"]) == 0
+    assert "2 fleets at a time" in capsys.readouterr().out  # 0: one per core, at most one per fleet
+
+
+def test_resume_keeps_an_interrupted_runs_results_and_runs_only_the_rest(tmp_path, capsys):
+    small = [a for k, v in SMALL.items() for a in ("--set", f"{k}={v}")]
+    argv = ["--clusters", "2", "--seeds", "2", "--agents", "4", "--updates-per-agent", "1", "--test-samples", "40",
+            "--variant", "local=local", "--variant", MIXTURE, "--controls", "none", *small]
+    assert main([*argv, "--out", str(tmp_path / "whole")]) == 0
+    whole = json.loads((tmp_path / "whole" / "results.json").read_text())
+    # an interruption after the third variant leaves what progress wrote: the first three runs
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "results.json").write_text(json.dumps({**whole, "runs": whole["runs"][:3]}))
+    capsys.readouterr()
+    assert main([*argv, "--out", str(cut), "--resume", "--jobs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "resuming: 3 runs kept" in out
+    assert len([line for line in out.splitlines() if line.startswith("K=")]) == 1  # only the missing one ran
+    figures = ("variant", "seed", "acc_held", "acc_trained", "acc_received", "kl", "cluster_acc")
+    resumed = json.loads((cut / "results.json").read_text())
+    assert [[r[k] for k in figures] for r in resumed["runs"]] == [[r[k] for k in figures] for r in whole["runs"]]
+    # another command's results, or a damaged file, are refused by name and left as they were
+    before = (cut / "results.json").read_bytes()
+    assert main([*argv, "--updates-per-agent", "2", "--out", str(cut), "--resume"]) == 2
+    assert "another command" in capsys.readouterr().err
+    (cut / "results.json").write_bytes(before[:-40])
+    assert main([*argv, "--out", str(cut), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(cut / "results.json") in err and "not a results file" in err
+    assert (cut / "results.json").read_bytes() == before[:-40]
+
+
 def test_wire_variant_hands_its_own_config_to_the_fleet_runner(monkeypatch):
     """--wire runs the variant's config (its cdfl.* and agent.* settings), not the base one."""
     import sim.fleet
@@ -241,6 +290,35 @@ def test_gains_are_paired_over_seeds_with_a_t_interval():
     table = markdown_table(summarize(runs))
     assert "fed gain received (pp)" in table and "| +4.0 ± 2.5 |" in table
     assert paired_interval([0.02]) == (0.02, 0.0)
+
+
+def test_targets_table_judges_each_target_per_k_against_the_same_fleets_baselines(tmp_path):
+    from sim.ablation import VariantResult, rewrite_results, summarize, targets_table, write_results
+
+    def run(variant: str, method: str, k: int, seed: int, trained: float, received: float, kl: float,
+            cluster: float) -> VariantResult:
+        return VariantResult(variant, method, k, seed, 10, 0.5, trained, received, kl, cluster, 1, 4, 0.1, 0.25)
+
+    runs = []
+    for seed, d in ((0, 0.0), (1, 0.01)):  # seed 1: every accuracy 1 pp up, so the gaps pair exactly
+        for k, fed in ((2, 0.01), (4, 0.04)):
+            runs += [run("cdfl", "cdfl", k, seed, 0.90 + d, 0.95 + d, 0.02, 0.93 + d),
+                     run("cdfl/frozen", "cdfl", k, seed, 0.90 + d, 0.95 - fed + d, 0.02, 0.92 + d),
+                     run("local", "local", k, seed, 0.89 + d, 0.89 + d if k == 4 else 0.93 + d, math.nan, math.nan),
+                     run("fedsoft-async", "fedsoft-async", k, seed, 0.88 + d, 0.90 + d, 0.06, 0.94 + d)]
+    rows = summarize(runs)
+    text = targets_table(rows)
+    lines = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert "Targets for `cdfl`" in text and "cdfl/frozen`" not in text and "local`" not in text
+    assert lines["received >= Local + 3 pp"].endswith("| +2.0 ± 0.0 **missed** | +6.0 ± 0.0 met | **missed** at K = 2 |")
+    assert "+1.0 ± 0.0 met | +4.0 ± 0.0 met | met |" in lines["federation gain, received: > 0, >= +3 pp at K >= 4"]
+    assert "-1.0 ± 0.0 **missed**" in lines["cluster >= FedSoft-Async"]  # 0.93 against 0.94
+    assert "0.020 vs 0.060 met" in lines["KL < FedSoft-Async's argmin"]
+    assert lines["reply cost per upload (s)"] == "| reply cost per upload (s) | 0.25 | 0.25 | - |"
+    assert targets_table(summarize([r for r in runs if r.method != "fedsoft-async"])) == ""  # no baseline: no verdict
+    write_results(runs, tmp_path)
+    assert "Targets for `cdfl`" in (tmp_path / "table.md").read_text()
+    assert "Targets for `cdfl`" in rewrite_results(tmp_path)  # --report rebuilds it from results.json
 
 
 def test_central_pools_every_cycle_and_rows_compare_with_local_by_seed(tmp_path, capsys):

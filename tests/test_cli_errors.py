@@ -104,6 +104,8 @@ def test_config_file_with_a_typo_is_one_line_and_exit_2(tmp_path) -> None:
     ("sim.ablation", ("--seeds", "1,x", "--out", "OUT"), ("python -m sim.ablation", "--seeds", "1,x")),
     ("sim.ablation", ("--seeds", "0", "--out", "OUT"), ("--seeds", ">= 1")),
     ("sim.ablation", ("--variant", "x=nope", "--out", "OUT"), ("variant", "nope")),
+    ("sim.ablation", ("--jobs", "-1", "--out", "OUT"), ("--jobs", "negative")),
+    ("sim.ablation", ("--jobs", "2", "--wire", "--out", "OUT"), ("--jobs", "--wire", "one fleet at a time")),
     ("sim.ablation", ("--variant", "x=cdfl:cdfl.personalize_lr=0", "--out", "OUT", "--dry-run"),
      ("cdfl.personalize_lr", "> 0")),
     ("sim.rounds", ("--seeds", ","), ("python -m sim.rounds", "--seeds")),
