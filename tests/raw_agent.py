@@ -26,7 +26,7 @@ class RawAgent:
         self._subscribed = threading.Event()
         self.disconnects = 0
         """How often the broker closed this connection (a session taken over shows here)."""
-        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id or f"raw-{agent}",
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id or f"raw-{fleet}-{agent}",
                                   clean_session=clean_start)
         if ca_file is not None:
             self.client.tls_set(ca_certs=str(ca_file))
