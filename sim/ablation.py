@@ -688,8 +688,10 @@ def merge_results(sources: Sequence[Path], out: Path, command: str | None = None
     """One table from runs made by separate commands (e.g. a seed added later, run in parallel),
     and the note on it where they came from different machines.
 
-    A (K, seed, variant, engine) present twice is refused: averaging a run with itself would
-    shrink the spread and count one seed as two. Runs from different machines (or from a
+    A (K, seed, variant, engine) present twice is kept once where both copies have the same
+    figures (one deterministic run made twice, e.g. beside two different controls) and refused
+    where they differ, as is a source given twice: averaging a run with itself would shrink
+    the spread and count one seed as two. Runs from different machines (or from a
     source that does not say) are merged with a note in the table: float rounding differs
     between CPUs and grows over a run, so a variant and its control make a pair only when
     one machine ran both (docs/results_cdfl.md section 14).
@@ -698,7 +700,10 @@ def merge_results(sources: Sequence[Path], out: Path, command: str | None = None
     commands: list[str] = []
     hosts: list[dict[str, Any]] = []
     machines: set[str] = set()
-    seen: dict[tuple[int, int, str, str], Path] = {}
+    seen: dict[tuple[int, int, str, str], tuple[Path, VariantResult]] = {}
+    twice = [str(src) for src, n in Counter(Path(s).resolve() for s in sources).items() if n > 1]
+    if twice:
+        raise ValueError(f"{', '.join(twice)} given twice")
     for src in sources:
         data = json.loads((src / "results.json").read_text())
         commands.extend(data.get("sources") or ([data["command"]] if data.get("command") else []))
@@ -708,11 +713,21 @@ def merge_results(sources: Sequence[Path], out: Path, command: str | None = None
             run = VariantResult(**r)
             key = (run.clusters, run.seed, run.variant, run.engine)
             if key in seen:
-                raise ValueError(f"K={key[0]} seed={key[1]} {key[2]} ({key[3]}) is in both {seen[key]} and {src}")
-            seen[key] = src
+                if _figures(seen[key][1]) == _figures(run):
+                    continue
+                raise ValueError(f"K={key[0]} seed={key[1]} {key[2]} ({key[3]}) is in both {seen[key][0]} and {src} "
+                                 "with different figures")
+            seen[key] = (src, run)
             runs.append(run)
     note = machines_note(machines)
     return write_results(runs, out, command, commands, hosts=hosts, note=note), note
+
+
+def _figures(r: VariantResult) -> tuple[Any, ...]:
+    """What makes two records of a run the same run: all but its timings (NaN equal to NaN)."""
+    keep = ("updates", "acc_held", "acc_trained", "acc_received", "kl", "cluster_acc",
+            "models_down_per_update", "bytes_down_per_update", "server_share")
+    return (*(repr(getattr(r, k)) for k in keep), sorted(r.settings.items()), sorted(r.estimator_kl.items()))
 
 
 def machines_note(machines: set[str]) -> str | None:

@@ -203,7 +203,7 @@ def test_the_same_command_runs_on_mnist_files_through_data_dir(tmp_path):
     assert "| 2 | cdfl-distill |" in (out / "table.md").read_text()
 
 
-def test_merge_builds_one_table_from_separate_runs_and_refuses_a_run_twice(tmp_path, capsys):
+def test_merge_builds_one_table_from_separate_runs_and_counts_a_run_once(tmp_path, capsys):
     """A seed run later by its own command joins the table; the table names both commands."""
     for seed in (0, 1):
         rc = main(["--clusters", "2", "--seeds", "1", "--seed", str(seed), "--agents", "2",
@@ -231,7 +231,19 @@ def test_merge_builds_one_table_from_separate_runs_and_refuses_a_run_twice(tmp_p
     # the same seed twice would count one run as two seeds
     assert main(["--merge", str(tmp_path / "s0"), "--merge", str(tmp_path / "s0"),
                  "--out", str(tmp_path / "twice")]) == 2
-    assert not (tmp_path / "twice").exists()
+    assert "given twice" in capsys.readouterr().err and not (tmp_path / "twice").exists()
+    # one run recorded in two places (e.g. beside two controls) is kept once; differing copies are refused
+    s0 = json.loads((tmp_path / "s0" / "results.json").read_text())
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / "results.json").write_text(json.dumps({**s0, "runs": [
+        {**r, "aggregator_s_per_upload": 9.0} for r in s0["runs"]]}))  # another timing, the same run
+    assert main(["--merge", str(tmp_path / "s0"), "--merge", str(tmp_path / "copy"), "--merge", str(tmp_path / "s1"),
+                 "--out", str(tmp_path / "dedup")]) == 0
+    assert json.loads((tmp_path / "dedup" / "results.json").read_text())["summary"][0]["seeds"] == 2
+    (tmp_path / "copy" / "results.json").write_text(json.dumps({**s0, "runs": [
+        {**r, "acc_received": r["acc_received"] + 0.01} for r in s0["runs"]]}))
+    assert main(["--merge", str(tmp_path / "s0"), "--merge", str(tmp_path / "copy"), "--out", str(tmp_path / "no")]) == 2
+    assert "different figures" in capsys.readouterr().err and not (tmp_path / "no").exists()
     # a run from another machine (or one that records none) merges with a note and a warning
     s1 = json.loads((tmp_path / "s1" / "results.json").read_text())
     s1["hosts"][0].update(cpu_model="Other CPU", torch_threads=7)
