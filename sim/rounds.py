@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import time
 import warnings
@@ -632,7 +633,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m sim.rounds") -> i
     p.add_argument("--return-p", type=float, default=FleetSpec.return_p)
     p.add_argument("--until", type=float, default=math.inf, metavar="S",
                    help="stop each run at this simulated time (same for every algorithm)")
-    p.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="worker processes, one run each; 0: one per CPU core (default 1)")
     a = p.parse_args(argv)
     a.dataset = dataset_for_data_dir(a.dataset, a.data_dir)
     torch.set_num_threads(1)
@@ -653,8 +655,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m sim.rounds") -> i
               f"{model_name}): {spec}, until {a.until} s / {a.rounds} rounds; output {a.out or '-'} "
               "(dry run: nothing run)")
         return 0
-    if a.jobs < 1:
-        raise UsageError(f"--jobs must be >= 1, got {a.jobs}")
+    if a.jobs < 0:
+        raise UsageError(f"--jobs must be >= 1, or 0 for one per CPU core, got {a.jobs}")
+    a.jobs = a.jobs or os.cpu_count() or 1
     tasks = [Task(v, spec, base, seed, a.rounds, a.until, a.target, a.dataset, a.data_dir, a.model)
              for seed in seeds for v in variants]
     runs: list[SimRun] = []

@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m sim.rounds_sweep"
     p.add_argument("--target", type=float, default=0.9)
     p.add_argument("--until", type=float, default=600.0, metavar="S",
                    help="simulated seconds per run (default 600)")
-    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--jobs", type=int, default=2, help="worker processes per setting; 0: one per CPU core "
+                   "(default 2)")
     p.add_argument("--out", required=True, help="directory for one sub-directory per setting and summary.md")
     p.add_argument("--dry-run", action="store_true",
                    help="print and check the sim.rounds command lines, run nothing")

@@ -110,6 +110,7 @@ def test_config_file_with_a_typo_is_one_line_and_exit_2(tmp_path) -> None:
      ("cdfl.personalize_lr", "> 0")),
     ("sim.rounds", ("--seeds", ","), ("python -m sim.rounds", "--seeds")),
     ("sim.rounds", ("--algorithms", "fedavg,fedsgd"), ("fedsgd", "catafed")),
+    ("sim.rounds", ("--jobs", "-2"), ("--jobs", "0 for one per CPU core", "-2")),
     ("sim.rounds", ("--set", "catafed.resize=quarter"), ("catafed.resize", "quarter")),
     ("sim.rounds_sweep", ("--slow-shares", "0,x", "--out", "OUT"), ("--slow-shares", "'0,x'")),
     ("bench", ("nosuch",), ("python -m bench", "nosuch", "codecs")),

@@ -54,7 +54,7 @@ def test_sweep_runs_every_setting_and_summarizes_the_paired_comparisons(tmp_path
     # two settings, two fleets, a few rounds: the real grid is docs/results_catafed.md's command
     assert sweep(["--dataset", "synthetic", "--alphas", "1.0", "--slow-shares", "0,0.5",
                   "--seeds", "2", "--algorithms", "catafed,tifl", "--target", "0.15",
-                  "--until", "120", "--jobs", "1", "--out", str(out), "--",
+                  "--until", "120", "--jobs", "0", "--out", str(out), "--",  # 0: a worker per core
                   "--agents", "6", "--groups", "2", "--per-group", "2", "--epochs", "1"]) == 0
     for sub in ("a1-s0", "a1-s50"):
         data = json.loads((out / sub / "results.json").read_text())
