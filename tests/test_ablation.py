@@ -203,6 +203,27 @@ def test_the_same_command_runs_on_mnist_files_through_data_dir(tmp_path):
     assert "| 2 | cdfl-distill |" in (out / "table.md").read_text()
 
 
+def test_digits28_files_stand_in_for_mnist_through_data_dir(tmp_path, capsys):
+    """scripts/digits28_files.py, as docs/results_cdfl.md section 18 runs it (fewer images:
+    test time), then that section's command planned on the files: rotated-mnist and cnn28."""
+    script = [sys.executable, str(ROOT / "scripts" / "digits28_files.py"), str(tmp_path / "d28"),
+              "--train", "1500", "--test", "400"]
+    done = subprocess.run(script, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "wrote 1500 train and 400 test images" in done.stdout, done.stderr
+    images = (tmp_path / "d28" / "MNIST" / "raw" / "train-images-idx3-ubyte").read_bytes()
+    assert struct.unpack(">IIII", images[:16]) == (2051, 1500, 28, 28) and len(images) == 16 + 1500 * 784
+    again = subprocess.run(script, capture_output=True, text=True, timeout=300)  # never overwrites
+    assert again.returncode == 2 and "already holds IDX files" in again.stderr
+    clear_cache()
+    assert main(["--data-dir", str(tmp_path / "d28"), "--clusters", "2,4", "--seeds", "1", "--agents", "20",
+                 "--updates-per-agent", "15", "--set", "data.proxy_per_cluster=100",
+                 "--set", "data.pretrain_per_cluster=200", "--variant", "cdfl=cdfl", "--variant", "local=local",
+                 "--variant", "fedsoft-async=fedsoft-async", "--jobs", "0", "--out", str(tmp_path / "o"),
+                 "--dry-run"]) == 0
+    assert "scenario rotated-mnist" in capsys.readouterr().out
+    clear_cache()
+
+
 def test_merge_builds_one_table_from_separate_runs_and_counts_a_run_once(tmp_path, capsys):
     """A seed run later by its own command joins the table; the table names both commands."""
     for seed in (0, 1):
