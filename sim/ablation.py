@@ -459,35 +459,36 @@ def run_ablation(variants: Sequence[Variant], *, clusters: Sequence[int], seeds:
 def _run_fleets_at_once(specs: Sequence[AblationSpec], todo: dict[int, list[Variant]], base: Config,
                         estimators: Sequence[str], on_result: Any, jobs: int) -> dict[int, list[VariantResult]]:
     """`run_fleet_variants` for each fleet in `todo`, `jobs` spawned workers at a time; each
-    variant's result reaches `on_result` as it ends."""
+    variant's result reaches `on_result` as it ends. An error, Ctrl-C or SIGTERM ends the
+    workers at once (the results so far are already in OUT: `--resume` goes on from them)."""
     import multiprocessing
     import queue
-    from concurrent.futures import ProcessPoolExecutor, wait
 
     spawn = multiprocessing.get_context("spawn")
     done: dict[int, list[VariantResult]] = {}
-    with spawn.Manager() as manager, ProcessPoolExecutor(
-            max_workers=min(jobs, len(todo)), mp_context=spawn, initializer=_start_worker,
-            initargs=(base.log.level, base.log.json)) as pool:
+    with spawn.Manager() as manager:
         finished = manager.Queue()
-        futures = {pool.submit(run_fleet_variants, specs[i], vs, base, estimators, False, None, finished.put): i
-                   for i, vs in todo.items()}
-        pending = set(futures)
+        pool = spawn.Pool(min(jobs, len(todo)), initializer=_start_worker, initargs=(base.log.level, base.log.json))
         try:
-            while pending:
-                ended, pending = wait(pending, timeout=1.0)
-                for f in ended:
-                    done[futures[f]] = f.result()  # a worker's error ends the run here
+            pending = {i: pool.apply_async(run_fleet_variants,
+                                           (specs[i], vs, base, estimators, False, None, finished.put))
+                       for i, vs in todo.items()}
+            while pending or not finished.empty():
                 try:
-                    while True:
-                        r = finished.get_nowait()
-                        if on_result is not None:
-                            on_result(r)
+                    r = finished.get(timeout=1.0)
                 except queue.Empty:
                     pass
+                else:
+                    if on_result is not None:
+                        on_result(r)
+                for i in [i for i, job in pending.items() if job.ready()]:
+                    done[i] = pending.pop(i).get()  # a worker's error ends the run here
+            pool.close()
         except BaseException:
-            pool.shutdown(wait=False, cancel_futures=True)
+            pool.terminate()
             raise
+        finally:
+            pool.join()
     return done
 
 

@@ -109,6 +109,37 @@ def test_jobs_run_fleets_in_parallel_processes_with_the_serial_runs_figures(tmp_
     assert "2 fleets at a time" in capsys.readouterr().out  # 0: one per core, at most one per fleet
 
 
+def test_sigterm_ends_the_jobs_workers_at_once_and_keeps_what_ended(tmp_path):
+    """A SIGTERM (or Ctrl-C) mid-run ends the parent and its workers without waiting for the
+    fleets in flight (on MNIST one takes an hour); the variants that ended stay in results.json
+    for --resume. Each fleet here takes far longer than the deadline given to the exit."""
+    small = [a for k, v in SMALL.items() for a in ("--set", f"{k}={v}")]
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sim.ablation", "--clusters", "2,3", "--seeds", "1", "--agents", "4",
+         "--updates-per-agent", "10", "--test-samples", "40", "--variant", "local=local:agent.epochs=1",
+         "--variant", "slow=cdfl:cdfl.personalization=mixture,agent.epochs=40",  # ~40x the first variant
+         "--controls", "none", "--jobs", "2", *small, "--out", str(out)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:  # the first variant to end: both workers are mid-fleet now
+            lines.append(line)
+            if line.startswith("K="):
+                break
+        assert lines and lines[-1].startswith("K="), "".join(lines)
+        kids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert len(kids) >= 2  # the workers (and the result queue's manager)
+        proc.terminate()
+        assert proc.wait(timeout=30) == 143
+    finally:
+        proc.kill()
+    alive = [k for k in kids if Path(f"/proc/{k}").exists() and "zombie" not in Path(f"/proc/{k}/status").read_text()]
+    assert not alive, alive
+    kept = json.loads((out / "results.json").read_text())["runs"]
+    assert 1 <= len(kept) < 4  # what ended before the signal, and not the fleets in flight
+
+
 def test_resume_keeps_an_interrupted_runs_results_and_runs_only_the_rest(tmp_path, capsys):
     small = [a for k, v in SMALL.items() for a in ("--set", f"{k}={v}")]
     argv = ["--clusters", "2", "--seeds", "2", "--agents", "4", "--updates-per-agent", "1", "--test-samples", "40",
