@@ -21,6 +21,7 @@ import torch
 
 from aggregator.cdfl import CDFL
 from aggregator.engine import Engine
+from aggregator.estimators import SketchEstimator
 from aggregator.evaluator import ProxyEvaluator
 from aggregator.fedasync import FedAsync
 from aggregator.fedbuff import FedBuff
@@ -147,14 +148,31 @@ assert tuple(ASYNC_STRATEGIES) == ASYNC_SERVER, "fedmq/algorithms.py ASYNC_SERVE
 
 
 def make_strategy(cfg: Config, spec: ModelSpec, clusters: list[torch.Tensor],
-                  proxies: list[tuple[torch.Tensor, torch.Tensor]], device: str = "cpu") -> Strategy:
-    """The strategy named by `aggregator.algorithm`, with its knobs from the config."""
+                  proxies: list[tuple[torch.Tensor, torch.Tensor]], device: str = "cpu",
+                  data: RotatedClusters | None = None) -> Strategy:
+    """The strategy named by `aggregator.algorithm`, with its knobs from the config; `data`, the
+    server's cluster data, gives the sketch estimator its references (`sketch_references`)."""
     algorithm = cfg.aggregator.algorithm
     try:
         build = ASYNC_STRATEGIES[algorithm]
     except KeyError:
         raise ValueError(f"unknown algorithm {algorithm!r}; use {', '.join(ASYNC_STRATEGIES)}") from None
-    return build(cfg, spec, clusters, proxies, device)
+    strategy = build(cfg, spec, clusters, proxies, device)
+    estimator = getattr(strategy, "estimator", None)
+    if data is not None and isinstance(estimator, SketchEstimator):
+        estimator.references = sketch_references(cfg, data, proxies)
+    return strategy
+
+
+def sketch_references(cfg: Config, data: RotatedClusters,
+                      proxies: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor] | None:
+    """Per cluster, the inputs an upload's data sketch is compared with: the proxy set and, with
+    `cdfl.sketch_pretrain`, the pre-training set too (every input the server holds for it);
+    None: the proxy sets alone."""
+    if not cfg.cdfl.sketch_pretrain:
+        return None
+    n = cfg.data.pretrain_per_cluster or None
+    return [torch.cat([x, data.pretrain(k, n).x]) for k, (x, _) in enumerate(proxies)]
 
 
 def build_engine(cfg: Config, *, clusters: RotatedClusters | None = None) -> Engine:
@@ -173,7 +191,7 @@ def build_engine(cfg: Config, *, clusters: RotatedClusters | None = None) -> Eng
     proxies = [clusters.proxy(k, cfg.data.proxy_per_cluster or None) for k in range(K)]
     device = resolve_device(cfg.device)
     proxy_sets = [(p.x, p.y) for p in proxies]
-    strategy: Strategy = make_strategy(cfg, spec, vectors, proxy_sets, device=device)
+    strategy: Strategy = make_strategy(cfg, spec, vectors, proxy_sets, device=device, data=clusters)
     # CDFL evaluates on its proxies anyway; the baselines get an evaluator for the metric only.
     evaluator = getattr(strategy, "evaluator", None) or ProxyEvaluator(
         spec, proxy_sets, device=device, batch=cfg.cdfl.proxy_batch)

@@ -318,13 +318,16 @@ class SketchEstimator(Estimator):
         self.fallback = make_estimator(fallback, **options)
         self.needs_base = self.fallback.needs_base
         self.floor = float(sketch_floor)
+        self.references: list[Tensor] | None = None
+        """Each cluster's inputs to sketch (`aggregator.bootstrap.sketch_references`); None: the
+        evaluator's proxy sets."""
         self._proxy_sketches: tuple[ProxyEvaluator, np.ndarray] | None = None
 
     def cluster_sketches(self, evaluator: ProxyEvaluator) -> np.ndarray:
-        """[K, DIM] sketches of the proxy sets (computed once per evaluator)."""
+        """[K, DIM] sketches of the clusters' reference inputs (computed once per evaluator)."""
         if self._proxy_sketches is None or self._proxy_sketches[0] is not evaluator:
-            s = np.stack([data_sketch(x) for x, _ in evaluator.proxies])
-            self._proxy_sketches = (evaluator, s)
+            inputs = self.references if self.references is not None else [x for x, _ in evaluator.proxies]
+            self._proxy_sketches = (evaluator, np.stack([data_sketch(x) for x in inputs]))
         return self._proxy_sketches[1]
 
     def estimate(self, batch: EstimationBatch) -> list[Estimate]:

@@ -190,6 +190,10 @@ class CDFLSettings:
     """sketch estimator: the estimator used for uploads that carry no data sketch (agent.send_sketch off, or an older agent)."""
     sketch_floor: float = 0.01
     """sketch estimator: mix this much uniform into alpha."""
+    sketch_pretrain: bool = True
+    """sketch estimator: compare uploads' sketches with each cluster's proxy and pre-training inputs
+    (labels unused), not the proxy set alone: the reference's sampling noise, not the client's,
+    set most of the KL at 100 proxy samples per cluster (docs/results_cdfl.md section 18)."""
     trajectory_epochs: int = 2
     """trajectory estimator: epochs of each simulated per-cluster run (match the agents' local training)."""
     trajectory_lr: float = 0.05

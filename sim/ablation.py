@@ -283,8 +283,8 @@ def run_variant(fleet: Fleet, variant: Variant, estimators: Sequence[str] = ()) 
     """Replay the fleet's schedule with one variant, in-process."""
     if variant.method in CEILINGS:
         return run_central(fleet, variant)
-    from aggregator.bootstrap import make_strategy
-    from aggregator.estimators import EstimationBatch, make_estimator
+    from aggregator.bootstrap import make_strategy, sketch_references
+    from aggregator.estimators import EstimationBatch, SketchEstimator, make_estimator
     from aggregator.strategy import Upload
     from edge_agent.trainer import train_cycle
     from fedmq.training import evaluate
@@ -297,7 +297,7 @@ def run_variant(fleet: Fleet, variant: Variant, estimators: Sequence[str] = ()) 
     extra = {}
     if variant.method != "local":
         strategy = make_strategy(cfg, fleet.model_spec, [v.clone() for v in fleet.starts(cfg)],
-                                 fleet.proxies, device=fleet.device)
+                                 fleet.proxies, device=fleet.device, data=fleet.clusters)
         if variant.method == "cdfl":
             c = cfg.cdfl
             options = {"normalize": c.metrics_normalize, "at": c.direction_at, "mode": c.evidence_mode,
@@ -305,6 +305,9 @@ def run_variant(fleet: Fleet, variant: Variant, estimators: Sequence[str] = ()) 
                        "rho": c.trajectory_rho, "metric_weights": c.metric_weights,
                        "temperature": c.temperature}
             extra = {e: make_estimator(e, **options) for e in estimators}
+            for est in extra.values():  # the same references as the variant's own sketch estimator
+                if isinstance(est, SketchEstimator):
+                    est.references = sketch_references(cfg, fleet.clusters, fleet.proxies)
     uniform_start = torch.stack(fleet.starts(cfg)).mean(0)
     busiest = max(Counter(a for a, _ in fleet.schedule).values(), default=1)
     privacy = {a: p for a in range(fleet.n_agents)

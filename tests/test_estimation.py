@@ -20,12 +20,13 @@ from aggregator.estimators import (
     fedsoft_argmin_alpha,
     kl_divergence,
     make_estimator,
+    normalize_simplex,
     uniform,
 )
 from aggregator.strategy import Upload
 from fedmq.data import RotatedClusters, load_dataset, sample_agent_data
 from fedmq.models import build_model, model_spec, to_vector
-from fedmq.sketch import data_sketch
+from fedmq.sketch import data_sketch, mixture_from_sketch
 from fedmq.training import fit
 
 ARCH = "digits-cnn"
@@ -117,3 +118,37 @@ def test_data_sketch_estimate_beats_fedsoft_argmin(results):
     assert results[2]["sketch"] < 1.1 * results[2]["argmin"], results
     for k, means in results.items():
         assert means["sketch"] < min(means[n] for n in MODEL_ONLY), (k, means)
+
+
+@pytest.mark.parametrize("pretrain", [True, False])
+def test_sketch_references_hold_every_input_the_server_has_and_cut_the_kl(pretrain):
+    """cdfl.sketch_pretrain: each cluster's sketch comes from its proxy and pre-training inputs.
+    At the realistic budget (100 proxy + 200 pre-training samples per cluster) the reference's
+    own sampling noise set most of the KL: over the same 40 draws it falls by more than half."""
+    from aggregator.bootstrap import make_strategy
+    from fedmq.config import load_config
+
+    cfg = load_config(None, {"cdfl.clusters": 2, "data.proxy_per_cluster": 100, "data.pretrain_per_cluster": 200,
+                             "cdfl.sketch_pretrain": str(pretrain).lower()})
+    rc = RotatedClusters(load_dataset("digits"), load_dataset("digits", train=False), 2, seed=0,
+                         proxy_per_cluster=100, pretrain_per_cluster=200)
+    proxies = [(rc.proxy(k).x, rc.proxy(k).y) for k in range(2)]
+    init = [to_vector(build_model(ARCH, seed=k)) for k in range(2)]
+    strategy = make_strategy(cfg, model_spec(ARCH), init, proxies, data=rc)
+    refs = strategy.estimator.references
+    if not pretrain:
+        assert refs is None  # the proxy sets alone, as before the key
+        return
+    assert [len(r) for r in refs] == [300, 300]
+    torch.testing.assert_close(refs[1][:100], proxies[1][0])
+    torch.testing.assert_close(refs[1][100:], rc.pretrain(1, 200).x)
+    rng = np.random.default_rng(3)
+    kl = {"proxy": [], "proxy+pretrain": []}
+    for _ in range(40):
+        local = sample_agent_data(rc, rng.dirichlet([1.0, 1.0]), int(rng.integers(100, 301)), rng)
+        sketch = data_sketch(local.data.x)
+        for name, sets in (("proxy", [x for x, _ in proxies]), ("proxy+pretrain", refs)):
+            est = mixture_from_sketch(sketch, np.stack([data_sketch(x) for x in sets]))
+            kl[name].append(kl_divergence(local.alpha, normalize_simplex(est, 0.01)[0]))
+    means = {k: float(np.mean(v)) for k, v in kl.items()}
+    assert means["proxy+pretrain"] < 0.5 * means["proxy"], means
