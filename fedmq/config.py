@@ -230,8 +230,8 @@ class CDFLSettings:
     """finetune/distill: proximal weight of the reply's training toward its start (the alpha-mixture): loss + (rho/2)||w - start||^2 (0 = none, the default before session 20). Without it a reply trained 128+ steps on small proxy sets moved ~7x as far from the mixture as the agent's own step, and the agent's step partly undid that fit (cosine -0.10), which the clusters then took. Rotated digits, realistic budget, ten seeds at K = 3: received accuracy +0.7 pp, clusters +1.6 pp over 0 (docs/results_cdfl.md section 16)."""
     personalize_samples: int = 0
     """finetune/distill: proxy samples per epoch, drawn with replacement in proportion to alpha (0 = every sample of the clusters with alpha > 0, weighted by alpha). Caps a reply's cost whatever K and the proxy sizes are."""
-    reply_batch: int = 1
-    """finetune: train up to this many queued uploads' replies together (one torch.func vmapped gradient per mini-batch over all of them; the same replies up to float rounding). 1 = one at a time. On this 2-core CPU it pays for the 14 k-parameter digits model (3.2x with 8 queued) and not for cnn28 (0.8x: one reply already keeps both cores busy); a GPU is where it is meant to pay (not measured: no GPU lent). See `python -m bench replies`."""
+    reply_batch: int = 0
+    """finetune: train up to this many queued uploads' replies together (one torch.func vmapped gradient per mini-batch over all of them; the same replies up to float rounding). 0 (the default) = 8 where the server trains on a GPU, 1 on a CPU; 1 = one at a time. With 8 queued on an H200 it paid 1.57x for cnn28 and 3.64x for the 14 k-parameter digits model; on a 2-core CPU 0.71x for cnn28 (one reply already keeps both cores busy) and 2.54x for the digits model (docs/results_cdfl.md section 19, `python -m bench replies`)."""
     personalize_kd_weight: float = 0.5
     """distill: weight of the specialist teachers' tempered softmax against the true labels."""
     personalize_temperature: float = 2.0

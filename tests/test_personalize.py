@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from aggregator.cdfl import CDFL, resolve_trunk_share, update_weights
+from aggregator.cdfl import (
+    CDFL,
+    GPU_REPLY_BATCH,
+    resolve_reply_batch,
+    resolve_trunk_share,
+    update_weights,
+)
 from aggregator.evaluator import ProxyEvaluator
 from aggregator.personalize import (
     PERSONALIZATIONS,
@@ -433,6 +439,19 @@ def test_replies_trained_together_match_replies_trained_one_by_one(world, sample
         assert a.epoch == b.epoch and a.alpha == b.alpha
         torch.testing.assert_close(a.vectors[0], b.vectors[0], atol=1e-5, rtol=1e-4)
     assert not torch.allclose(one[0].vectors[0], one[3].vectors[0])  # the replies do differ
+
+
+def test_reply_batch_defaults_to_one_on_a_cpu_and_to_the_measured_batch_on_a_gpu(world):
+    """cdfl.reply_batch = 0 (the default) resolves by device: batching paid on an H200 for both
+    models and lost for cnn28 on a 2-core CPU (docs/results_cdfl.md section 19)."""
+    _, w, proxies = world
+    assert CDFLSettings().reply_batch == 0
+    assert CDFL.from_settings(SPEC, w, proxies, CDFLSettings(clusters=K), device="cpu").reply_batch == 1
+    assert CDFL.from_settings(SPEC, w, proxies, CDFLSettings(clusters=K, reply_batch=4), device="cpu").reply_batch == 4
+    assert resolve_reply_batch(0, torch.device("cuda")) == GPU_REPLY_BATCH == 8
+    assert resolve_reply_batch(3, torch.device("cuda")) == 3
+    with pytest.raises(ValueError, match="reply_batch >= 0"):
+        CDFL.from_settings(SPEC, w, proxies, CDFLSettings(clusters=K, reply_batch=-1), device="cpu")
 
 
 def test_personalize_many_groups_replies_whose_epochs_differ(world):
