@@ -259,6 +259,19 @@ def resolve_reply_batch(requested: int, device: torch.device) -> int:
     return GPU_REPLY_BATCH if device.type == "cuda" else 1
 
 
+def estimator_options(settings: CDFLSettings, name: str) -> dict[str, Any]:
+    """The options cdfl.* give estimator `name` (the variant's own, or sim.ablation's extras)."""
+    options = {"normalize": settings.metrics_normalize, "at": settings.direction_at,
+               "mode": settings.evidence_mode, "floor": settings.estimator_floor,
+               "epochs": settings.trajectory_epochs, "lr": settings.trajectory_lr,
+               "rho": settings.trajectory_rho, "metric_weights": settings.metric_weights,
+               "temperature": settings.temperature}
+    if name == "sketch":
+        options.update(fallback=settings.sketch_fallback, sketch_floor=settings.sketch_floor,
+                       sketch_shrinkage=settings.sketch_shrinkage)
+    return options
+
+
 def cdfl_evaluator(spec: ModelSpec, proxies: Sequence[Proxy], settings: CDFLSettings,
                    device: str = "auto") -> ProxyEvaluator:
     """The proxy evaluator [cdfl] configures (the aggregator's and every reply worker's)."""
@@ -356,12 +369,7 @@ class CDFL(SoftClusters):
     @classmethod
     def from_settings(cls, spec: ModelSpec, clusters: Tensor | Sequence[Tensor], proxies: Sequence[Proxy],
                       settings: CDFLSettings, device: str = "auto", **kwargs: Any) -> CDFL:
-        options = {"normalize": settings.metrics_normalize, "at": settings.direction_at,
-                   "mode": settings.evidence_mode, "floor": settings.estimator_floor,
-                   "epochs": settings.trajectory_epochs, "lr": settings.trajectory_lr,
-                   "rho": settings.trajectory_rho}
-        if settings.estimator == "sketch":
-            options.update(fallback=settings.sketch_fallback, sketch_floor=settings.sketch_floor)
+        options = estimator_options(settings, settings.estimator)
         if "evaluator" not in kwargs:
             kwargs["evaluator"] = cdfl_evaluator(spec, proxies, settings, device)
         return cls(spec, clusters, proxies, tau0=settings.tau0, beta0=settings.beta0,

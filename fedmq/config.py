@@ -190,6 +190,8 @@ class CDFLSettings:
     """sketch estimator: the estimator used for uploads that carry no data sketch (agent.send_sketch off, or an older agent)."""
     sketch_floor: float = 0.01
     """sketch estimator: mix this much uniform into alpha."""
+    sketch_shrinkage: float = 0.25
+    """sketch estimator: the mixture is fit by least squares in the metric of the features' noise: their covariance over single inputs within each cluster's references, shrunk this far toward its mean variance (1 = plain least squares, before session 23). A client's sketch is a mean of n inputs' features, so its error has that covariance over n; plain least squares let the directions where single inputs vary most outweigh those where the clusters differ. Realistic budget: KL 0.077 to 0.023 at K = 6 on rotated digits (seed 0, the fleet's draws), 0.134 to 0.034 at K = 2 seed 1 on the 28x28 stand-in (a fleet) (docs/results_cdfl.md section 20)."""
     sketch_pretrain: bool = True
     """sketch estimator: compare uploads' sketches with each cluster's proxy and pre-training inputs
     (labels unused), not the proxy set alone: the reference's sampling noise, not the client's,

@@ -7,7 +7,11 @@ the client. A sketch closes the gap at the cost of one small vector per upload: 
 random Fourier features of the client's inputs, an empirical kernel mean embedding. Mean
 embeddings mix linearly, so a client whose data is the mixture alpha of the clusters has,
 up to sampling noise, sketch = sum_k alpha_k * sketch(D_k), and the server recovers alpha by
-non-negative least squares against the sketches of its K proxy sets.
+non-negative least squares against the sketches of its K proxy sets. The least squares are
+taken in the metric of the features' own noise (`whitener`): a sketch is a mean of n feature
+vectors, so its error has the covariance of single inputs' features over n, and plain least
+squares let the directions in which single inputs vary most outweigh those in which the
+clusters differ.
 
 What it reveals: the average of `dim` fixed random cosine features of the inputs (not
 labels, not any single sample). Agents send it unless `agent.send_sketch` is off; without
@@ -19,6 +23,7 @@ seed, bandwidth); a sketch made by another method is refused.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
 
 import numpy as np
@@ -41,20 +46,53 @@ def _features(input_numel: int) -> tuple[Tensor, Tensor]:
     return torch.from_numpy(w.astype(np.float32)), torch.from_numpy(b.astype(np.float32))
 
 
-def data_sketch(x: Tensor, batch: int = 2048) -> np.ndarray:
-    """The sketch of inputs `x` ([N, ...], as the model sees them): float32 [DIM]."""
+def _feature_batches(x: Tensor, batch: int):
+    """Each input's features ([<=batch, DIM] float32), a batch at a time."""
     if x.shape[0] == 0:
         raise ValueError("cannot sketch an empty data set")
     flat = x.reshape(x.shape[0], -1).to("cpu", torch.float32)
     w, b = _features(flat.shape[1])
-    total = torch.zeros(DIM, dtype=torch.float64)
     for start in range(0, flat.shape[0], batch):
-        total += torch.cos(flat[start:start + batch] @ w + b).sum(0, dtype=torch.float64)
-    return (total / flat.shape[0]).numpy().astype(np.float32)
+        yield torch.cos(flat[start:start + batch] @ w + b)
+
+
+def data_sketch(x: Tensor, batch: int = 2048) -> np.ndarray:
+    """The sketch of inputs `x` ([N, ...], as the model sees them): float32 [DIM]."""
+    total = torch.zeros(DIM, dtype=torch.float64)
+    for f in _feature_batches(x, batch):
+        total += f.sum(0, dtype=torch.float64)
+    return (total / x.shape[0]).numpy().astype(np.float32)
+
+
+def whitener(sets: Sequence[Tensor], shrinkage: float, batch: int = 2048) -> np.ndarray | None:
+    """[DIM, DIM] W with ||W r||^2 = r^T C^-1 r: C is the covariance of single inputs' features
+    within the sets (each about its own mean), shrunk toward its mean variance,
+    (1 - shrinkage) C + shrinkage tr(C)/DIM I, since a few hundred inputs cannot pin 1024^2
+    entries. shrinkage 1 is plain least squares: None."""
+    if not 0.0 < shrinkage <= 1.0:
+        raise ValueError(f"sketch shrinkage must be in (0, 1], got {shrinkage}")
+    if shrinkage == 1.0:
+        return None
+    scatter = torch.zeros(DIM, DIM, dtype=torch.float64)
+    n = 0
+    for x in sets:
+        mean = torch.from_numpy(data_sketch(x, batch)).double()
+        for f in _feature_batches(x, batch):
+            d = f.double() - mean
+            scatter += d.T @ d
+        n += x.shape[0]
+    if n <= len(sets):
+        raise ValueError(f"{n} inputs in {len(sets)} sets leave no spread to estimate")
+    cov = scatter / (n - len(sets))
+    eye = torch.eye(DIM, dtype=torch.float64)
+    cov = (1.0 - shrinkage) * cov + shrinkage * torch.trace(cov) / DIM * eye
+    lower = torch.linalg.cholesky(cov)  # cov = L L^T, so W = L^-1 (torch: 25x numpy's here)
+    return torch.linalg.solve_triangular(lower, eye, upper=False).numpy()
 
 
 def mixture_from_sketch(sketch: np.ndarray, cluster_sketches: np.ndarray) -> np.ndarray:
-    """Non-negative weights c with sketch ~ cluster_sketches.T @ c, normalized to sum to 1.
+    """Non-negative weights c with sketch ~ cluster_sketches.T @ c, normalized to sum to 1
+    (for the whitened fit, pass W @ sketch and the clusters' sketches times W.T: `whitener`).
 
     `cluster_sketches` is [K, DIM]. All zeros (no cluster explains the sketch at all) gives
     uniform weights."""

@@ -17,6 +17,7 @@ import torch
 from aggregator.cdfl import CDFL
 from aggregator.estimators import (
     ESTIMATORS,
+    EstimationBatch,
     fedsoft_argmin_alpha,
     kl_divergence,
     make_estimator,
@@ -26,7 +27,7 @@ from aggregator.estimators import (
 from aggregator.strategy import Upload
 from fedmq.data import RotatedClusters, load_dataset, sample_agent_data
 from fedmq.models import build_model, model_spec, to_vector
-from fedmq.sketch import data_sketch, mixture_from_sketch
+from fedmq.sketch import data_sketch, mixture_from_sketch, whitener
 from fedmq.training import fit
 
 ARCH = "digits-cnn"
@@ -152,3 +153,54 @@ def test_sketch_references_hold_every_input_the_server_has_and_cut_the_kl(pretra
             kl[name].append(kl_divergence(local.alpha, normalize_simplex(est, 0.01)[0]))
     means = {k: float(np.mean(v)) for k, v in kl.items()}
     assert means["proxy+pretrain"] < 0.5 * means["proxy"], means
+
+
+def test_whitener_is_the_inverse_root_of_the_shrunk_within_cluster_covariance():
+    """||W r||^2 = r^T C^-1 r, C the features' covariance within each set (about its own mean),
+    shrunk toward its mean variance; shrinkage 1 is plain least squares, outside (0, 1] refused."""
+    g = torch.Generator().manual_seed(0)
+    sets = [torch.rand(40, 1, 8, 8, generator=g), torch.rand(50, 1, 8, 8, generator=g) + 0.3]
+    feats = [np.stack([data_sketch(x[i:i + 1]).astype(np.float64) for i in range(len(x))]) for x in sets]
+    dev = np.concatenate([f - f.mean(0) for f in feats])
+    cov = dev.T @ dev / (len(dev) - 2)
+    shrunk = 0.75 * cov + 0.25 * np.trace(cov) / cov.shape[0] * np.eye(cov.shape[0])
+    w = whitener(sets, 0.25)
+    np.testing.assert_allclose(w @ shrunk @ w.T, np.eye(cov.shape[0]), atol=1e-6)
+    assert whitener(sets, 1.0) is None
+    for bad in (0.0, -0.5, 1.5):
+        with pytest.raises(ValueError, match="shrinkage"):
+            whitener(sets, bad)
+
+
+def test_whitened_sketch_fit_cuts_the_kl_of_the_default_estimator():
+    """cdfl.sketch_shrinkage: least squares in the metric of the features' own noise. Rotated
+    digits, realistic budget, K = 4, the same 40 draws: KL at least a third lower than plain
+    least squares (shrinkage 1; section 20 measured 0.044 -> 0.015 over a fleet's draws)."""
+    from aggregator.bootstrap import make_strategy
+    from fedmq.config import load_config
+
+    k = 4
+    rc = RotatedClusters(load_dataset("digits"), load_dataset("digits", train=False), k, seed=0,
+                         proxy_per_cluster=100, pretrain_per_cluster=200)
+    proxies = [(rc.proxy(c).x, rc.proxy(c).y) for c in range(k)]
+    init = [to_vector(build_model(ARCH, seed=c)) for c in range(k)]
+    strategies = {}
+    for shrinkage in ("0.25", "1"):
+        overrides = {"cdfl.clusters": k, "data.proxy_per_cluster": 100, "data.pretrain_per_cluster": 200}
+        if shrinkage != "0.25":  # the default is the variant under test; 1 is its control
+            overrides["cdfl.sketch_shrinkage"] = shrinkage
+        strategies[shrinkage] = make_strategy(load_config(None, overrides), model_spec(ARCH), init, proxies, data=rc)
+    whitened = {name: s.estimator.cluster_sketches(s.evaluator)[1] for name, s in strategies.items()}
+    assert whitened["1"] is None and whitened["0.25"].shape == (1024, 1024)
+    rng = np.random.default_rng(5)
+    kl = {name: [] for name in strategies}
+    for _ in range(40):
+        local = sample_agent_data(rc, rng.dirichlet([0.5] * k), int(rng.integers(100, 301)), rng)
+        sketch = data_sketch(local.data.x)
+        for name, s in strategies.items():
+            batch = EstimationBatch(s.evaluator, s.clusters, list(s.versions), s.clusters[:1], [None], [sketch])
+            (alpha, diag), = s.estimator.estimate(batch)
+            assert diag["sketch"]
+            kl[name].append(kl_divergence(local.alpha, alpha))
+    means = {name: float(np.mean(v)) for name, v in kl.items()}
+    assert means["0.25"] < (2 / 3) * means["1"], means
