@@ -111,6 +111,9 @@ CONTROLS = {"frozen": (("cdfl.beta0", "0"), ("cdfl.server_lr", "0")),
 the fleet's uploads add (the federation gain). proxy-only: the reply is built without the
 agent's upload, so variant - proxy-only is what the agent's own upload adds (the client gain)."""
 
+WIRE_ONE_FLEET = "--jobs: --wire runs one fleet at a time (fleets would share the broker's topics)"
+"""Why --wire with --jobs is refused, by the CLI and by run_ablation alike."""
+
 
 def with_controls(variants: Sequence[Variant], controls: Sequence[str]) -> list[Variant]:
     """Each CDFL variant followed by its controls `NAME/frozen`, `NAME/proxy-only`."""
@@ -284,6 +287,7 @@ def run_variant(fleet: Fleet, variant: Variant, estimators: Sequence[str] = ()) 
     if variant.method in CEILINGS:
         return run_central(fleet, variant)
     from aggregator.bootstrap import make_strategy, sketch_references
+    from aggregator.cdfl import estimator_options
     from aggregator.estimators import EstimationBatch, SketchEstimator, make_estimator
     from aggregator.strategy import Upload
     from edge_agent.trainer import train_cycle
@@ -299,15 +303,12 @@ def run_variant(fleet: Fleet, variant: Variant, estimators: Sequence[str] = ()) 
         strategy = make_strategy(cfg, fleet.model_spec, [v.clone() for v in fleet.starts(cfg)],
                                  fleet.proxies, device=fleet.device, data=fleet.clusters)
         if variant.method == "cdfl":
-            c = cfg.cdfl
-            options = {"normalize": c.metrics_normalize, "at": c.direction_at, "mode": c.evidence_mode,
-                       "floor": c.estimator_floor, "epochs": c.trajectory_epochs, "lr": c.trajectory_lr,
-                       "rho": c.trajectory_rho, "metric_weights": c.metric_weights,
-                       "temperature": c.temperature}
-            extra = {e: make_estimator(e, **options) for e in estimators}
+            extra = {e: make_estimator(e, **estimator_options(cfg.cdfl, e)) for e in estimators}
+            own = strategy.estimator
             for est in extra.values():  # the same references as the variant's own sketch estimator
                 if isinstance(est, SketchEstimator):
-                    est.references = sketch_references(cfg, fleet.clusters, fleet.proxies)
+                    est.references = (own.references if isinstance(own, SketchEstimator)
+                                      else sketch_references(cfg, fleet.clusters, fleet.proxies))
     uniform_start = torch.stack(fleet.starts(cfg)).mean(0)
     busiest = max(Counter(a for a, _ in fleet.schedule).values(), default=1)
     privacy = {a: p for a in range(fleet.n_agents)
@@ -450,7 +451,7 @@ def run_ablation(variants: Sequence[Variant], *, clusters: Sequence[int], seeds:
                  for i, vs in todo.items()}
     else:
         if wire:
-            raise ValueError("--jobs: --wire runs one fleet at a time (fleets would share the broker's topics)")
+            raise ValueError(WIRE_ONE_FLEET)
         fresh = _run_fleets_at_once(specs, todo, base, estimators, on_result, jobs)
     out = []
     for i, s in enumerate(specs):
@@ -834,7 +835,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim.ablation"
         if args.jobs < 0:
             raise ValueError(f"--jobs: {args.jobs} is negative; give N >= 1, or 0 for one per CPU core")
         if args.wire and args.jobs != 1:
-            raise ValueError("--jobs: --wire runs one fleet at a time (fleets would share the broker's topics)")
+            raise ValueError(WIRE_ONE_FLEET)
         if args.wire and ceilings:
             raise ValueError(f"--wire: {', '.join(ceilings)} pools the fleet's data on one machine, it is "
                              "not a fleet; run it without --wire")
