@@ -267,6 +267,10 @@ def test_digits28_files_stand_in_for_mnist_through_data_dir(tmp_path, capsys):
                  "--dry-run"]) == 0
     assert "scenario rotated-mnist" in capsys.readouterr().out
     clear_cache()
+    kl = subprocess.run([sys.executable, str(ROOT / "scripts" / "sketch_kl.py"), "--data-dir", str(tmp_path / "d28"),
+                         "--clusters", "2,4,6", "--seeds", "0,1,2", "--dry-run"], capture_output=True, text=True,
+                        timeout=300)  # section 20's sketch_kl command on the same files
+    assert kl.returncode == 0 and kl.stdout.startswith("rotated-mnist, K 2, 4, 6"), kl.stderr
 
 
 def test_merge_builds_one_table_from_separate_runs_and_counts_a_run_once(tmp_path, capsys):
@@ -447,3 +451,14 @@ def test_reply_step_stats_measures_each_agents_step_against_its_replys_fit(tmp_p
     assert stats["fit_norm"]["mean"] > 0 and stats["step_norm"]["mean"] > 0
     assert -1.0 <= stats["cosine"]["mean"] <= 1.0
     assert "step-stats" in proc.stdout
+
+
+def test_sketch_kl_replays_a_fleets_draws_for_each_shrinkage():
+    """scripts/sketch_kl.py: one JSON line per (K, seed), a KL per shrinkage; the whitened fit
+    beats the plain one over this fleet's 24 draws (section 20 measured it over 300)."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "sketch_kl.py"), "--clusters", "4", "--seeds", "1",
+                           "--agents", "8", "--updates-per-agent", "3"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    (line,) = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+    assert (line["K"], line["seed"]) == (4, 0) and set(line["kl"]) == {"1", "0.25"}
+    assert line["kl"]["0.25"] < line["kl"]["1"], line

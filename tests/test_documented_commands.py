@@ -97,10 +97,10 @@ RULES: list[Rule] = [
     Rule(r"^fedmq fleet status --fleet garage --json$", "run", proof='"fleet": "garage"', broker=True),
     Rule(r"(^|\n)python scripts/digits28_files\.py ", "elsewhere",
          "tests/test_ablation.py writes smaller files with the script (test time) and plans the block's "
-         "sim.ablation command on them"),
+         "sim.ablation and sketch_kl commands on them"),
     # Experiments: minutes to hours on this machine's CPU.
     Rule(r"(^|\n)(OMP_NUM_THREADS=1 )?(\.venv/bin/)?python (-m sim\.(ablation|attacks|rounds|rounds_sweep|rounds_live)"
-         r"|scripts/reply_step_stats\.py) ", "plan", "an experiment of minutes to hours"),
+         r"|scripts/(reply_step_stats|sketch_kl)\.py) ", "plan", "an experiment of minutes to hours"),
     Rule(r"(^|\n)fedmq sim (run|aggregator|agents) ", "plan", "an experiment of minutes to hours"),
     # Long-running processes.
     Rule(r"^fedmq broker --config broker_config/prod\.conf", "serve", proof=r"^url: mqtts://",
