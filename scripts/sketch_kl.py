@@ -42,13 +42,13 @@ def fleet_kl(spec: AblationSpec, base, shrinkages: list[float]) -> dict[str, flo
     sketches = np.stack([data_sketch(x) for x in refs]).astype(np.float64)
     schedule = make_schedule(spec.seed, spec.run_spec("cdfl").resolved_agents(), spec.updates_per_agent)
     draws = [draw_cycle(scenario, clusters, cfg, spec.seed, a, c, spec.test_samples)[0] for a, c in schedule]
+    uploads = [data_sketch(d.data.x).astype(np.float64) for d in draws]  # once, whatever the shrinkages
     out = {}
     for s in shrinkages:
         w = whitener(refs, s)
         fit = sketches if w is None else (w @ sketches.T).T
         kls = []
-        for d in draws:
-            x = data_sketch(d.data.x).astype(np.float64)
+        for d, x in zip(draws, uploads, strict=True):
             est = mixture_from_sketch(x if w is None else w @ x, fit)
             kls.append(kl_divergence(d.alpha, normalize_simplex(est, cfg.cdfl.sketch_floor)[0]))
         out[f"{s:g}"] = float(np.mean(kls))
