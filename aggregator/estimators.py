@@ -38,7 +38,7 @@ from scipy.optimize import nnls
 from torch import Tensor
 
 from aggregator.evaluator import ProxyEvaluator, vector_digest
-from fedmq.sketch import data_sketch, mixture_from_sketch, whitener
+from fedmq.sketch import SketchFit, check_shrinkage
 
 Estimate = tuple[list[float], dict[str, Any]]
 
@@ -316,36 +316,21 @@ class SketchEstimator(Estimator):
                  **options: Any) -> None:
         if fallback == self.name:
             raise ValueError("the sketch estimator's fallback must be another estimator")
-        if not 0.0 < sketch_shrinkage <= 1.0:
-            raise ValueError(f"cdfl.sketch_shrinkage must be in (0, 1], got {sketch_shrinkage}")
         self.fallback = make_estimator(fallback, **options)
         self.needs_base = self.fallback.needs_base
         self.floor = float(sketch_floor)
-        self.shrinkage = float(sketch_shrinkage)
+        self.shrinkage = check_shrinkage(sketch_shrinkage, "cdfl.sketch_shrinkage")
         self.references: list[Tensor] | None = None
         """Each cluster's inputs to sketch (`aggregator.bootstrap.sketch_references`); None: the
         evaluator's proxy sets."""
-        self._proxy_sketches: tuple[ProxyEvaluator, np.ndarray, np.ndarray | None] | None = None
-        self._whitened: tuple[np.ndarray, np.ndarray] | None = None
+        self._fit: tuple[ProxyEvaluator, SketchFit] | None = None
 
-    def cluster_sketches(self, evaluator: ProxyEvaluator) -> tuple[np.ndarray, np.ndarray | None]:
-        """[K, DIM] sketches of the clusters' reference inputs and the whitener their spread
-        gives (`fedmq.sketch.whitener`; None at shrinkage 1), computed once per evaluator."""
-        if self._proxy_sketches is None or self._proxy_sketches[0] is not evaluator:
+    def sketch_fit(self, evaluator: ProxyEvaluator) -> SketchFit:
+        """The fit on the clusters' reference inputs, built once per evaluator."""
+        if self._fit is None or self._fit[0] is not evaluator:
             inputs = self.references if self.references is not None else [x for x, _ in evaluator.proxies]
-            self._proxy_sketches = (evaluator, np.stack([data_sketch(x) for x in inputs]),
-                                    whitener(inputs, self.shrinkage))
-        return self._proxy_sketches[1], self._proxy_sketches[2]
-
-    def _whitened_clusters(self, evaluator: ProxyEvaluator) -> tuple[np.ndarray, np.ndarray | None]:
-        """The clusters' sketches already whitened, once: an upload then costs one [DIM, DIM]
-        matrix-vector product (~1 ms), not a matrix product."""
-        clusters, whiten = self.cluster_sketches(evaluator)
-        if whiten is None:
-            return clusters, None
-        if self._whitened is None or self._whitened[0] is not whiten:
-            self._whitened = (whiten, (whiten @ clusters.T.astype(np.float64)).T)
-        return self._whitened[1], whiten
+            self._fit = (evaluator, SketchFit(inputs, self.shrinkage))
+        return self._fit[1]
 
     def estimate(self, batch: EstimationBatch) -> list[Estimate]:
         sketches = list(batch.sketches) or [None] * batch.vectors.shape[0]
@@ -357,10 +342,10 @@ class SketchEstimator(Estimator):
             for i, (alpha, diag) in zip(missing, self.fallback.estimate(sub), strict=True):
                 out[i] = (alpha, {**diag, "sketch": False, "fallback": self.fallback.name})
         if len(missing) < len(sketches):
-            clusters, whiten = self._whitened_clusters(batch.evaluator)
+            fit = self.sketch_fit(batch.evaluator)
             for i, s in enumerate(sketches):
                 if s is not None:
-                    weights = mixture_from_sketch(s if whiten is None else whiten @ s.astype(np.float64), clusters)
+                    weights = fit.mixture(s)
                     alpha, degenerate = normalize_simplex(weights, self.floor)
                     out[i] = (alpha, {"sketch": True, "weights": [float(w) for w in weights],
                                       "degenerate": degenerate})

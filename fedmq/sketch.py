@@ -64,19 +64,27 @@ def data_sketch(x: Tensor, batch: int = 2048) -> np.ndarray:
     return (total / x.shape[0]).numpy().astype(np.float32)
 
 
-def whitener(sets: Sequence[Tensor], shrinkage: float, batch: int = 2048) -> np.ndarray | None:
+def check_shrinkage(shrinkage: float, name: str = "sketch shrinkage") -> float:
+    """`shrinkage` if it is in (0, 1]; else a ValueError naming it as `name`."""
+    if not 0.0 < shrinkage <= 1.0:
+        raise ValueError(f"{name} must be in (0, 1], got {shrinkage:g}")
+    return float(shrinkage)
+
+
+def whitener(sets: Sequence[Tensor], shrinkage: float, batch: int = 2048,
+             means: np.ndarray | None = None) -> np.ndarray | None:
     """[DIM, DIM] W with ||W r||^2 = r^T C^-1 r: C is the covariance of single inputs' features
     within the sets (each about its own mean), shrunk toward its mean variance,
     (1 - shrinkage) C + shrinkage tr(C)/DIM I, since a few hundred inputs cannot pin 1024^2
-    entries. shrinkage 1 is plain least squares: None."""
-    if not 0.0 < shrinkage <= 1.0:
-        raise ValueError(f"sketch shrinkage must be in (0, 1], got {shrinkage}")
+    entries. shrinkage 1 is plain least squares: None. `means`: the sets' sketches, if the
+    caller has them already."""
+    check_shrinkage(shrinkage)
     if shrinkage == 1.0:
         return None
     scatter = torch.zeros(DIM, DIM, dtype=torch.float64)
     n = 0
-    for x in sets:
-        mean = torch.from_numpy(data_sketch(x, batch)).double()
+    for i, x in enumerate(sets):
+        mean = torch.from_numpy(data_sketch(x, batch) if means is None else means[i]).double()
         for f in _feature_batches(x, batch):
             d = f.double() - mean
             scatter += d.T @ d
@@ -88,6 +96,27 @@ def whitener(sets: Sequence[Tensor], shrinkage: float, batch: int = 2048) -> np.
     cov = (1.0 - shrinkage) * cov + shrinkage * torch.trace(cov) / DIM * eye
     lower = torch.linalg.cholesky(cov)  # cov = L L^T, so W = L^-1 (torch: 25x numpy's here)
     return torch.linalg.solve_triangular(lower, eye, upper=False).numpy()
+
+
+class SketchFit:
+    """Sketch -> mixture over the clusters whose reference inputs it was built on: NNLS in the
+    metric of the features' noise (`whitener`). The clusters' side is sketched and whitened once,
+    so an upload then costs one [DIM, DIM] matrix-vector product (~1 ms) and the NNLS."""
+
+    def __init__(self, references: Sequence[Tensor], shrinkage: float, batch: int = 2048) -> None:
+        self.sketches = np.stack([data_sketch(x, batch) for x in references])
+        """[K, DIM] float32: each cluster's reference sketch."""
+        self.whiten = whitener(references, shrinkage, batch, means=self.sketches)
+        """W, or None for the plain fit (shrinkage 1)."""
+        plain = self.sketches.astype(np.float64)
+        self._design = plain if self.whiten is None else (self.whiten @ plain.T).T
+
+    def mixture(self, sketch: np.ndarray) -> np.ndarray:
+        """Non-negative weights summing to 1 (`mixture_from_sketch`, in the whitened metric)."""
+        if sketch.shape != (self.sketches.shape[1],):
+            raise ValueError(f"sketch has shape {sketch.shape}, clusters' sketches {self.sketches.shape}")
+        x = sketch.astype(np.float64)
+        return mixture_from_sketch(x if self.whiten is None else self.whiten @ x, self._design)
 
 
 def mixture_from_sketch(sketch: np.ndarray, cluster_sketches: np.ndarray) -> np.ndarray:

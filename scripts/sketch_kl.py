@@ -25,7 +25,7 @@ from aggregator.bootstrap import sketch_references  # noqa: E402
 from aggregator.estimators import kl_divergence, normalize_simplex  # noqa: E402
 from fedmq.config import add_config_arguments, config_from_args  # noqa: E402
 from fedmq.errors import ArgumentParser, run_main  # noqa: E402
-from fedmq.sketch import data_sketch, mixture_from_sketch, whitener  # noqa: E402
+from fedmq.sketch import SketchFit, check_shrinkage, data_sketch  # noqa: E402
 from sim.ablation import AblationSpec  # noqa: E402
 from sim.fleet import configure, make_schedule  # noqa: E402
 from sim.scenarios import build_clusters, draw_cycle, resolve_scenario  # noqa: E402
@@ -39,17 +39,15 @@ def fleet_kl(spec: AblationSpec, base, shrinkages: list[float]) -> dict[str, flo
     proxies = [(p.x, p.y) for p in (clusters.proxy(k, cfg.data.proxy_per_cluster or None)
                                     for k in range(spec.clusters))]
     refs = sketch_references(cfg, clusters, proxies) or [x for x, _ in proxies]
-    sketches = np.stack([data_sketch(x) for x in refs]).astype(np.float64)
     schedule = make_schedule(spec.seed, spec.run_spec("cdfl").resolved_agents(), spec.updates_per_agent)
     draws = [draw_cycle(scenario, clusters, cfg, spec.seed, a, c, spec.test_samples)[0] for a, c in schedule]
-    uploads = [data_sketch(d.data.x).astype(np.float64) for d in draws]  # once, whatever the shrinkages
+    uploads = [data_sketch(d.data.x) for d in draws]  # once, whatever the shrinkages
     out = {}
     for s in shrinkages:
-        w = whitener(refs, s)
-        fit = sketches if w is None else (w @ sketches.T).T
+        fit = SketchFit(refs, s)
         kls = []
         for d, x in zip(draws, uploads, strict=True):
-            est = mixture_from_sketch(x if w is None else w @ x, fit)
+            est = fit.mixture(x)
             kls.append(kl_divergence(d.alpha, normalize_simplex(est, cfg.cdfl.sketch_floor)[0]))
         out[f"{s:g}"] = float(np.mean(kls))
     return out
@@ -69,9 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_from_args(args)
     scenario = resolve_scenario(args.scenario, cfg, args.data_dir).name
     shrinkages = [float(s) for s in args.shrinkage.split(",") if s.strip()]
-    for s in shrinkages:
-        if not 0.0 < s <= 1.0:
-            p.error(f"--shrinkage: {s:g} is outside (0, 1]")
+    try:
+        shrinkages = [check_shrinkage(s, "--shrinkage") for s in shrinkages]
+    except ValueError as e:
+        p.error(str(e))
     ks, seeds = int_list(args.clusters, "--clusters", minimum=1), seed_list(args.seeds, cfg.seed)
     print(f"{scenario}, K {', '.join(map(str, ks))} x seeds {', '.join(map(str, seeds))}, "
           f"shrinkage {', '.join(f'{s:g}' for s in shrinkages)}"

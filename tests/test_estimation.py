@@ -190,7 +190,7 @@ def test_whitened_sketch_fit_cuts_the_kl_of_the_default_estimator():
         if shrinkage != "0.25":  # the default is the variant under test; 1 is its control
             overrides["cdfl.sketch_shrinkage"] = shrinkage
         strategies[shrinkage] = make_strategy(load_config(None, overrides), model_spec(ARCH), init, proxies, data=rc)
-    whitened = {name: s.estimator.cluster_sketches(s.evaluator)[1] for name, s in strategies.items()}
+    whitened = {name: s.estimator.sketch_fit(s.evaluator).whiten for name, s in strategies.items()}
     assert whitened["1"] is None and whitened["0.25"].shape == (1024, 1024)
     rng = np.random.default_rng(5)
     kl = {name: [] for name in strategies}

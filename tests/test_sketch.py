@@ -57,6 +57,23 @@ def test_nnls_recovers_an_exact_mixture_of_the_proxy_sets(rotated) -> None:
         sketch.mixture_from_sketch(exact[:10], clusters)
 
 
+def test_sketch_fit_plain_is_nnls_and_whitened_recovers_an_exact_mixture_too(rotated) -> None:
+    """SketchFit: shrinkage 1 is `mixture_from_sketch` on the references' sketches, bit for bit;
+    whitened, an exact mixture of the reference sketches is still recovered exactly (W is
+    invertible); a sketch of another length and a shrinkage outside (0, 1] are refused."""
+    proxies = [rotated.proxy(k).x for k in range(3)]
+    plain, whitened = sketch.SketchFit(proxies, 1.0), sketch.SketchFit(proxies, 0.25)
+    assert plain.whiten is None and whitened.whiten.shape == (sketch.DIM, sketch.DIM)
+    mixed = sketch.data_sketch(torch.cat([proxies[0][:100], proxies[1][:30]]))
+    assert np.array_equal(plain.mixture(mixed), sketch.mixture_from_sketch(mixed, plain.sketches))
+    exact = (2 * plain.sketches[0] + plain.sketches[2]) / 3
+    np.testing.assert_allclose(whitened.mixture(exact), [2 / 3, 0, 1 / 3], atol=1e-4)
+    with pytest.raises(ValueError, match="shape"):
+        whitened.mixture(exact[:10])
+    with pytest.raises(ValueError, match="shrinkage"):
+        sketch.SketchFit(proxies, 0.0)
+
+
 def _with_sketch(c: Client, values: np.ndarray, method: str = sketch.METHOD) -> protocol.Update:
     up = c.update(codecs.encode(c.base, "fp32", base=c.base))
     return protocol.Update(**{**up.__dict__, "sketch": values.astype("<f2").tobytes(),
