@@ -1,9 +1,10 @@
 """Ablation runner: the same fleet (same seeds, data, schedule and start models) per variant.
 
 A variant is a method (cdfl, fedsoft-async, local) plus config overrides, e.g.
-`cdfl-distill=cdfl:cdfl.personalization=distill,cdfl.beta0=0.1`; `central` and
-`central-clusters` are references beside them (one model, or one per cluster, trained on the
-pooled data of the whole run; no fleet). For every (K, seed) the
+`cdfl-distill=cdfl:cdfl.personalization=distill,cdfl.beta0=0.1`; `central`,
+`central-clusters` and `central-personal` are references beside them (one model, one per
+cluster, or one per agent's true mixture, trained on the pooled data of the whole run; no
+fleet). For every (K, seed) the
 scenario's clusters are built and the cluster models pre-trained once; every variant then
 starts from those same models and replays the same seeded schedule
 (`sim.fleet.make_schedule`) with the same per-cycle data (`sim.scenarios.draw_cycle`) and
@@ -69,7 +70,15 @@ test sample scored by its own cluster's model. An upper bound for one personaliz
 agent, which must serve its whole mixture (at K = 2 the clusters are 0 and 180 degrees, where
 a 6 and a 9 look alike to one model for both; measured on rotated digits the gap to `central`
 is small: 0.956 against 0.947, docs/results_cdfl.md section 12)."""
-CEILINGS = (CENTRAL, CENTRAL_CLUSTERS)
+CENTRAL_PERSONAL = "central-personal"
+"""The best one model per agent we know how to build: `central`, fine-tuned for each cycle on the
+pooled data resampled by that cycle's true mixture, so it knows every label the fleet saw and the
+agent's mixture exactly (its prior settles what one model cannot route, a 6 against a turned 9).
+Its cluster accuracy fine-tunes on one cluster's share alone."""
+CEILINGS = (CENTRAL, CENTRAL_CLUSTERS, CENTRAL_PERSONAL)
+MIXTURE_GRID = 20
+"""`central-personal` rounds each mixture to twentieths and fine-tunes once per rounded mixture:
+at K = 2 at most 21 fine-tunes instead of one per cycle (300)."""
 METHODS = (*ASYNC_AGENT, *CEILINGS)  # what an agent runs (the variants replay agents), and the ceilings
 CENTRAL_EPOCHS = 5
 """Passes over the pooled data; 15 gave the same accuracy within 0.1 pp (rotated digits, K = 2)."""
@@ -236,6 +245,17 @@ class Fleet:
         return self._data[key]
 
 
+def _ceiling_result(fleet: Fleet, variant: Variant, acc: float, cluster: float) -> VariantResult:
+    """A ceiling's row: its accuracy stands for held, trained and received alike; no KL, no traffic."""
+    spec = fleet.spec
+    return VariantResult(
+        variant=variant.name, method=variant.method, clusters=spec.clusters, seed=spec.seed,
+        updates=len(fleet.schedule),
+        acc_held=acc, acc_trained=acc, acc_received=acc, kl=math.nan, cluster_acc=cluster,
+        models_down_per_update=0.0, bytes_down_per_update=0.0, client_compute_s=math.nan,
+        aggregator_s_per_upload=math.nan, settings=dict(variant.settings), server_share=fleet.server_share)
+
+
 def run_central(fleet: Fleet, variant: Variant) -> VariantResult:
     """A ceiling: models from Local's start trained on every cycle's training set at once (as if
     the fleet's data were pooled on a server), scored on every cycle's test mixture as the
@@ -256,10 +276,12 @@ def run_central(fleet: Fleet, variant: Variant) -> VariantResult:
         return fit(name, start, xs, ys, epochs=CENTRAL_EPOCHS, batch_size=a.batch_size, lr=a.lr,
                    momentum=a.momentum, seed=spec.seed).vector
 
+    owner = torch.cat([torch.as_tensor(train.cluster) for train, _ in sets])
+    if variant.method == CENTRAL_PERSONAL:
+        return _central_personal(fleet, variant, trained(None), x, y, owner)
     if variant.method == CENTRAL:
         models = [trained(None)] * spec.clusters
     else:
-        owner = torch.cat([torch.as_tensor(train.cluster) for train, _ in sets])
         models = [trained(owner == k) for k in range(spec.clusters)]
 
     def routed(test: Any) -> float:
@@ -274,12 +296,46 @@ def run_central(fleet: Fleet, variant: Variant) -> VariantResult:
 
     acc = _mean([routed(test) for _, test in sets])
     cluster = _mean([evaluate(name, w, t.x, t.y)[0] for w, t in zip(models, fleet.tests, strict=True)])
-    return VariantResult(
-        variant=variant.name, method=variant.method, clusters=spec.clusters, seed=spec.seed,
-        updates=len(fleet.schedule),
-        acc_held=acc, acc_trained=acc, acc_received=acc, kl=math.nan, cluster_acc=cluster,
-        models_down_per_update=0.0, bytes_down_per_update=0.0, client_compute_s=math.nan,
-        aggregator_s_per_upload=math.nan, settings=dict(variant.settings), server_share=fleet.server_share)
+    return _ceiling_result(fleet, variant, acc, cluster)
+
+
+def resample_by_mixture(owner: torch.Tensor, alpha: Sequence[float], generator: torch.Generator) -> torch.Tensor:
+    """len(owner) indices into a pool whose sample i belongs to cluster owner[i], drawn with
+    replacement so that cluster k's expected share is alpha_k, whatever its share of the pool."""
+    per_cluster = torch.bincount(owner, minlength=len(alpha)).clamp(min=1).double()
+    weights = torch.as_tensor(alpha, dtype=torch.float64)[owner] / per_cluster[owner]
+    return torch.multinomial(weights, len(owner), replacement=True, generator=generator)
+
+
+def _central_personal(fleet: Fleet, variant: Variant, pooled: torch.Tensor, x: torch.Tensor,
+                      y: torch.Tensor, owner: torch.Tensor) -> VariantResult:
+    """`central-personal`: `pooled` fine-tuned on the pool resampled by a cycle's true alpha
+    rounded to `MIXTURE_GRID` (a sample of cluster k drawn with probability alpha_k / n_k, as many
+    draws as the pool holds), as an agent trains: `agent.epochs` passes at its lr
+    (`central-personal:agent.epochs=4` for more). One fine-tune per distinct rounded mixture."""
+    from fedmq.training import evaluate, fit
+
+    spec, name = fleet.spec, fleet.model_name
+    a = variant.config(fleet.cfg).agent
+    tuned: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def personal(alpha: Sequence[float]) -> torch.Tensor:
+        key = tuple(round(float(v) * MIXTURE_GRID) for v in alpha)
+        if key not in tuned:
+            salt = len(tuned)
+            pick = resample_by_mixture(owner, key, torch.Generator().manual_seed(spec.seed * 1_000_003 + salt))
+            tuned[key] = fit(name, pooled, x[pick], y[pick], epochs=a.epochs, batch_size=a.batch_size,
+                             lr=a.lr, momentum=a.momentum, seed=spec.seed + salt).vector
+        return tuned[key]
+
+    accs = []
+    for agent, cycle in fleet.schedule:
+        train, test = fleet.data(agent, cycle)
+        accs.append(evaluate(name, personal(train.alpha.tolist()), test.data.x, test.data.y)[0])
+    eye = torch.eye(spec.clusters).tolist()
+    cluster = _mean([evaluate(name, personal(e), t.x, t.y)[0] for e, t in zip(eye, fleet.tests, strict=True)])
+    event(log, "ablation.central_personal", fine_tunes=len(tuned), cycles=len(fleet.schedule))
+    return _ceiling_result(fleet, variant, _mean(accs), cluster)
 
 
 def run_variant(fleet: Fleet, variant: Variant, estimators: Sequence[str] = ()) -> VariantResult:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from aggregator.personalize import PERSONALIZATIONS
 from fedmq.config import Config, load_config
@@ -419,6 +420,10 @@ def test_central_pools_every_cycle_and_rows_compare_with_local_by_seed(tmp_path,
     routed = run_variant(fleet, Variant.parse("central-clusters"))
     assert routed.method == "central-clusters" and 0.0 < routed.acc_received <= 1.0
     assert (routed.acc_received, routed.cluster_acc) != (central.acc_received, central.cluster_acc)
+    # `central` fine-tuned per cycle on the pool resampled by the cycle's true mixture
+    personal = run_variant(fleet, Variant.parse("central-personal"))
+    assert personal.method == "central-personal" and 0.0 < personal.acc_received <= 1.0
+    assert personal.acc_received != central.acc_received and math.isnan(personal.kl)
 
     def run(variant: str, method: str, seed: int, received: float) -> VariantResult:
         return VariantResult(variant, method, 2, seed, 10, 0.5, 0.5, received, 0.1, 0.9, 1, 4, 0.1, 0.01)
@@ -433,6 +438,18 @@ def test_central_pools_every_cycle_and_rows_compare_with_local_by_seed(tmp_path,
     assert main(["--variant", "central", "--wire", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "central" in err and "--wire" in err and not (tmp_path / "o").exists()
+
+
+def test_resample_by_mixture_gives_each_cluster_its_alpha_share_whatever_the_pool():
+    """central-personal's draw: a pool 90 % cluster 0 resampled for alpha (0.2, 0.8) is ~80 %
+    cluster 1; a cluster absent from alpha is never drawn."""
+    from sim.ablation import resample_by_mixture
+
+    owner = torch.cat([torch.zeros(9000, dtype=torch.long), torch.ones(1000, dtype=torch.long)])
+    pick = resample_by_mixture(owner, [0.2, 0.8], torch.Generator().manual_seed(0))
+    assert len(pick) == len(owner)
+    assert float(owner[pick].double().mean()) == pytest.approx(0.8, abs=0.02)
+    assert int(owner[resample_by_mixture(owner, [1.0, 0.0], torch.Generator().manual_seed(1))].sum()) == 0
 
 
 def test_reply_step_stats_measures_each_agents_step_against_its_replys_fit(tmp_path):
