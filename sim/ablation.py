@@ -2,9 +2,9 @@
 
 A variant is a method (cdfl, fedsoft-async, local) plus config overrides, e.g.
 `cdfl-distill=cdfl:cdfl.personalization=distill,cdfl.beta0=0.1`; `central`,
-`central-clusters` and `central-personal` are references beside them (one model, one per
-cluster, or one per agent's true mixture, trained on the pooled data of the whole run; no
-fleet). For every (K, seed) the
+`central-clusters`, `central-personal` and `central-personal-scratch` are references beside
+them (one model, one per cluster, or one per agent's true mixture, trained on the pooled data
+of the whole run; no fleet). For every (K, seed) the
 scenario's clusters are built and the cluster models pre-trained once; every variant then
 starts from those same models and replays the same seeded schedule
 (`sim.fleet.make_schedule`) with the same per-cycle data (`sim.scenarios.draw_cycle`) and
@@ -71,14 +71,17 @@ agent, which must serve its whole mixture (at K = 2 the clusters are 0 and 180 d
 a 6 and a 9 look alike to one model for both; measured on rotated digits the gap to `central`
 is small: 0.956 against 0.947, docs/results_cdfl.md section 12)."""
 CENTRAL_PERSONAL = "central-personal"
-"""The best one model per agent we know how to build: `central`, fine-tuned for each cycle on the
-pooled data resampled by that cycle's true mixture, so it knows every label the fleet saw and the
-agent's mixture exactly (its prior settles what one model cannot route, a 6 against a turned 9).
-Its cluster accuracy fine-tunes on one cluster's share alone."""
-CEILINGS = (CENTRAL, CENTRAL_CLUSTERS, CENTRAL_PERSONAL)
+"""The best one model per agent we know how to build: for each cycle, `central`'s model fine-tuned
+on the pooled data resampled by that cycle's true mixture, so it knows every label the fleet saw
+and the agent's mixture exactly (its prior settles what one model cannot route, a 6 against a
+turned 9). Its cluster accuracy fine-tunes on one cluster's share alone."""
+CENTRAL_PERSONAL_SCRATCH = "central-personal-scratch"
+"""`central-personal`, each model trained from Local's start as `central`'s is instead of
+fine-tuned from it: alpha (1, 0) then trains what `central-clusters` trains for cluster 0."""
+CEILINGS = (CENTRAL, CENTRAL_CLUSTERS, CENTRAL_PERSONAL, CENTRAL_PERSONAL_SCRATCH)
 MIXTURE_GRID = 20
-"""`central-personal` rounds each mixture to twentieths and fine-tunes once per rounded mixture:
-at K = 2 at most 21 fine-tunes instead of one per cycle (300)."""
+"""`central-personal` rounds each mixture to twentieths and trains one model per rounded mixture:
+at K = 2 at most 21 models instead of one per cycle (300)."""
 METHODS = (*ASYNC_AGENT, *CEILINGS)  # what an agent runs (the variants replay agents), and the ceilings
 CENTRAL_EPOCHS = 5
 """Passes over the pooled data; 15 gave the same accuracy within 0.1 pp (rotated digits, K = 2)."""
@@ -278,7 +281,9 @@ def run_central(fleet: Fleet, variant: Variant) -> VariantResult:
 
     owner = torch.cat([torch.as_tensor(train.cluster) for train, _ in sets])
     if variant.method == CENTRAL_PERSONAL:
-        return _central_personal(fleet, variant, trained(None), x, y, owner)
+        return _central_personal(fleet, variant, trained(None), a.epochs, x, y, owner)
+    if variant.method == CENTRAL_PERSONAL_SCRATCH:
+        return _central_personal(fleet, variant, start, CENTRAL_EPOCHS, x, y, owner)
     if variant.method == CENTRAL:
         models = [trained(None)] * spec.clusters
     else:
@@ -307,26 +312,26 @@ def resample_by_mixture(owner: torch.Tensor, alpha: Sequence[float], generator: 
     return torch.multinomial(weights, len(owner), replacement=True, generator=generator)
 
 
-def _central_personal(fleet: Fleet, variant: Variant, pooled: torch.Tensor, x: torch.Tensor,
+def _central_personal(fleet: Fleet, variant: Variant, start: torch.Tensor, epochs: int, x: torch.Tensor,
                       y: torch.Tensor, owner: torch.Tensor) -> VariantResult:
-    """`central-personal`: `pooled` fine-tuned on the pool resampled by a cycle's true alpha
-    rounded to `MIXTURE_GRID` (a sample of cluster k drawn with probability alpha_k / n_k, as many
-    draws as the pool holds), as an agent trains: `agent.epochs` passes at its lr
-    (`central-personal:agent.epochs=4` for more). One fine-tune per distinct rounded mixture."""
+    """`central-personal(-scratch)`: for each cycle, `start` trained `epochs` passes (the agent's
+    batch size and lr) on the pool resampled by the cycle's true alpha rounded to `MIXTURE_GRID`
+    (a sample of cluster k drawn with probability alpha_k / n_k, as many draws as the pool holds).
+    One model per distinct rounded mixture."""
     from fedmq.training import evaluate, fit
 
     spec, name = fleet.spec, fleet.model_name
     a = variant.config(fleet.cfg).agent
-    tuned: dict[tuple[int, ...], torch.Tensor] = {}
+    models: dict[tuple[int, ...], torch.Tensor] = {}
 
     def personal(alpha: Sequence[float]) -> torch.Tensor:
         key = tuple(round(float(v) * MIXTURE_GRID) for v in alpha)
-        if key not in tuned:
-            salt = len(tuned)
+        if key not in models:
+            salt = len(models)
             pick = resample_by_mixture(owner, key, torch.Generator().manual_seed(spec.seed * 1_000_003 + salt))
-            tuned[key] = fit(name, pooled, x[pick], y[pick], epochs=a.epochs, batch_size=a.batch_size,
-                             lr=a.lr, momentum=a.momentum, seed=spec.seed + salt).vector
-        return tuned[key]
+            models[key] = fit(name, start, x[pick], y[pick], epochs=epochs, batch_size=a.batch_size,
+                              lr=a.lr, momentum=a.momentum, seed=spec.seed + salt).vector
+        return models[key]
 
     accs = []
     for agent, cycle in fleet.schedule:
@@ -334,7 +339,7 @@ def _central_personal(fleet: Fleet, variant: Variant, pooled: torch.Tensor, x: t
         accs.append(evaluate(name, personal(train.alpha.tolist()), test.data.x, test.data.y)[0])
     eye = torch.eye(spec.clusters).tolist()
     cluster = _mean([evaluate(name, personal(e), t.x, t.y)[0] for e, t in zip(eye, fleet.tests, strict=True)])
-    event(log, "ablation.central_personal", fine_tunes=len(tuned), cycles=len(fleet.schedule))
+    event(log, "ablation.central_personal", models=len(models), cycles=len(fleet.schedule))
     return _ceiling_result(fleet, variant, _mean(accs), cluster)
 
 

@@ -420,10 +420,12 @@ def test_central_pools_every_cycle_and_rows_compare_with_local_by_seed(tmp_path,
     routed = run_variant(fleet, Variant.parse("central-clusters"))
     assert routed.method == "central-clusters" and 0.0 < routed.acc_received <= 1.0
     assert (routed.acc_received, routed.cluster_acc) != (central.acc_received, central.cluster_acc)
-    # `central` fine-tuned per cycle on the pool resampled by the cycle's true mixture
+    # one model per cycle's mixture, trained as `central` on the pool resampled by that mixture
     personal = run_variant(fleet, Variant.parse("central-personal"))
     assert personal.method == "central-personal" and 0.0 < personal.acc_received <= 1.0
     assert personal.acc_received != central.acc_received and math.isnan(personal.kl)
+    scratch = run_variant(fleet, Variant.parse("central-personal-scratch"))  # the same, from Local's start
+    assert scratch.method == "central-personal-scratch" and scratch.acc_received != personal.acc_received
 
     def run(variant: str, method: str, seed: int, received: float) -> VariantResult:
         return VariantResult(variant, method, 2, seed, 10, 0.5, 0.5, received, 0.1, 0.9, 1, 4, 0.1, 0.01)
