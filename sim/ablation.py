@@ -846,7 +846,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim.ablation"
     p.add_argument("--updates-per-agent", type=float, default=3.0)
     p.add_argument("--test-samples", type=int, default=300)
     p.add_argument("--variant", action="append", default=[],
-                   help="NAME=METHOD[:key=value,...] (repeatable); default: " + " ".join(DEFAULT_VARIANTS))
+                   help="NAME=METHOD[:key=value,...] (repeatable); METHOD: " + ", ".join(METHODS)
+                        + "; default: " + " ".join(DEFAULT_VARIANTS))
     p.add_argument("--controls", default="frozen,proxy-only",
                    help="controls run after every CDFL variant on the same fleet, comma list of frozen "
                         "(cdfl.beta0=0: the uploads never move the clusters) and proxy-only "
