@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from fedmq.algorithms import ASYNC_AGENT
-from fedmq.config import Config, add_config_arguments, config_from_args, load_config
+from fedmq.config import AgentSettings, Config, add_config_arguments, config_from_args, load_config
 from fedmq.errors import ArgumentParser, run_main
 from fedmq.host import describe_host
 from fedmq.logs import event, get_logger, setup_logging
@@ -80,7 +80,7 @@ CENTRAL_PERSONAL_SCRATCH = "central-personal-scratch"
 fine-tuned from it: alpha (1, 0) then trains what `central-clusters` trains for cluster 0."""
 CEILINGS = (CENTRAL, CENTRAL_CLUSTERS, CENTRAL_PERSONAL, CENTRAL_PERSONAL_SCRATCH)
 MIXTURE_GRID = 20
-"""`central-personal` rounds each mixture to twentieths and trains one model per rounded mixture:
+"""`central-personal(-scratch)` rounds each mixture to twentieths and trains one model per rounded mixture:
 at K = 2 at most 21 models instead of one per cycle (300)."""
 METHODS = (*ASYNC_AGENT, *CEILINGS)  # what an agent runs (the variants replay agents), and the ceilings
 CENTRAL_EPOCHS = 5
@@ -281,9 +281,9 @@ def run_central(fleet: Fleet, variant: Variant) -> VariantResult:
 
     owner = torch.cat([torch.as_tensor(train.cluster) for train, _ in sets])
     if variant.method == CENTRAL_PERSONAL:
-        return _central_personal(fleet, variant, trained(None), a.epochs, x, y, owner)
+        return _central_personal(fleet, variant, a, trained(None), a.epochs, x, y, owner)
     if variant.method == CENTRAL_PERSONAL_SCRATCH:
-        return _central_personal(fleet, variant, start, CENTRAL_EPOCHS, x, y, owner)
+        return _central_personal(fleet, variant, a, start, CENTRAL_EPOCHS, x, y, owner)
     if variant.method == CENTRAL:
         models = [trained(None)] * spec.clusters
     else:
@@ -312,8 +312,8 @@ def resample_by_mixture(owner: torch.Tensor, alpha: Sequence[float], generator: 
     return torch.multinomial(weights, len(owner), replacement=True, generator=generator)
 
 
-def _central_personal(fleet: Fleet, variant: Variant, start: torch.Tensor, epochs: int, x: torch.Tensor,
-                      y: torch.Tensor, owner: torch.Tensor) -> VariantResult:
+def _central_personal(fleet: Fleet, variant: Variant, a: AgentSettings, start: torch.Tensor, epochs: int,
+                      x: torch.Tensor, y: torch.Tensor, owner: torch.Tensor) -> VariantResult:
     """`central-personal(-scratch)`: for each cycle, `start` trained `epochs` passes (the agent's
     batch size and lr) on the pool resampled by the cycle's true alpha rounded to `MIXTURE_GRID`
     (a sample of cluster k drawn with probability alpha_k / n_k, as many draws as the pool holds).
@@ -321,7 +321,6 @@ def _central_personal(fleet: Fleet, variant: Variant, start: torch.Tensor, epoch
     from fedmq.training import evaluate, fit
 
     spec, name = fleet.spec, fleet.model_name
-    a = variant.config(fleet.cfg).agent
     models: dict[tuple[int, ...], torch.Tensor] = {}
 
     def personal(alpha: Sequence[float]) -> torch.Tensor:
