@@ -25,7 +25,10 @@ interrupts a wait for a reply, saves, and publishes `offline`; the next start se
 Errors from the aggregator: unknown_agent, no_base, a base mismatch or a tau ahead of its
 epoch mean the two sides disagree on what the agent holds: the pending upload is dropped,
 the agent joins again and trains anew on its next step. A `duplicate` means the upload was
-applied and its reply superseded: the pending upload is dropped and the model kept.
+applied and its reply superseded: the pending upload is dropped and the model kept. Any
+other refusal (loss_outlier, bad_sketch, ...) drops the upload and keeps the model too. Every
+refusal is counted, in total (`refused`) and by reason (`refused.<reason>`), in the saved
+counters, `status()` and the retained status that `fedmq fleet status` reads.
 """
 
 from __future__ import annotations
@@ -85,6 +88,8 @@ class Cycle:
     """installed, interrupted (pending kept for the next start), resynced, dropped, local."""
     installed: Installed | None = None
     alpha: list[float] | None = None
+    refused: str = ""
+    """Why the aggregator refused the upload (resynced or dropped); '' otherwise."""
 
 
 def parse_knobs(items: list[str]) -> dict[str, Any]:
@@ -219,6 +224,7 @@ class DeviceAgent:
                                    reply_timeout_s=self.settings.reply_timeout_s, retries=2)
             self.agent.counters.update({k: self.counters[k] for k in ("resends", "errors", "rejected")
                                         if k in self.counters})
+            self.agent.counters.update(self._refusal_counters())
             self.agent.privacy.load_state_dict(self.state.privacy)
             if self.agent.privacy.enabled:
                 self.agent.counters["epsilon"] = round(self.agent.privacy.spent(), 4)
@@ -436,7 +442,10 @@ class DeviceAgent:
                 if e.reason == "interrupted":
                     cycle.outcome = "interrupted"
                     return
-                if e.reason == "no_reply" or (e.reason.startswith("codec_") and e.reason not in RESYNC_REASONS):
+                if not e.refused and (e.reason == "no_reply" or (e.reason.startswith("codec_")
+                                                               and e.reason not in RESYNC_REASONS)):
+                    # No reply, or only replies this agent could not decode: never a refusal
+                    # (the aggregator's own codec_* Error is one, and re-sending would repeat it).
                     resend = True  # the aggregator may be down: same msg_id again, for as long as it takes
                     event(log, "upload.waiting", level=PROGRESS, agent=self.agent_id, msg_id=env.msg_id,
                           reason=e.reason, waited_s=round(time.monotonic() - sent_at, 1))
@@ -452,7 +461,14 @@ class DeviceAgent:
             return
 
     def _refused(self, env: protocol.Update, cycle: Cycle, e: AgentError) -> None:
+        """Whatever the reason, a refusal is counted (`refused`, `refused.<reason>`) and the agent
+        goes on: joins again where the two sides disagree on its model, else keeps it."""
         self._count("refused")
+        self._count(f"refused.{e.reason}")
+        cycle.refused = e.reason
+        if self.agent is not None:  # the retained status shows them too (`fedmq fleet status`)
+            self.agent.counters.update(self._refusal_counters())
+            self.agent.publish_status()
         self.state.pending = None
         if e.reason in RESYNC_REASONS:
             cycle.outcome = "resynced"
@@ -506,6 +522,9 @@ class DeviceAgent:
                                         intra_op_num_threads=s.onnx_threads)
 
     # ------------------------------------------------------------------ state
+
+    def _refusal_counters(self) -> dict[str, int]:
+        return {k: v for k, v in self.counters.items() if k == "refused" or k.startswith("refused.")}
 
     def _count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n

@@ -46,10 +46,13 @@ INVALID_DOWNLINK = frozenset({"unexpected_reply", "wrong_model", "wrong_shape"})
 class AgentError(RuntimeError):
     """The aggregator refused a request, or never answered it."""
 
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, reason: str, detail: str, *, refused: bool = False) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+        self.refused = refused
+        """True when the aggregator answered with an Error reply (a refusal, an outcome the
+        sender counts by reason and carries on from); False when no usable answer came."""
 
 
 @dataclass
@@ -286,7 +289,7 @@ class EdgeAgent:
     def _install(self, reply: protocol.Envelope, bytes_down: int) -> Installed:
         if isinstance(reply, protocol.Error):
             self.counters["errors"] += 1
-            raise AgentError(reply.reason, reply.detail)
+            raise AgentError(reply.reason, reply.detail, refused=True)
         if not isinstance(reply, protocol.Model):
             raise AgentError("unexpected_reply", f"a {reply.TYPE} answered a request")
         if reply.model != self.spec.hash:

@@ -312,6 +312,80 @@ def test_malformed_downlink_is_refused_and_model_kept(mosquitto, aggregator, tmp
     assert reasons.get("downlink.rejected") == "codec_base_mismatch", reasons
 
 
+def test_refused_upload_is_counted_by_reason_and_the_model_kept(mosquitto, aggregator, tmp_path) -> None:
+    """A refusal that needs no re-join (here `loss_outlier`, answered by a raw client while the
+    aggregator is down, so no real reply races it): the upload is dropped, the model kept, the
+    refusal counted by reason in the counters, status() and the retained status."""
+    cfg = make_cfg(mosquitto.url, tmp_path)
+    agg = aggregator(cfg)
+    _, pools = rotated_pools(cfg, np.random.default_rng(5), 300)
+    device = DeviceAgent(cfg, DatasetSource(pools, [0.5, 0.5], seed=6)).start()
+    forger = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="refuser")
+    forger.connect("127.0.0.1", mosquitto.port)
+    forger.loop_start()
+    try:
+        before = device.state.vector.clone()
+        agg.stop()
+        device.trigger()
+        worker = Worker(device)
+        worker.start()
+        wait_for(lambda: device.state.pending is not None, 120, "the pending upload")
+        pending_id = device.state.pending.msg_id
+        wait_for(lambda: device.agent.awaiting(pending_id), 120, "the upload awaiting its reply")
+        refusal = protocol.Error(agent=device.agent_id, msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
+                                 reason="loss_outlier", detail="update raises the best proxy loss",
+                                 in_reply_to=pending_id)
+        forger.publish(protocol.downlink(FLEET, device.agent_id), protocol.encode(refusal),
+                       qos=1).wait_for_publish(5)
+        cycle = worker.result(120)
+        assert cycle.outcome == "dropped" and cycle.refused == "loss_outlier"
+        assert device.counters["refused"] == 1 and device.counters["refused.loss_outlier"] == 1
+        assert "rejoins" not in device.counters
+        assert device.state.pending is None and device.tau == 0
+        assert torch.equal(device.state.vector, before)
+        assert device.status()["counters"]["refused.loss_outlier"] == 1
+        device.step()  # and goes on
+        with FleetWatcher(cfg) as watcher:
+            watcher.settle()
+            _, agents = watcher.snapshot()
+        (me,) = [p for p in agents if p.name == device.agent_id]
+        assert me.counters.get("refused.loss_outlier") == 1, me.counters
+        device.close()
+        assert AgentState.load(cfg.agent.state_dir).counters["refused.loss_outlier"] == 1
+    finally:
+        forger.loop_stop()
+        forger.disconnect()
+        device.close()
+
+
+def test_aggregator_that_lost_its_state_refuses_and_the_agent_joins_again(mosquitto, aggregator, pretrained,
+                                                                          tmp_path) -> None:
+    """An aggregator restarted without its state no longer knows the agent (`unknown_agent`): the
+    upload is dropped, counted by reason, the agent joins again and its next cycle is applied."""
+    cfg = make_cfg(mosquitto.url, tmp_path)
+    agg = aggregator(cfg)
+    _, pools = rotated_pools(cfg, np.random.default_rng(7), 300)
+    device = DeviceAgent(cfg, DatasetSource(pools, [0.6, 0.4], seed=8)).start()
+    try:
+        assert device.tau == 0
+        agg.stop()
+        shutil.rmtree(cfg.aggregator.state_dir)
+        shutil.copytree(pretrained, cfg.aggregator.state_dir)
+        agg.start()
+        device.trigger()
+        cycle = step_until_cycle(device)
+        assert cycle.outcome == "resynced" and cycle.refused == "unknown_agent"
+        assert device.counters["refused.unknown_agent"] == 1 and device.counters["rejoins"] == 1
+        assert agg.svc.engine.counters["rejected.unknown_agent"] == 1
+        assert agg.svc.engine.counters["applied.join"] == 1
+        again = step_until_cycle(device)  # the re-join asked for a new cycle: trained anew
+        assert again.outcome == "installed" and device.tau == 1
+        assert agg.svc.engine.counters["applied.update"] == 1
+        assert device.counters["refused"] == 1
+    finally:
+        device.close()
+
+
 def test_broker_restart_mid_upload_cycle_completes(mosquitto, aggregator, tmp_path) -> None:
     cfg = make_cfg(mosquitto.url, tmp_path, **{"broker.reconnect_min_s": 0.1, "broker.reconnect_max_s": 0.5})
     agg = aggregator(cfg)
