@@ -49,7 +49,13 @@ import torch
 from edge_agent.drift import DriftMonitor, make_detector
 from edge_agent.inference import OnnxPredictor, TorchPredictor, make_predictor
 from edge_agent.profiles import DeviceProfile, get_profile
-from edge_agent.protocol_client import REJOIN_REASONS, AgentError, EdgeAgent, Installed
+from edge_agent.protocol_client import (
+    REJOIN_REASONS,
+    AgentError,
+    EdgeAgent,
+    Installed,
+    refusal_counter,
+)
 from edge_agent.sources import DatasetSource, DataSource, DirectorySource, LocalBuffer
 from edge_agent.state import AgentState, PendingUpload
 from edge_agent.trainer import evaluate, train_cycle
@@ -464,7 +470,7 @@ class DeviceAgent:
         """Whatever the reason, a refusal is counted (`refused`, `refused.<reason>`) and the agent
         goes on: joins again where the two sides disagree on its model, else keeps it."""
         self._count("refused")
-        self._count(f"refused.{e.reason}")
+        self._count(refusal_counter(e.reason))
         cycle.refused = e.reason
         if self.agent is not None:  # the retained status shows them too (`fedmq fleet status`)
             self.agent.counters.update(self._refusal_counters())

@@ -43,6 +43,12 @@ INVALID_DOWNLINK = frozenset({"unexpected_reply", "wrong_model", "wrong_shape"})
 """Agent-side reasons (besides codec_*) for refusing a reply; the request keeps waiting."""
 
 
+def refusal_counter(reason: str) -> str:
+    """The counter of refusals for `reason`: `refused.<reason>`, cut to the 64 characters a
+    status counter's name may have (a reason may have 64 itself)."""
+    return f"refused.{reason}"[:64]
+
+
 class AgentError(RuntimeError):
     """The aggregator refused a request, or never answered it."""
 

@@ -13,6 +13,11 @@ broker's PUBACK is its measured upload time, from which eps_i follows.
 An invite that is already past its deadline when the agent gets to it (it arrived while the
 agent was busy with an older one) is skipped: the server has closed that round anyway.
 
+An Error reply (a join or report the aggregator refused: `wrong_algorithm`, `bad_report`,
+`codec_*`, ...) is an outcome, never a crash: it is counted, in total (`refused`) and by reason
+(`refused.<reason>`), in `counters` and the retained status, and the agent answers the next
+invite as usual.
+
 CATA-Fed agents train with `catafed.epochs/batch_size/lr`, FedAvg and FedProx agents with
 `[fedavg]`'s; batches are shuffled anew each round (seeded by the agent's seed and the round).
 """
@@ -30,6 +35,7 @@ import numpy as np
 import torch
 
 from edge_agent.deadline import DeadlineLearner, RealEpochRunner, RoundWork, TrainSettings, Watchdog
+from edge_agent.protocol_client import refusal_counter
 from fedmq import codecs, protocol
 from fedmq.channel import Channel, Refused
 from fedmq.config import Config
@@ -88,7 +94,7 @@ class RoundAgent:
         self.on_round = on_round  # called on the agent's thread with each RoundLog (the CLI prints it)
         self.log: list[RoundLog] = []
         self.errors: list[str] = []
-        self.counters: dict[str, int] = {"invites": 0, "reports": 0, "skipped": 0}
+        self.counters: dict[str, int] = {"invites": 0, "reports": 0, "skipped": 0, "refused": 0}
         self._invites: queue.Queue[tuple[protocol.RoundInvite, float]] = queue.Queue()
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
@@ -100,7 +106,7 @@ class RoundAgent:
     def _status(self, state: str) -> bytes:
         return protocol.encode(protocol.Status(
             agent=self.agent_id, msg_id=protocol.new_msg_id(), sent_at=protocol.now(), state=state,
-            role="agent", algorithm=self.algorithm))
+            role="agent", algorithm=self.algorithm, counters=dict(getattr(self, "counters", {}))))
 
     def _join(self) -> protocol.Join:
         return protocol.Join(agent=self.agent_id, msg_id=protocol.new_msg_id(),
@@ -167,8 +173,14 @@ class RoundAgent:
             self._invites.put((env, received_at))
         elif isinstance(env, protocol.Error):
             self.errors.append(env.reason)
+            self.counters["refused"] += 1
+            key = refusal_counter(env.reason)
+            self.counters[key] = self.counters.get(key, 0) + 1
             event(log, "agent.refused", level=30, agent=self.agent_id, reason=env.reason,
-                  detail=env.detail)
+                  detail=env.detail, action="counted; answering the next invite as usual")
+            if self.transport.connected:  # operators see the counts (`fedmq fleet status`)
+                self.transport.publish(protocol.agent_status(self.fleet, self.agent_id),
+                                       self._status("online"), qos=1, retain=True)
 
     def _on_aggregator(self, message: Message) -> None:
         try:

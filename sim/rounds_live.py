@@ -160,6 +160,9 @@ class LiveRun:
     late_reports: int = 0
     """Reports the service got after their round had closed."""
     errors: list[str] = field(default_factory=list)
+    refused: dict[str, int] = field(default_factory=dict)
+    """Error replies the agents got from the service (a refused join or report), by reason: each
+    is counted and the agent answers the next invite as usual."""
     reports: list[dict] = field(default_factory=list)
     """Every report an agent sent (its RoundLog; seconds simulated), late ones included."""
 
@@ -251,6 +254,10 @@ def run_live(variant: Variant, spec: FleetSpec,
     for a in agents:
         live.skipped += a.counters["skipped"]
         live.errors += [f"{plain_id(a.agent_id)}: {e}" for e in a.errors]
+        for key, n in a.counters.items():
+            if key.startswith("refused.") and n:
+                reason = key.removeprefix("refused.")
+                live.refused[reason] = live.refused.get(reason, 0) + n
         for entry in a.log:
             live.reports.append({"agent": plain_id(a.agent_id), "round": entry.round,
                                  "finished": entry.finished, "epochs": entry.epochs,
@@ -430,7 +437,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m sim.rounds_live")
                 ttt = "-" if run.time_to_target_s is None else f"{run.time_to_target_s:.0f} s"
                 print(f"{where} live: {len(run.rounds)} rounds, sim {run.rounds[-1].time_s:.0f} s, "
                       f"final acc {run.final_accuracy:.3f}, target at {ttt} (wall {run.wall_s:.1f} s)"
-                      + (f"; agent errors: {', '.join(lv.errors)}" if lv.errors else ""), flush=True)
+                      + (f"; agent errors: {', '.join(lv.errors)}" if lv.errors else "")
+                      + (f"; refused: {', '.join(f'{k} {n}' for k, n in sorted(lv.refused.items()))}"
+                         if lv.refused else ""), flush=True)
                 if a.twin:
                     catafed, fedavg, tifl = settings[v.label]
                     sim = simulate_fleet(v.algorithm, spec, catafed, seed=seed, rounds=a.rounds,

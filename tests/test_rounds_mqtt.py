@@ -255,3 +255,43 @@ def test_a_second_round_aggregator_on_the_fleet_stops_and_the_first_serves_on(mo
             assert first.wait_for_pool(1, WAIT_S)  # its session is back: the agent's join arrived
             assert first.run_round() is not None
         assert not first.sole.failed.is_set()
+
+
+def test_refusals_are_counted_by_reason_and_the_agent_serves_on(mosquitto) -> None:
+    """An Error reply never stops a round agent: a join refused for the wrong algorithm and a
+    refusal answered by a raw client are counted by reason (counters and retained status), and
+    the refused agent still trains and reports in the next round."""
+    import paho.mqtt.client as mqtt
+
+    from fedmq.fleet_status import FleetWatcher
+
+    cfg = make_cfg(mosquitto.url, **{"catafed.deadline_s": 3.0})
+    strategy = CataFed(cfg.catafed, to_vector(build_model(MODEL, seed=0)))
+    raw = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="refuser")
+    raw.connect("127.0.0.1", mosquitto.port)
+    raw.loop_start()
+    try:
+        with RoundService(cfg, strategy, model_name=MODEL) as service, \
+                RoundAgent(cfg, "good", *data(0, 60)) as good, \
+                RoundAgent(cfg, "wrong", *data(60, 120), algorithm="fedavg") as wrong:
+            assert service.wait_for_pool(1, WAIT_S)
+            service.pump(time.monotonic() + WAIT_S, stop=lambda: service.counters["errors.wrong_algorithm"] > 0)
+            wait_until(lambda: wrong.counters.get("refused.wrong_algorithm", 0) >= 1,
+                       "the refusal of the wrong algorithm")
+            refusal = protocol.Error(agent="good", msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
+                                     reason="bad_report", detail="refused", in_reply_to=protocol.new_msg_id())
+            raw.publish(protocol.downlink(cfg.fleet, "good"), protocol.encode(refusal), qos=1).wait_for_publish(30)
+            wait_until(lambda: good.counters.get("refused.bad_report") == 1, "the counted refusal")
+            record = service.run_round()
+            assert record.finished == ["good"] and sorted(strategy.pool()) == ["good"]
+            wait_until(lambda: len(good.log) == 1 and good.counters["reports"] == 1, "the good agent's report")
+            assert good.counters["refused"] == 1 and wrong.counters["refused"] >= 1
+            with FleetWatcher(cfg) as watcher:
+                watcher.settle()
+                _, agents = watcher.snapshot()
+            seen = {a.name: a.counters for a in agents}
+            assert seen["good"].get("refused.bad_report") == 1, seen
+            assert seen["wrong"].get("refused.wrong_algorithm", 0) >= 1, seen
+    finally:
+        raw.loop_stop()
+        raw.disconnect()
