@@ -233,8 +233,12 @@ def run_experiments(args: argparse.Namespace) -> int:
                                progress=bar.update)
             write_run(result, args.out)
             if bar.disable:  # no bar in a log: one line per finished run instead
+                refused = result.summary()["refused"]
                 print(f"run {i + 1}/{len(specs)} {sp.label}: {len(result.updates)} updates in "
-                      f"{time.perf_counter() - t0:.0f} s", flush=True)
+                      f"{time.perf_counter() - t0:.0f} s"
+                      + (f", {sum(refused.values())} refused ("
+                         + ", ".join(f"{k} {n}" for k, n in refused.items()) + ")" if refused else ""),
+                      flush=True)
     finally:
         bar.close()
     report, paths, text = write_report(args.out, command)

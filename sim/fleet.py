@@ -35,7 +35,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -46,6 +46,9 @@ from fedmq.logs import event, get_logger
 from fedmq.privacy import UplinkPrivacy
 from fedmq.transport import NetworkLoop, use_network
 from sim.scenarios import Scenario, apply_defaults, build_clusters, draw_cycle, get_scenario
+
+if TYPE_CHECKING:
+    from edge_agent.protocol_client import AgentError
 
 log = get_logger("sim")
 
@@ -114,6 +117,10 @@ class UpdateRecord:
     """Upload sent -> reply installed (broker + aggregator + codec on the way back)."""
     t: float
     """Seconds since the first event."""
+    refused: str = ""
+    """The reason the aggregator refused this upload ('' when applied). A refused cycle is an
+    outcome, not a failure: the agent keeps the model it held (after a re-join for the reasons
+    that need one) and the run goes on."""
 
 
 @dataclass
@@ -130,6 +137,7 @@ class RunResult:
 
     def summary(self) -> dict[str, Any]:
         u = self.updates
+        applied = [r for r in u if not r.refused]
         def mean(xs: list[float]) -> float:
             xs = [x for x in xs if not math.isnan(x)]
             return float(np.mean(xs)) if xs else math.nan
@@ -149,10 +157,16 @@ class RunResult:
             "bytes_up_per_agent": sum(b["up"] for b in self.agent_bytes.values()) / n_agents,
             "bytes_down_per_agent": sum(b["down"] for b in self.agent_bytes.values()) / n_agents,
             "compute_s_per_update": mean([r.compute_s for r in u]),
-            "staleness_mean": mean([float(r.staleness) for r in u]),
-            "round_trip_s_mean": mean([r.round_trip_s for r in u]),
+            "staleness_mean": mean([float(r.staleness) for r in applied]),
+            "round_trip_s_mean": mean([r.round_trip_s for r in applied]),
+            "refused": refusal_counts(u),
             **self.info,
         }
+
+
+def refusal_counts(records: list[UpdateRecord]) -> dict[str, int]:
+    """How many uploads the aggregator refused, by reason (sorted; empty when none was)."""
+    return dict(sorted(Counter(r.refused for r in records if r.refused).items()))
 
 
 def kl_divergence(p: list[float] | np.ndarray, q: list[float] | np.ndarray, eps: float = 1e-6) -> float:
@@ -356,6 +370,7 @@ class CyclePlayer:
 
     def play(self, i: int, a: int, c: int, agent: Any, held: dict[int, torch.Tensor] | None) -> UpdateRecord:
         """`agent` is the EdgeAgent (None for Local, whose models live in `held`)."""
+        from edge_agent.protocol_client import AgentError
         from edge_agent.trainer import train_cycle
         from fedmq.training import evaluate
 
@@ -383,7 +398,15 @@ class CyclePlayer:
         env = agent.update_envelope(result.vector, len(train), alpha=alpha_own, inputs=x)
         encode_s = time.perf_counter() - e0
         r0 = time.perf_counter()
-        installed, up = agent.upload(env)
+        sent0, got0 = agent.channel.bytes_sent, agent.channel.bytes_received
+        try:
+            installed, up = agent.upload(env)
+        except AgentError as e:
+            if not e.refused:
+                raise  # no answer at all: the aggregator is gone, the run cannot go on
+            return self._refused(i, c, agent, e, train, xt, yt, tau, acc_held, acc_before, alpha_own,
+                                 agent.channel.bytes_sent - sent0, agent.channel.bytes_received - got0,
+                                 compute_s, encode_s, time.perf_counter() - r0)
         round_trip = time.perf_counter() - r0
         acc_after = evaluate(model_name, installed.vector, xt, yt)[0]
         alpha_est = alpha_own if alpha_own is not None else installed.alpha
@@ -392,6 +415,32 @@ class CyclePlayer:
                             installed.epoch - tau, acc_held, acc_before, acc_after, kl,
                             train.alpha.tolist(), [float(v) for v in alpha_est] if alpha_est else None,
                             up, installed.bytes_down, compute_s, encode_s, round_trip, 0.0)
+
+    def _refused(self, i: int, c: int, agent: Any, e: AgentError, train: Any, xt: torch.Tensor,
+                 yt: torch.Tensor, tau: int, acc_held: float, acc_before: float,
+                 alpha_own: list[float] | None, up: int, down: int, compute_s: float,
+                 encode_s: float, round_trip: float) -> UpdateRecord:
+        """The record of a refused upload: the trained model is dropped and the agent keeps the
+        one it held, as a device does (edge_agent/agent_loop.py); after a refusal that says the
+        two sides disagree on that model (RESYNC_REASONS) it joins again and holds the join's."""
+        from edge_agent.agent_loop import RESYNC_REASONS
+        from fedmq.training import evaluate
+
+        rejoined = e.reason in RESYNC_REASONS
+        event(log, "sim.upload_refused", level=30, agent=agent.agent_id, cycle=c, reason=e.reason,
+              detail=e.detail, action="join again" if rejoined else "model kept")
+        if rejoined:
+            j0, g0 = agent.channel.bytes_sent, agent.channel.bytes_received
+            agent.join()
+            up += agent.channel.bytes_sent - j0
+            down += agent.channel.bytes_received - g0
+        kept = agent.installed
+        acc_after = evaluate(self.model_name, kept.vector, xt, yt)[0] if rejoined else acc_held
+        kl = kl_divergence(train.alpha, alpha_own) if alpha_own else math.nan
+        return UpdateRecord(i, 0, agent.agent_id, c, len(train), tau, kept.epoch, 0, acc_held,
+                            acc_before, acc_after, kl, train.alpha.tolist(),
+                            [float(v) for v in alpha_own] if alpha_own else None, up, down,
+                            compute_s, encode_s, round_trip, 0.0, refused=e.reason)
 
 
 def play_events(dispatcher: _Dispatcher, player: CyclePlayer, agents: dict[int, Any],

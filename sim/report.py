@@ -4,7 +4,8 @@
 
 reads DIR/runs/*/summary.json (and updates.csv) and writes DIR/report.md with
 - Table 1: client and cluster accuracy, mean +- std over seeds, per method and K;
-- a cost table: KL(true || estimated), bytes down and up per update, agent compute per update;
+- a cost table: KL(true || estimated), bytes down and up per update, agent compute per update,
+  uploads refused; where the aggregator refused any, how many by reason;
 and the figures DIR/figures/SCENARIO_accuracy_over_time.png (Figure 3), _kl.png (Figure 5)
 and _relative_cost.png (Figure 6: download bytes and client compute relative to CDFL).
 A split run's parts (DIR/parts/, see sim/split.py) are merged into DIR/runs/ first.
@@ -87,8 +88,8 @@ def tables(runs: list[dict[str, Any]]) -> str:
         out.append(f"### {scenario}: the other metrics (mean ± std over seeds)\n")
         out.append("| method | K | trained model (before download) | held model on new data | "
                    "KL(true‖est) | bytes down / update | bytes up / update | compute s / update | "
-                   "staleness | updates |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|")
+                   "staleness | updates | refused |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|")
         for k in ks:
             for m in methods:
                 g = groups.get((scenario, m, k), [])
@@ -100,9 +101,40 @@ def tables(runs: list[dict[str, Any]]) -> str:
                     f"{_ms([r['bytes_down_per_update'] for r in g], 0)} | "
                     f"{_ms([r['bytes_up_per_update'] for r in g], 0)} | "
                     f"{_ms([r['compute_s_per_update'] for r in g], 4)} | "
-                    f"{_ms([r['staleness_mean'] for r in g], 1)} | {sum(r['updates'] for r in g)} |")
+                    f"{_ms([r['staleness_mean'] for r in g], 1)} | {sum(r['updates'] for r in g)} | "
+                    f"{sum(sum(_refused(r).values()) for r in g)} |")
         out.append("")
+        out += _refusal_table(groups, scenario, ks, methods)
     return "\n".join(out)
+
+
+def _refused(run: dict[str, Any]) -> dict[str, int]:
+    """A run's refused uploads by reason (a summary.json from before they were counted: none)."""
+    return run.get("refused") or {}
+
+
+def _refusal_table(groups: dict[tuple[str, str, int], list[dict[str, Any]]], scenario: str,
+                   ks: list[int], methods: list[str]) -> list[str]:
+    """Uploads the aggregator refused, by reason, summed over seeds; nothing when none was.
+
+    A refused cycle stays in the run (the agent kept its model), so the accuracy columns
+    above include it; this says how many there were and why."""
+    rows = []
+    for k in ks:
+        for m in methods:
+            total: dict[str, int] = defaultdict(int)
+            for r in groups.get((scenario, m, k), []):
+                for reason, n in _refused(r).items():
+                    total[reason] += int(n)
+            if total:
+                reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(total.items()))
+                rows.append(f"| {METHOD_NAMES.get(m, m)} | {k} | {sum(total.values())} | {reasons} |")
+    if not rows:
+        return []
+    return [f"### {scenario}: refused uploads (summed over seeds)\n",
+            "| method | K | refused | by reason |", "|---|---|---|---|", *rows,
+            "", "A refused upload is an outcome, not a failure: the agent kept the model it held "
+            "(joining again first where the aggregator no longer knew its base) and the run went on.\n"]
 
 
 def _updates(run: dict[str, Any]) -> list[dict[str, str]]:

@@ -11,7 +11,8 @@ seeded schedule as `fedmq sim run` would. An agents process plays the schedule's
 its agents (I..I+N-1) in schedule order, with the same data draws and training seeds those
 agents get in an unsplit run, and writes DIR/parts/LABEL/agents-IIIII-JJJJJ/. The
 aggregator process scores the cluster models every ~10 % of the schedule's updates, stops
-once every update is applied and every agent has joined and gone offline, and writes
+once every update is answered (applied or refused) and every agent has joined and gone
+offline, and writes
 DIR/parts/LABEL/aggregator/. `merge_parts` checks that the parts are one run (same spec,
 same data/codec/model settings, agent ranges that cover the fleet once, every scheduled
 (agent, cycle) exactly once) and writes DIR/runs/LABEL/ as `fedmq sim run` does.
@@ -117,7 +118,7 @@ def wait_for_aggregator(cfg: Config, timeout_s: float) -> None:
 
 def run_aggregator_part(spec: RunSpec, base: Config, out: Path, *, stop: threading.Event | None = None,
                         ready: threading.Event | None = None) -> Path:
-    """Serve one split run's aggregator until every update is applied and all agents left.
+    """Serve one split run's aggregator until every update is answered and all agents left.
 
     `stop` ends it early (the part is then written with complete = false); `ready` is set
     once the aggregator is online. Returns the part's directory.
@@ -140,6 +141,8 @@ def run_aggregator_part(spec: RunSpec, base: Config, out: Path, *, stop: threadi
     cluster_acc: list[dict[str, Any]] = []
     busy = {"seconds": 0.0, "batches": 0}
     joined: set[str] = set()
+    uploads: set[tuple[str, str]] = set()
+    """Every upload answered, applied or refused: a refused one is a played event too."""
     holder: dict[str, Any] = {}
     next_checkpoint = [eval_every]
 
@@ -153,8 +156,10 @@ def run_aggregator_part(spec: RunSpec, base: Config, out: Path, *, stop: threadi
         for item in batch:
             if isinstance(item.envelope, protocol.Join):
                 joined.add(item.agent)
-        applied = holder["engine"].counters.get("applied.update", 0)
-        while next_checkpoint[0] < total and applied >= next_checkpoint[0]:
+            elif isinstance(item.envelope, protocol.Update):
+                uploads.add((item.agent, item.envelope.msg_id))
+        answered = len(uploads)
+        while next_checkpoint[0] < total and answered >= next_checkpoint[0]:
             score(next_checkpoint[0])
             next_checkpoint[0] += eval_every
 
@@ -172,13 +177,12 @@ def run_aggregator_part(spec: RunSpec, base: Config, out: Path, *, stop: threadi
         if ready is not None:
             ready.set()
         while not stop.wait(0.2):
-            applied = engine.counters.get("applied.update", 0)
-            if applied >= total and expected <= joined and all(
+            if len(uploads) >= total and expected <= joined and all(
                     service.presence.get(a) == "offline" for a in expected):
                 complete = True
                 break
     # The service has stopped: the models are still.
-    score(total if complete else engine.counters.get("applied.update", 0))
+    score(total if complete else len(uploads))
     info = aggregator_info(engine, busy)
     d = parts_dir(out, spec) / AGGREGATOR_PART
     d.mkdir(parents=True, exist_ok=True)
@@ -255,7 +259,9 @@ def _read_updates(path: Path) -> list[UpdateRecord]:
             values: dict[str, Any] = {}
             for c in UPDATE_COLUMNS:
                 kind = types[c]
-                text = row[c]
+                text = row.get(c)
+                if text is None:  # a column added since that part was written: its default
+                    continue
                 if kind == "int":
                     values[c] = int(text)
                 elif kind == "float":

@@ -158,3 +158,38 @@ def test_fedbuff_comes_from_its_registry_line_through_the_simulator_and_report(m
     _, _, text = write_report(tmp_path)
     assert "| FedBuff |" in text
     assert main(["aggregator", "--algorithm", "fedbuff", "--dry-run"]) == 0
+
+
+def test_refused_uploads_are_outcomes_and_the_run_goes_on(mosquitto, tmp_path):
+    """An aggregator that refuses honest uploads does not end the run: each refused cycle is a
+    record with its reason, the agent keeps the model it held, and summary.json and the report
+    count the refusals by reason."""
+    cfg = tiny_config()
+    cfg.fleet = "simrefuse"
+    # A descent test with no margin refuses every honest upload that raises the best proxy loss
+    # at all: a real aggregator refusing some of the fleet's uploads and applying the rest.
+    cfg.aggregator.loss_margin = 1e-9
+    r = run_fleet(tiny_spec("cdfl"), cfg, broker_url=mosquitto.url)
+    schedule = make_schedule(0, 4, 2)
+    assert [(int(u.agent[-5:]), u.cycle) for u in r.updates] == schedule
+    refused = [u for u in r.updates if u.refused]
+    applied = [u for u in r.updates if not u.refused]
+    assert refused and applied
+    counters = r.info["aggregator_counters"]
+    assert {u.refused for u in refused} == {"loss_outlier"}
+    assert len(refused) == counters["rejected.loss_outlier"]
+    assert len(applied) == counters["applied.update"]
+    for u in refused:  # the trained model was dropped: the agent holds what it held
+        assert u.acc_after == u.acc_held and u.epoch == u.tau and u.staleness == 0
+        assert u.bytes_up > 0 and u.bytes_down > 0
+    # every agent still holds the model the aggregator tracks for it: later uploads were applied
+    assert sorted(u.epoch for u in applied) == list(range(1, len(applied) + 1))
+
+    run_dir = write_run(r, tmp_path)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["refused"] == {"loss_outlier": len(refused)}
+    assert summary["updates"] == len(schedule)
+    rows = list(csv.DictReader((run_dir / "updates.csv").read_text().splitlines()))
+    assert sum(row["refused"] == "loss_outlier" for row in rows) == len(refused)
+    _, _, text = write_report(tmp_path)
+    assert f"| CDFL | 2 | {len(refused)} | loss_outlier {len(refused)} |" in text

@@ -144,3 +144,42 @@ def test_one_agents_process_reproduces_the_in_process_run(mosquitto, tmp_path):
     assert merged["cluster_acc"] == pytest.approx(whole.summary()["cluster_acc"])
     assert merged["client_acc"] == pytest.approx(whole.summary()["client_acc"])
     assert merged["kl"] == pytest.approx(whole.summary()["kl"])
+
+
+def test_split_run_with_refused_uploads_completes_and_merges_their_counts(mosquitto, tmp_path):
+    """The aggregator part stops once every scheduled upload is answered, refused ones included,
+    and the merged run counts the refusals by reason."""
+    spec = RunSpec(clusters=2, agents=4, seed=0, updates_per_agent=2, test_samples=60, local_epochs=1)
+    cfg = Config()
+    cfg.data.min_samples, cfg.data.max_samples = 60, 120
+    cfg.aggregator.pretrain_epochs = 2
+    cfg.log.level = "error"
+    cfg.broker.url = mosquitto.url
+    cfg.fleet = "refusing"
+    # A descent test with no margin: the aggregator refuses the honest uploads that raise its
+    # best proxy loss at all, and applies the rest.
+    cfg.aggregator.loss_margin = 1e-9
+    ready = threading.Event()
+    failures: list[BaseException] = []
+
+    def aggregator() -> None:
+        try:
+            run_aggregator_part(spec, cfg, tmp_path, ready=ready)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            failures.append(e)
+            ready.set()
+
+    t = threading.Thread(target=aggregator)
+    t.start()
+    assert ready.wait(120) and not failures
+    run_agents_part(spec, cfg, tmp_path, first=0, count=4, wait_s=30)
+    t.join(120)
+    assert not t.is_alive() and not failures
+    (run,) = merge_parts(tmp_path)
+    merged = json.loads((run / "summary.json").read_text())
+    counters = merged["aggregator_counters"]
+    assert merged["aggregator_complete"] is True
+    assert merged["refused"] == {"loss_outlier": counters["rejected.loss_outlier"]}
+    assert counters["rejected.loss_outlier"] > 0
+    assert counters["rejected.loss_outlier"] + counters["applied.update"] == merged["updates"] \
+        == len(make_schedule(0, 4, 2))
