@@ -1,8 +1,19 @@
 """Make what the production broker (broker_config/prod.conf) needs: a CA, a server certificate,
-one random password per agent (plus the aggregator, an optional monitor and reply workers),
+one random password per agent (plus each fleet's aggregator, monitors and reply workers),
 Mosquitto's password file and the ACL that binds each agent to its own topics.
 
     fedmq creds --out deploy/creds --agents car-1,car-2 --hostname broker.example.org
+    fedmq creds --out deploy/creds --agents car-1,car-2 --fleet garage --fleet depot \
+                --monitor-user ops,dashboard   # logins aggregator-garage, aggregator-depot
+
+prod.conf makes the user name the MQTT client id, so one login is one session: two processes
+sharing a login take the session from each other. So every fleet's aggregator and every
+monitor gets a login of its own. Without --fleet, or with one, the aggregator's login is
+`aggregator` (--aggregator-user); with several, `aggregator-FLEET` each (a fleet keeps the
+login an earlier run gave it, so adding a fleet renames nothing). Each aggregator login also
+has derived ones (fedmq/service_logins.py): USER-probe, read-only, with which an aggregator
+checks that no other one serves its fleet before it takes its session, and with reply
+workers USER-replies and USER-worker-I.
     fedmq creds --out deploy/creds --workers 2 --worker gpu-box-1   # reply workers (docs/scaling.md)
     fedmq creds --out deploy/creds --rotate car-1      # then: kill -HUP <mosquitto pid>
 
@@ -37,7 +48,7 @@ import os
 import re
 import secrets
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,7 +58,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fedmq.atomic_file import atomic_write
-from fedmq.service_logins import REPLIES, derived_password, derived_user, local_worker_users
+from fedmq.service_logins import PROBE, REPLIES, derived_password, derived_user, local_worker_users
 
 # mosquitto_passwd 2.0's defaults for its `$7$` (sha512-pbkdf2) format. The passwords made here
 # are 192 random bits, so key stretching adds nothing against a stolen passwd file, while every
@@ -77,9 +88,17 @@ class Credentials:
     out_dir: Path
     agents: dict[str, str]  # agent -> password
     aggregator_user: str
+    """The first aggregator login (the only one without --fleet or with one fleet)."""
     aggregator_password: str
     monitor_user: str | None = None
+    """The first monitor login, if any (`monitors` holds them all)."""
     monitor_password: str | None = None
+    aggregators: dict[str, str] = field(default_factory=dict)
+    """Every aggregator login: user -> password (aggregator_user's included)."""
+    fleet_aggregators: dict[str, str] = field(default_factory=dict)
+    """Fleet -> the user of its aggregator; empty: aggregator_user serves any fleet."""
+    monitors: dict[str, str] = field(default_factory=dict)
+    """Every read-only status login: user -> password."""
     hostnames: list[str] = field(default_factory=list)
     fleets: list[str] = field(default_factory=list)
     """Fleets the ACL grants (empty: any fleet, `+`)."""
@@ -129,25 +148,48 @@ class Credentials:
     def credentials_json(self) -> Path:
         return self.private_dir / "credentials.json"
 
+    def aggregator_logins(self) -> dict[str, str]:
+        """Every aggregator login: user -> password."""
+        return {self.aggregator_user: self.aggregator_password, **self.aggregators}
+
+    def all_monitors(self) -> dict[str, str]:
+        """Every monitor login: user -> password."""
+        first = {self.monitor_user: self.monitor_password} if self.monitor_user and self.monitor_password else {}
+        return {**first, **self.monitors}
+
+    def aggregator_for(self, fleet: str) -> tuple[str, str]:
+        """(user, password) of `fleet`'s aggregator."""
+        if not self.fleet_aggregators:
+            return self.aggregator_user, self.aggregator_password
+        try:
+            user = self.fleet_aggregators[fleet]
+        except KeyError:
+            raise CredentialsError(f"no aggregator login for fleet {fleet!r}; fleets: "
+                                   f"{', '.join(self.fleet_aggregators)}") from None
+        return user, self.aggregator_logins()[user]
+
     def derived_users(self) -> dict[str, str]:
-        """The aggregator's extra logins: its reply pool's (when any worker is made) and one per
-        local worker; passwords derived from the aggregator's, so rotating it rotates them."""
-        if not (self.workers or self.local_workers):
-            return {}
-        names = [derived_user(self.aggregator_user, REPLIES)]
-        names += local_worker_users(self.aggregator_user, self.local_workers)
-        return {n: derived_password(self.aggregator_password, n) for n in names}
+        """Each aggregator's extra logins: its probe's, and with workers its reply pool's and
+        one per local worker; passwords derived from the aggregator's, so rotating it rotates
+        them."""
+        out = {}
+        for user, password in self.aggregator_logins().items():
+            names = [derived_user(user, PROBE)]
+            if self.workers or self.local_workers:
+                names += [derived_user(user, REPLIES), *local_worker_users(user, self.local_workers)]
+            out.update({n: derived_password(password, n) for n in names})
+        return out
 
     def worker_users(self) -> list[str]:
         """Every user that serves as a reply worker (its name is its worker id)."""
-        return sorted(self.workers) + local_worker_users(self.aggregator_user, self.local_workers)
+        return sorted(self.workers) + [w for user in self.aggregator_logins()
+                                       for w in local_worker_users(user, self.local_workers)]
 
     def users(self) -> dict[str, str]:
         """Every username -> password the passwd file holds."""
         users = dict(self.agents)
-        users[self.aggregator_user] = self.aggregator_password
-        if self.monitor_user and self.monitor_password:
-            users[self.monitor_user] = self.monitor_password
+        users.update(self.aggregator_logins())
+        users.update(self.all_monitors())
         users.update(self.workers)
         users.update(self.derived_users())
         return users
@@ -200,15 +242,23 @@ def render_passwd(users: dict[str, str]) -> str:
 
 
 def render_acl(aggregator_user: str, monitor_user: str | None = None, fleets: Sequence[str] = (),
-               workers: Sequence[str] = ()) -> str:
+               workers: Sequence[str] = (), *, fleet_aggregators: Mapping[str, str] | None = None,
+               monitors: Sequence[str] = ()) -> str:
     """The ACL for wire protocol v1. Pattern lines (%u) bind every agent to its own subtree,
     so the file does not change when agents come and go (only passwd does). With `fleets`,
     every rule names them instead of `+`: an agent then owns two topics that keep a retained
     message (its up and status topics in each fleet), not one pair per fleet id it invents.
-    `workers` (reply workers' users) get their own jobs, status and done topics by name, not
-    by pattern: an agent must not be able to announce itself as a worker and be sent replies
-    to train; the aggregator's reply pool (user AGGREGATOR-replies) gets every worker's."""
+    `fleet_aggregators` (fleet -> user) gives each fleet's aggregator its own fleet only;
+    without it `aggregator_user` serves every fleet. Each aggregator's probe (USER-probe)
+    reads its fleets' aggregator status. `workers` (reply workers' users) get their own jobs,
+    status and done topics by name, not by pattern: an agent must not be able to announce
+    itself as a worker and be sent replies to train; each aggregator's reply pool (user
+    AGGREGATOR-replies) gets every worker's in its fleets. `monitors` (and `monitor_user`)
+    read status topics only."""
     scopes = list(fleets) or ["+"]
+    served: dict[str, list[str]] = {}  # aggregator user -> its fleets
+    for f in scopes:
+        served.setdefault((fleet_aggregators or {}).get(f, aggregator_user), []).append(f)
     where = "in any fleet" if not fleets else f"in fleet{'s' if len(scopes) > 1 else ''} {', '.join(scopes)} only"
     lines = [
         "# fedmq wire protocol v1 ACL, written by `fedmq creds`. Anonymous clients get nothing",
@@ -221,13 +271,17 @@ def render_acl(aggregator_user: str, monitor_user: str | None = None, fleets: Se
         lines += [f"pattern write fedmq/{f}/agents/%u/up", f"pattern write fedmq/{f}/agents/%u/status",
                   f"pattern read fedmq/{f}/agents/%u/down", f"pattern read fedmq/{f}/aggregator/status",
                   f"pattern read fedmq/{f}/model/onnx"]
-    lines += ["", "# The aggregator reads every uplink and status, writes every downlink and its status,",
-              "# and may write (empty, to delete) what an agent left retained on its up or status topic.",
-              f"user {aggregator_user}"]
-    for f in scopes:
-        lines += [f"topic readwrite fedmq/{f}/agents/+/up", f"topic readwrite fedmq/{f}/agents/+/status",
-                  f"topic write fedmq/{f}/agents/+/down", f"topic readwrite fedmq/{f}/aggregator/status",
-                  f"topic readwrite fedmq/{f}/model/onnx"]
+    lines += ["", "# A fleet's aggregator reads every uplink and status, writes every downlink and its",
+              "# status, and may write (empty, to delete) what an agent left retained on its up or",
+              "# status topic. Its probe login only reads the aggregator status, before it serves."]
+    for user, own in served.items():
+        lines.append(f"user {user}")
+        for f in own:
+            lines += [f"topic readwrite fedmq/{f}/agents/+/up", f"topic readwrite fedmq/{f}/agents/+/status",
+                      f"topic write fedmq/{f}/agents/+/down", f"topic readwrite fedmq/{f}/aggregator/status",
+                      f"topic readwrite fedmq/{f}/model/onnx"]
+        lines.append(f"user {derived_user(user, PROBE)}")
+        lines += [f"topic read fedmq/{f}/aggregator/status" for f in own]
     if workers:
         lines += ["", "# Reply workers (docs/scaling.md): each reads its own jobs and announces itself and",
                   "# its results on its own topics; its user name is its worker id."]
@@ -236,15 +290,20 @@ def render_acl(aggregator_user: str, monitor_user: str | None = None, fleets: Se
             for f in scopes:
                 lines += [f"topic read fedmq/{f}/workers/{w}/jobs", f"topic write fedmq/{f}/workers/{w}/status",
                           f"topic write fedmq/{f}/workers/{w}/done"]
-        lines += ["", "# The aggregator's reply pool (its second connection): jobs to every worker, their",
-                  "# statuses and results back.", f"user {derived_user(aggregator_user, REPLIES)}"]
-        for f in scopes:
-            lines += [f"topic write fedmq/{f}/workers/+/jobs", f"topic read fedmq/{f}/workers/+/status",
-                      f"topic read fedmq/{f}/workers/+/done"]
-    if monitor_user:
-        lines += ["", "# Dashboards: status topics only, read only.", f"user {monitor_user}"]
-        for f in scopes:
-            lines += [f"topic read fedmq/{f}/agents/+/status", f"topic read fedmq/{f}/aggregator/status"]
+        lines += ["", "# Each aggregator's reply pool (its second connection): jobs to every worker, their",
+                  "# statuses and results back."]
+        for user, own in served.items():
+            lines.append(f"user {derived_user(user, REPLIES)}")
+            for f in own:
+                lines += [f"topic write fedmq/{f}/workers/+/jobs", f"topic read fedmq/{f}/workers/+/status",
+                          f"topic read fedmq/{f}/workers/+/done"]
+    viewers = list(dict.fromkeys([*([monitor_user] if monitor_user else []), *monitors]))
+    if viewers:
+        lines += ["", "# Dashboards (each its own login, so that two run at once): status topics only, read only."]
+        for user in viewers:
+            lines.append(f"user {user}")
+            for f in scopes:
+                lines += [f"topic read fedmq/{f}/agents/+/status", f"topic read fedmq/{f}/aggregator/status"]
     return "\n".join(lines) + "\n"
 
 
@@ -399,7 +458,8 @@ def _mkdir(path: Path, mode: int, gid: int | None = None) -> None:
 def _write_broker_files(creds: Credentials, gid: int | None) -> None:
     secret_mode = 0o640 if gid is not None else 0o600
     _write(creds.passwd, render_passwd(creds.users()), secret_mode, gid)
-    _write(creds.acl, render_acl(creds.aggregator_user, creds.monitor_user, creds.fleets, creds.worker_users()),
+    _write(creds.acl, render_acl(creds.aggregator_user, creds.monitor_user, creds.fleets, creds.worker_users(),
+                                 fleet_aggregators=creds.fleet_aggregators, monitors=list(creds.all_monitors())),
            0o644, gid)
 
 
@@ -410,10 +470,13 @@ def _write_credentials_json(creds: Credentials) -> None:
         "hostnames": creds.hostnames,
         "fleets": creds.fleets,
         "aggregator": {"username": creds.aggregator_user, "password": creds.aggregator_password},
+        "aggregators": {fleet: {"username": user, "password": creds.aggregator_logins()[user]}
+                        for fleet, user in creds.fleet_aggregators.items()},
         "monitor": (
             {"username": creds.monitor_user, "password": creds.monitor_password}
             if creds.monitor_user else None
         ),
+        "monitors": creds.all_monitors(),
         "agents": dict(sorted(creds.agents.items())),
         "workers": dict(sorted(creds.workers.items())),
         "local_workers": creds.local_workers,
@@ -430,6 +493,7 @@ def load_credentials(out_dir: str | os.PathLike[str]) -> Credentials:
     except FileNotFoundError:
         raise CredentialsError(f"{path} not found: run `fedmq creds --out {out} --agents ...` first") from None
     monitor = doc.get("monitor") or {}
+    per_fleet = doc.get("aggregators") or {}
     return Credentials(
         out_dir=out,
         agents=dict(doc["agents"]),
@@ -437,6 +501,9 @@ def load_credentials(out_dir: str | os.PathLike[str]) -> Credentials:
         aggregator_password=doc["aggregator"]["password"],
         monitor_user=monitor.get("username"),
         monitor_password=monitor.get("password"),
+        aggregators={v["username"]: v["password"] for v in per_fleet.values()},
+        fleet_aggregators={f: v["username"] for f, v in per_fleet.items()},
+        monitors=dict(doc.get("monitors") or {}),
         hostnames=list(doc.get("hostnames", [])),
         fleets=list(doc.get("fleets", [])),
         workers=dict(doc.get("workers") or {}),
@@ -452,7 +519,7 @@ def make_credentials(
     agents: Iterable[str],
     *,
     aggregator_user: str = DEFAULT_AGGREGATOR_USER,
-    monitor_user: str | None = None,
+    monitor_user: str | Sequence[str] | None = None,
     hostnames: Sequence[str] = ("localhost",),
     group: str | int | None = None,
     force: bool = False,
@@ -464,19 +531,18 @@ def make_credentials(
 
     Existing CA, server cert (while its names match and it is not near expiry) and passwords
     of users still listed are kept unless `force`; users no longer listed lose access.
-    `fleets` scopes the ACL to those fleet ids, `workers` names the reply workers on other
-    machines and `local_workers` counts the aggregator's own (None, for each: as the previous
-    run, else any fleet / none).
+    `fleets` scopes the ACL to those fleet ids and gives each its own aggregator login (module
+    docstring), `monitor_user` is one or several monitor logins, `workers` names the reply
+    workers on other machines and `local_workers` counts each aggregator's own (None, for
+    fleets, workers and local_workers: as the previous run, else any fleet / none).
     """
     out = Path(out_dir)
     agent_list = list(dict.fromkeys(validate_username(a.strip()) for a in agents if a.strip()))
     if not agent_list:
         raise CredentialsError("no agents given")
     validate_username(aggregator_user)
-    if monitor_user is not None:
-        validate_username(monitor_user)
-        if monitor_user == aggregator_user:
-            raise CredentialsError("the monitor and aggregator users must differ")
+    monitor_list = [monitor_user] if isinstance(monitor_user, str) else list(monitor_user or ())
+    monitor_list = list(dict.fromkeys(validate_username(m.strip()) for m in monitor_list if m.strip()))
     if local_workers is not None and local_workers < 0:
         raise CredentialsError(f"--workers must be >= 0, got {local_workers}")
     previous: Credentials | None = None
@@ -489,8 +555,17 @@ def make_credentials(
         worker_list = list(dict.fromkeys(validate_username(w.strip()) for w in workers if w.strip()))
     if local_workers is None:
         local_workers = previous.local_workers if previous else 0
-    derived = {derived_user(aggregator_user, REPLIES), *local_worker_users(aggregator_user, local_workers)}
-    reserved = {aggregator_user, monitor_user} - {None}
+    for f in fleets or ():
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", f) or f in (".", ".."):
+            raise CredentialsError(f"bad fleet id {f!r}: use [A-Za-z0-9_.-], 1-64 characters")
+    fleet_list = list(dict.fromkeys(fleets)) if fleets is not None else (previous.fleets if previous else [])
+    fleet_users = _fleet_aggregator_users(aggregator_user, fleet_list, previous)
+    aggregator_users = list(dict.fromkeys(fleet_users.values())) or [aggregator_user]
+    if set(monitor_list) & set(aggregator_users):
+        raise CredentialsError("the monitor and aggregator users must differ")
+    derived = {derived_user(u, role) for u in aggregator_users for role in (PROBE, REPLIES)}
+    derived |= {w for u in aggregator_users for w in local_worker_users(u, local_workers)}
+    reserved = {*aggregator_users, *monitor_list}
     clash = reserved.intersection(agent_list)
     if clash:
         raise CredentialsError(f"agent name(s) {sorted(clash)} are taken by the service users")
@@ -502,19 +577,22 @@ def make_credentials(
         raise CredentialsError(f"name(s) {sorted(clash)} are the aggregator's own logins "
                                f"(fedmq/service_logins.py); choose others")
     gid = resolve_group(group)
-    for f in fleets or ():
-        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", f) or f in (".", ".."):
-            raise CredentialsError(f"bad fleet id {f!r}: use [A-Za-z0-9_.-], 1-64 characters")
 
+    logins = {u: old_users.get(u) or generate_password() for u in aggregator_users}
+    monitors = {m: old_users.get(m) or generate_password() for m in monitor_list}
+    first = aggregator_users[0]
     creds = Credentials(
         out_dir=out,
         agents={a: old_users.get(a) or generate_password() for a in agent_list},
-        aggregator_user=aggregator_user,
-        aggregator_password=old_users.get(aggregator_user) or generate_password(),
-        monitor_user=monitor_user,
-        monitor_password=(old_users.get(monitor_user) or generate_password()) if monitor_user else None,
+        aggregator_user=first,
+        aggregator_password=logins[first],
+        monitor_user=monitor_list[0] if monitor_list else None,
+        monitor_password=monitors[monitor_list[0]] if monitor_list else None,
+        aggregators=logins,
+        fleet_aggregators=fleet_users,
+        monitors=monitors,
         hostnames=all_server_names(hostnames),
-        fleets=list(dict.fromkeys(fleets)) if fleets is not None else (previous.fleets if previous else []),
+        fleets=fleet_list,
         workers={w: old_users.get(w) or generate_password() for w in worker_list},
         local_workers=local_workers,
     )
@@ -556,6 +634,29 @@ def make_credentials(
     return creds
 
 
+def _fleet_aggregator_users(base: str, fleets: Sequence[str], previous: Credentials | None) -> dict[str, str]:
+    """Fleet -> its aggregator's user: `base` for a lone fleet, `base-FLEET` for each of several,
+    except that a fleet keeps the user an earlier run gave it (adding a fleet renames nothing).
+    Empty for any fleet (`base` serves them all)."""
+    if not fleets:
+        return {}
+    before = dict(previous.fleet_aggregators) if previous else {}
+    if previous and not before and len(previous.fleets) == 1:
+        before = {previous.fleets[0]: previous.aggregator_user}  # written before per-fleet logins
+    if previous and previous.aggregator_user != base and not previous.fleet_aggregators:
+        before = {}
+    users = {}
+    for f in fleets:
+        kept = before.get(f)
+        users[f] = kept if kept and (kept == base or kept.startswith(f"{base}-")) else (
+            base if len(fleets) == 1 else validate_username(f"{base}-{f}"))
+    clash = [u for u in users.values() if list(users.values()).count(u) > 1]
+    if clash:
+        raise CredentialsError(f"fleets would share the aggregator login {clash[0]!r}; "
+                               f"one login is one MQTT session under prod.conf")
+    return users
+
+
 def rotate_password(
     out_dir: str | os.PathLike[str], user: str, *, group: str | int | None = None
 ) -> str:
@@ -567,15 +668,20 @@ def rotate_password(
     new = generate_password()
     if user in creds.agents:
         creds.agents[user] = new
-    elif user == creds.aggregator_user:
-        creds.aggregator_password = new
-    elif user == creds.monitor_user:
-        creds.monitor_password = new
+    elif user in creds.aggregator_logins():
+        creds.aggregators[user] = new
+        if user == creds.aggregator_user:
+            creds.aggregator_password = new
+    elif user in creds.all_monitors():
+        creds.monitors[user] = new
+        if user == creds.monitor_user:
+            creds.monitor_password = new
     elif user in creds.workers:
         creds.workers[user] = new
     elif user in creds.derived_users():
-        raise CredentialsError(f"{user}'s password is derived from {creds.aggregator_user}'s: "
-                               f"rotate {creds.aggregator_user} (both change together)")
+        owner = max((u for u in creds.aggregator_logins() if user.startswith(f"{u}-")), key=len)
+        raise CredentialsError(f"{user}'s password is derived from {owner}'s: "
+                               f"rotate {owner} (both change together)")
     else:
         raise CredentialsError(f"unknown user {user!r}; known: {sorted(creds.users())}")
     gid = resolve_group(group)
@@ -605,9 +711,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=Path, help="directory to write (see layout above)")
     parser.add_argument("--agents", default="", help="comma-separated agent names (MQTT usernames)")
     parser.add_argument("--agents-file", type=Path, help="file with one agent name per line")
-    parser.add_argument("--aggregator-user", default=DEFAULT_AGGREGATOR_USER)
-    parser.add_argument("--monitor-user", default=None,
-                        help="also make a read-only user for status topics (e.g. monitor)")
+    parser.add_argument("--aggregator-user", default=DEFAULT_AGGREGATOR_USER,
+                        help="the aggregator's login; with several --fleet, each fleet's is USER-FLEET")
+    parser.add_argument("--monitor-user", action="append", default=None, metavar="USER",
+                        help="also make a read-only login for status topics (e.g. monitor); repeatable or "
+                             "comma-separated: one per dashboard or `fedmq fleet status` that runs at once")
     parser.add_argument("--hostname", action="append", default=[],
                         help="broker name for the server cert (repeatable or comma-separated); "
                              "localhost, 127.0.0.1 and ::1 are always added")
@@ -617,7 +725,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fleet", action="append", default=None, metavar="FLEET",
                         help="grant topics of this fleet only (repeatable; default: any fleet id). "
                              "Bounds what an agent can keep retained on the broker to its own two "
-                             "topics per fleet; a re-run without it keeps the previous choice")
+                             "topics per fleet; several fleets get an aggregator login each "
+                             "(USER-FLEET); a re-run without it keeps the previous choice")
     parser.add_argument("--workers", type=int, default=None, metavar="N",
                         help="users for the N reply workers `fedmq aggregator --workers N` starts, and for "
                              "its reply pool; their passwords derive from the aggregator's (default: as "
@@ -646,7 +755,8 @@ def run(args: argparse.Namespace) -> int:
         hostnames = [h for arg in args.hostname for h in arg.split(",") if h.strip()] or ["localhost"]
         creds = make_credentials(
             args.out, agents, aggregator_user=args.aggregator_user,
-            monitor_user=args.monitor_user, hostnames=hostnames, group=args.group, force=args.force,
+            monitor_user=[m for arg in args.monitor_user or () for m in arg.split(",")],
+            hostnames=hostnames, group=args.group, force=args.force,
             fleets=args.fleet,
             workers=None if args.worker is None else [w for arg in args.worker for w in arg.split(",")],
             local_workers=args.workers,
@@ -654,8 +764,9 @@ def run(args: argparse.Namespace) -> int:
     except (CredentialsError, OSError) as e:
         print(f"fedmq creds: {e}", file=sys.stderr)
         return 2
-    print(f"{len(creds.agents)} agents, users {creds.aggregator_user}"
-          + (f", {creds.monitor_user}" if creds.monitor_user else "")
+    aggregators = ", ".join(f"{u} ({f})" for f, u in creds.fleet_aggregators.items()) or creds.aggregator_user
+    print(f"{len(creds.agents)} agents, users {aggregators}"
+          + "".join(f", {m}" for m in creds.all_monitors())
           + (f", reply workers {', '.join(creds.worker_users())}" if creds.worker_users() else "")
           + f"; fleets: {', '.join(creds.fleets) or 'any'}")
     print(f"CA: {'new' if creds.ca_created else 'kept'} ({creds.ca_cert}); server cert: "

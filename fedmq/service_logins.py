@@ -4,7 +4,9 @@ broker_config/prod.conf sets `use_username_as_clientid`, so one user is one MQTT
 second connection under the aggregator's user would take over the first. The aggregator's
 reply pool (its own connection, aggregator/reply_pool.py) and each worker it starts
 (`fedmq aggregator --workers N`) therefore log in as users of their own, named after the
-aggregator's: `USER-replies`, `USER-worker-0` ... `USER-worker-<N-1>`.
+aggregator's: `USER-replies`, `USER-worker-0` ... `USER-worker-<N-1>`. Before it takes its
+session at all, an aggregator looks at its fleet's status as `USER-probe` (read only): a second
+aggregator must decide not to serve before it becomes the session that uplinks are queued in.
 
 Their passwords are derived from the aggregator's (HMAC-SHA256, keyed by its password, of the
 derived user's name), so the aggregator needs no second secret, and `fedmq creds --workers N`
@@ -22,6 +24,7 @@ import os
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 REPLIES = "replies"
+PROBE = "probe"
 
 PASSWORD_ENV = "FEDMQ_BROKER_PASSWORD"
 """The broker password of a URL that names a user and no password (`mqtts://car-1@host`): a

@@ -411,7 +411,7 @@ def test_files_modes_and_layout(creds):
     mounted = {p.name for p in creds.config_dir.rglob("*")}
     assert "ca.key" not in mounted and "credentials.json" not in mounted
     users = dict(line.split(":", 1) for line in creds.passwd.read_text().splitlines())
-    assert set(users) == {"a1", "a2", "aggregator", "monitor"}
+    assert set(users) == {"a1", "a2", "aggregator", "aggregator-probe", "monitor"}
     for user, hashed in users.items():
         assert verify_mosquitto_hash(creds.users()[user], hashed)
     acl = creds.acl.read_text()
