@@ -196,6 +196,9 @@ class VariantResult:
     server_share: float = math.nan
     """The server's labelled samples (proxy + pre-training, all clusters) over the samples the
     fleet trained on in the run (every cycle's training set, counted per draw)."""
+    refused: dict[str, int] = field(default_factory=dict)
+    """--wire: uploads the aggregator refused, by reason (each a cycle in which the agent kept
+    its model); in-process the strategy is driven directly and refuses none."""
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -463,7 +466,7 @@ def run_variant_wire(spec: AblationSpec, variant: Variant, base: Config,
         client_compute_s=s["compute_s_per_update"],
         aggregator_s_per_upload=(s.get("aggregator_busy_s", math.nan) / max(1, len(u))
                                  if variant.method != "local" else math.nan),
-        settings=dict(variant.settings), engine="wire")
+        settings=dict(variant.settings), engine="wire", refused=dict(s["refused"]))
 
 
 def run_fleet_variants(spec: AblationSpec, variants: Sequence[Variant], base: Config,
@@ -580,6 +583,12 @@ def summarize(results: Sequence[VariantResult]) -> list[dict[str, Any]]:
             row[attr + "_std"] = float(np.std(finite)) if len(finite) > 1 else 0.0
         for e in rs[0].estimator_kl:
             row["estkl_" + e] = _mean([r.estimator_kl.get(e, math.nan) for r in rs])
+        refused: dict[str, int] = {}
+        for r in rs:
+            for reason, n in r.refused.items():
+                refused[reason] = refused.get(reason, 0) + int(n)
+        if refused:  # summed over seeds
+            row["refused"] = dict(sorted(refused.items()))
         rows.append(row)
     for row in rows:
         for control, gain in (("frozen", "fed"), ("proxy-only", "client")):
@@ -689,8 +698,10 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     gains = [g for g in GAINS if any(g[0] in r for r in rows)]
     # a partial extra seed leaves some rows with fewer seeds: then say how many each row has
     uneven = len({r["seeds"] for r in rows}) > 1
+    refusals = any(r.get("refused") for r in rows)  # a column only where an upload was refused
     head = ["K", "variant", *(["seeds"] if uneven else []), *[c[1] for c in COLUMNS],
-            *[g[1] for g in gains], *[e[6:] + " KL" for e in est]]
+            *[g[1] for g in gains], *[e[6:] + " KL" for e in est],
+            *(["refused (all seeds)"] if refusals else [])]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [str(r["K"]), r["variant"], *([str(r["seeds"])] if uneven else [])]
@@ -707,6 +718,8 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
             cells.append("-" if math.isnan(v) else f"{100 * v:+.1f}"
                          + (f" ± {100 * r[attr + '_ci']:.1f}" if r["seeds"] > 1 else ""))
         cells += ["-" if math.isnan(r.get(e, math.nan)) else f"{r[e]:.3f}" for e in est]
+        if refusals:
+            cells.append(", ".join(f"{k} {n}" for k, n in r.get("refused", {}).items()) or "0")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -944,7 +957,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim.ablation"
         write_results(done, args.out, command, hosts=hosts, note=note)
         print(f"K={r.clusters} seed={r.seed} {r.variant}: held {r.acc_held:.3f} trained {r.acc_trained:.3f} "
               f"received {r.acc_received:.3f} KL {r.kl:.3f} cluster {r.cluster_acc:.3f} "
-              f"agg {r.aggregator_s_per_upload:.3f}s {r.estimator_kl}", flush=True)
+              f"agg {r.aggregator_s_per_upload:.3f}s {r.estimator_kl}"
+              + (f" refused {r.refused}" if r.refused else ""), flush=True)
 
     results = run_ablation(variants, clusters=clusters, seeds=seeds, base=cfg, scenario=args.scenario,
                            agents=args.agents, updates_per_agent=args.updates_per_agent,

@@ -481,3 +481,19 @@ def test_sketch_kl_replays_a_fleets_draws_for_each_shrinkage():
     (line,) = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
     assert (line["K"], line["seed"]) == (4, 0) and set(line["kl"]) == {"1", "0.25"}
     assert line["kl"]["0.25"] < line["kl"]["1"], line
+
+
+def test_wire_run_counts_refused_uploads_and_finishes(mosquitto, tmp_path):
+    """--wire: uploads the aggregator refuses end no run; results.json and table.md count them."""
+    small = [a for k, v in SMALL.items() for a in ("--set", f"{k}={v}")]
+    out = tmp_path / "wire"
+    # A descent test with no margin: the aggregator refuses every honest upload that raises its
+    # best proxy loss at all, and applies the rest.
+    argv = ["--clusters", "2", "--seeds", "1,", "--agents", "4", "--updates-per-agent", "2",
+            "--test-samples", "40", "--variant", "strict=cdfl:aggregator.loss_margin=1e-9",
+            "--controls", "none", "--wire", "--broker", mosquitto.url, "--out", str(out), *small]
+    assert main(argv) == 0
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    assert set(run["refused"]) == {"loss_outlier"} and 0 < run["refused"]["loss_outlier"] < run["updates"]
+    table = (out / "table.md").read_text()
+    assert "refused (all seeds)" in table and f"loss_outlier {run['refused']['loss_outlier']}" in table
