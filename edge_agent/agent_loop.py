@@ -50,7 +50,7 @@ from edge_agent.drift import DriftMonitor, make_detector
 from edge_agent.inference import OnnxPredictor, TorchPredictor, make_predictor
 from edge_agent.profiles import DeviceProfile, get_profile
 from edge_agent.protocol_client import (
-    REJOIN_REASONS,
+    RESYNC_REASONS,
     AgentError,
     EdgeAgent,
     Installed,
@@ -69,8 +69,6 @@ from fedmq.privacy import BudgetSpent
 log = get_logger("agent")
 
 ALGORITHMS = ASYNC_AGENT
-RESYNC_REASONS = REJOIN_REASONS | {"bad_tau"}
-"""Error replies after which the agent drops its pending upload and joins again."""
 MODEL_FILE = "model.onnx"
 
 

@@ -39,6 +39,10 @@ log = get_logger("agent")
 REJOIN_REASONS = frozenset({"unknown_agent", "no_base", "codec_no_base", "codec_base_mismatch"})
 """Errors that mean the aggregator and the agent disagree on what the agent holds: join again."""
 
+RESYNC_REASONS = REJOIN_REASONS | {"bad_tau"}
+"""Refusals after which a sender drops its upload and joins again (the device agent, the
+simulator, the soak drivers): the aggregator no longer knows the model the upload started from."""
+
 INVALID_DOWNLINK = frozenset({"unexpected_reply", "wrong_model", "wrong_shape"})
 """Agent-side reasons (besides codec_*) for refusing a reply; the request keeps waiting."""
 

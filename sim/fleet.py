@@ -423,7 +423,7 @@ class CyclePlayer:
         """The record of a refused upload: the trained model is dropped and the agent keeps the
         one it held, as a device does (edge_agent/agent_loop.py); after a refusal that says the
         two sides disagree on that model (RESYNC_REASONS) it joins again and holds the join's."""
-        from edge_agent.agent_loop import RESYNC_REASONS
+        from edge_agent.protocol_client import RESYNC_REASONS
         from fedmq.training import evaluate
 
         rejoined = e.reason in RESYNC_REASONS

@@ -11,7 +11,7 @@ victim: the agents' node, then the node that now holds everyone (agents and aggr
 together). Checked at the end, and written to soak/results/cluster_failover.json:
 every acknowledged upload is in the journal exactly once (0 lost, 0 applied twice), every
 agent on a killed node is connected again within --back-within seconds, every upload
-answered; plus the seconds each agent took to come back, per kill.
+answered (applied, or refused: a refusal is counted by reason and the agent goes on); plus the seconds each agent took to come back, per kill.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -60,18 +61,24 @@ def run(agents: int, kills: int, uploads_per_kill: int, back_within_s: float, ou
                 lambda t, _, name=agent.agent_id: back.setdefault(name, time.monotonic()))
         acknowledged: list[str] = []
         failures: list[str] = []
+        refused: Counter[str] = Counter()
         try:
             for k in range(kills):
                 victim = 0 if k % 2 == 0 else 1
                 port = cluster.nodes[victim].mqtt_port
                 on_victim = [ag.agent_id for ag in fleet if ag.transport.address.port == port]
                 aggregator_on_victim = svc.transport.address.port == port
-                threads, uploaded, burst_failures = upload_burst(fleet, uploads_per_kill)
+                refused_now: Counter[str] = Counter()  # a refusal is an answer, counted by reason
+                threads, uploaded, burst_failures = upload_burst(fleet, uploads_per_kill, refused=refused_now)
+
+                def answered(uploaded: list[str] = uploaded, refused_now: Counter[str] = refused_now) -> int:
+                    return len(uploaded) + sum(refused_now.values())
+
                 deadline = time.monotonic() + 600
-                while (len(uploaded) < agents * uploads_per_kill // 3 and not burst_failures
+                while (answered() < agents * uploads_per_kill // 3 and not burst_failures
                        and time.monotonic() < deadline):
                     time.sleep(0.01)
-                if len(uploaded) < agents * uploads_per_kill // 3 and not burst_failures:
+                if answered() < agents * uploads_per_kill // 3 and not burst_failures:
                     # stalled before this round's kill: record it and stop the soak
                     stall = (f"round {k + 1}: {len(uploaded)} of {agents * uploads_per_kill} uploads answered "
                              f"in 600 s before the kill; aggregator connected={svc.transport.connected} "
@@ -85,6 +92,7 @@ def run(agents: int, kills: int, uploads_per_kill: int, back_within_s: float, ou
                     for t in threads:
                         t.join(60)
                     acknowledged += uploaded
+                    refused += refused_now
                     break
                 back.clear()
                 killed_at = time.monotonic()
@@ -93,6 +101,7 @@ def run(agents: int, kills: int, uploads_per_kill: int, back_within_s: float, ou
                     t.join(900)
                 failures += burst_failures
                 acknowledged += uploaded
+                refused += refused_now
                 late = {name: round(at - killed_at, 2) for name, at in back.items() if name in on_victim}
                 missing = sorted(set(on_victim) - set(late))
                 figures["rounds"].append({
@@ -100,7 +109,7 @@ def run(agents: int, kills: int, uploads_per_kill: int, back_within_s: float, ou
                     "aggregator_on_victim": aggregator_on_victim, "uploads_answered": len(uploaded),
                     "back_max_s": max(late.values(), default=0.0),
                     "back_mean_s": round(statistics.fmean(late.values()), 2) if late else 0.0,
-                    "not_back": missing, "failures": burst_failures})
+                    "not_back": missing, "failures": burst_failures, "refused": dict(refused_now)})
                 r = figures["rounds"][-1]
                 r["aggregator_unacked"] = _unacked(cluster, svc)
                 r["aggregator_unacked_own_count"] = svc.transport.unacked  # what the client holds unacked
@@ -125,6 +134,7 @@ def run(agents: int, kills: int, uploads_per_kill: int, back_within_s: float, ou
     backs = [r["back_max_s"] for r in figures["rounds"]]
     figures.update(
         uploads_acknowledged=len(acknowledged), uploads_expected=agents * uploads_per_kill * kills,
+        refused=dict(sorted(refused.items())),
         rounds_completed=len(figures["rounds"]),
         in_journal=len(journal), lost=len(set(acknowledged) - set(journal)),
         applied_twice=len(journal) - len(set(journal)), applied=svc.engine.counters["applied.update"],
@@ -132,7 +142,7 @@ def run(agents: int, kills: int, uploads_per_kill: int, back_within_s: float, ou
         back_max_s=max(backs, default=0.0), back_within_s=back_within_s,
         agents_not_back=sum(len(r["not_back"]) for r in figures["rounds"]))
     figures["ok"] = ("stalled" not in figures and not failures and figures["lost"] == 0 and figures["applied_twice"] == 0
-                     and figures["uploads_acknowledged"] == figures["uploads_expected"]
+                     and figures["uploads_acknowledged"] + sum(refused.values()) == figures["uploads_expected"]
                      and figures["agents_not_back"] == 0 and figures["back_max_s"] <= back_within_s)
     path = write_figures("cluster_failover", figures, out)
     print(f"{figures['uploads_acknowledged']}/{figures['uploads_expected']} uploads acknowledged, "

@@ -18,6 +18,7 @@ import argparse
 import multiprocessing as mp
 import resource
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +61,12 @@ def _agents(urls: str, state: str, first: int, n: int, active: int, uploads: int
              "connected": sum(a.transport.connected for a in agents)})
     go.wait()
     t1 = time.perf_counter()
-    threads, uploaded, failures = upload_burst(agents[:active], uploads)
+    refused: Counter[str] = Counter()  # a refusal is counted by reason, never a failure
+    threads, uploaded, failures = upload_burst(agents[:active], uploads, refused=refused)
     for t in threads:
         t.join(600)
     out.put({"kind": "burst", "first": first, "uploads": len(uploaded), "failures": failures[:3],
+             "refused": dict(refused),
              "seconds": round(time.perf_counter() - t1, 2),
              "still_connected": sum(a.transport.connected for a in agents)})
     done.wait()
@@ -182,6 +185,7 @@ def run(agents: int, processes: int, active: int, uploads: int, out: Path,
                             "applied": applied, "seconds": round(seconds, 2),
                             "uploads_per_s": round(applied / seconds, 2),
                             "failures": [f for x in bursts for f in x["failures"]],
+                            "refused": dict(sum((Counter(x["refused"]) for x in bursts), Counter())),
                             "still_connected": sum(x["still_connected"] for x in bursts)}
         done.set()
         for proc in procs:

@@ -11,7 +11,8 @@ a no-flood and a flood phase on a fresh copy of one pre-trained state:
 - `no_quota`: senders in turn but no quota (the flood fills the inbox).
 
 Figures per setting and phase: car-1's reply latency (median, p90, max), how many of its
-updates were judged stale, and what became of car-2's (applied, refused `rate_limited`).
+updates were judged stale and refused (by reason; a refused round trip is an answer: car-1
+goes on), and what became of car-2's (applied, refused `rate_limited`).
 
     python -m soak.flood_fairness            # -> soak/results/flood_fairness.json
 """
@@ -31,6 +32,7 @@ from typing import Any
 
 from aggregator.bootstrap import build_engine
 from aggregator.service import AggregatorService
+from edge_agent.protocol_client import RESYNC_REASONS
 from fedmq import protocol
 from fedmq.broker import MosquittoBroker
 from fedmq.errors import run_main
@@ -87,6 +89,7 @@ def phase(broker: MosquittoBroker, state: Path, fleet: str, extra: dict[str, Any
         svc.progress.applied = lambda applied: (seen.extend(applied), record(applied))[1]
         honest = RawAgent(broker.port, fleet, "car-1")
         latencies: list[float] = []
+        refused: dict[str, int] = {}
         starved = False
         ctx = multiprocessing.get_context("spawn")
         stop, joined, sent = ctx.Event(), ctx.Event(), ctx.Value("i", 0)
@@ -108,7 +111,12 @@ def phase(broker: MosquittoBroker, state: Path, fleet: str, extra: dict[str, Any
                     starved = True
                     break
                 latencies.append(time.perf_counter() - t0)
-                honest.install(reply)
+                if isinstance(reply, protocol.Error):  # an answer too: counted, and car-1 goes on
+                    refused[reply.reason] = refused.get(reply.reason, 0) + 1
+                    if reply.reason in RESYNC_REASONS:
+                        honest.join(SPEC.hash)
+                else:
+                    honest.install(reply)
                 time.sleep(max(0.0, pace - latencies[-1]))
         finally:
             stop.set()
@@ -120,12 +128,12 @@ def phase(broker: MosquittoBroker, state: Path, fleet: str, extra: dict[str, Any
     theirs = [a for a in seen if a["agent"] == "car-2"]
     if len(latencies) < 2:
         return {"car1_rounds": len(latencies), "car1_starved_s": starved_after if starved else None,
-                "car2_sent": sent.value}
+                "car1_refused": refused, "car2_sent": sent.value}
     qs = statistics.quantiles(latencies, n=10)
     return {"car1_rounds": len(latencies), "car1_starved_s": starved_after if starved else None,
             "car1_latency_s": {"median": round(statistics.median(latencies), 3),
                                "p90": round(qs[-1], 3), "max": round(max(latencies), 3)},
-            "car1_stale": sum(bool(a["stale"]) for a in mine),
+            "car1_stale": sum(bool(a["stale"]) for a in mine), "car1_refused": refused,
             "car1_staleness_max": max((a["staleness"] for a in mine), default=0),
             "car2_sent": sent.value, "car2_applied": len(theirs),
             "car2_stale": sum(bool(a["stale"]) for a in theirs),

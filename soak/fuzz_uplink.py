@@ -292,7 +292,7 @@ def run_campaign(broker_url: str, state_dir: Path, *, fleet: str, messages: int,
     the final cluster models (key "clusters", tensors)."""
     from aggregator.bootstrap import build_engine
     from aggregator.service import AggregatorService
-    from edge_agent.protocol_client import EdgeAgent
+    from edge_agent.protocol_client import RESYNC_REASONS, AgentError, EdgeAgent
 
     port = int(broker_url.rsplit(":", 1)[1])
     cfg = small_config(broker_url, state_dir, fleet, **CAMPAIGN_SETTINGS)
@@ -333,13 +333,22 @@ def run_campaign(broker_url: str, state_dir: Path, *, fleet: str, messages: int,
         round_trips: list[float] = []
         applied_envelopes: list[bytes] = []
         honest_thread: threading.Thread | None = None
+        honest_refused: Counter[str] = Counter()
 
         def honest_upload(i: int) -> None:
             v = honest.installed.vector + 0.01 * torch.from_numpy(
                 np.random.default_rng([seed, i]).normal(size=SPEC.numel).astype(np.float32))
             env = honest.update_envelope(v, 100)
             t0 = time.perf_counter()
-            honest.upload(env)
+            try:
+                honest.upload(env)
+            except AgentError as e:  # a refusal is a figure (honest_refused), not a crash
+                if not e.refused:
+                    raise
+                honest_refused[e.reason] += 1
+                if e.reason in RESYNC_REASONS:
+                    honest.join()
+                return
             round_trips.append(time.perf_counter() - t0)
             applied_envelopes.append(protocol.encode(env))
 
@@ -419,6 +428,7 @@ def run_campaign(broker_url: str, state_dir: Path, *, fleet: str, messages: int,
             reassembler_max_bytes=samples["reassembler_max_bytes"],
             max_pending_bytes=cfg.protocol.max_pending_bytes,
             applied_updates=svc.engine.counters["applied.update"], honest_updates=len(round_trips),
+            honest_refused=dict(sorted(honest_refused.items())),
             honest_round_trip_max_s=max(round_trips, default=0.0),
             honest_round_trip_p50_s=float(np.median(round_trips)) if round_trips else 0.0,
             aggregator_alive=svc._worker is not None and svc._worker.is_alive(),

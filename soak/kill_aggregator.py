@@ -9,7 +9,9 @@ SIGTERM (a final snapshot of its in-memory state), and:
 
 - every upload the agents made (each was PUBACKed by the broker) is in the journal exactly
   once, and nothing else is (`lost`, `applied_twice`, `unexpected`);
-- the run completed: every agent got a reply to every upload;
+- the run completed: every agent got a reply to every upload; a refusal is a reply, counted
+  by reason (`refused`), and the agent goes on (joining again where the aggregator no longer
+  knows its base); an upload refused as `duplicate` was applied and its reply superseded;
 - the final cluster models (the live process's last snapshot) are bit-identical to a replay
   of the journal onto the pre-trained models (`Engine.recover` on a copy without that snapshot);
 - recovery time per kill: restart -> ready (`aggregator ... epoch=` line), and
@@ -32,6 +34,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +94,7 @@ class AggregatorProcess:
 
 def run_kills(broker_url: str, state: Path, *, fleet: str, agents: int = 6, updates: int = 5,
               kills: int = 5, seed: int = 0, pace_s: float = 0.4, workdir: Path) -> dict[str, Any]:
-    from edge_agent.protocol_client import EdgeAgent
+    from edge_agent.protocol_client import RESYNC_REASONS, AgentError, EdgeAgent
 
     rng = random.Random(seed)
     pristine = workdir / "pretrained-copy"
@@ -102,7 +105,15 @@ def run_kills(broker_url: str, state: Path, *, fleet: str, agents: int = 6, upda
     lock = threading.Lock()
     uploaded: list[str] = []
     reply_times: list[float] = []
+    refused: Counter[str] = Counter()
+    """Uploads the aggregator refused, by reason: counted, and the agent goes on (re-joining
+    where the aggregator no longer knows its base)."""
+    superseded: list[str] = []
     failures: list[str] = []
+
+    def answered() -> int:
+        with lock:
+            return len(uploaded) + sum(refused.values())
     fleet_agents = [EdgeAgent(cfg, f"k{i:03d}", reply_timeout_s=4.0, retries=60) for i in range(agents)]
     # The kill loop meters how many uploads may start, so that every kill lands mid-run however
     # fast or slow this machine is (a purely time-based pace let short runs end before the last
@@ -130,7 +141,19 @@ def run_kills(broker_url: str, state: Path, *, fleet: str, agents: int = 6, upda
                 time.sleep(pace.uniform(0.05, pace_s))  # "training"; spreads the run over the kills
                 noise = np.random.default_rng([seed, i, u]).normal(0, 0.01, agent.spec.numel)
                 env = agent.update_envelope(agent.installed.vector + torch.from_numpy(noise.astype(np.float32)), 100)
-                agent.upload(env)
+                try:
+                    agent.upload(env)
+                except AgentError as e:
+                    if not e.refused:
+                        raise
+                    with lock:
+                        refused[e.reason] += 1
+                        reply_times.append(time.monotonic())
+                        if e.reason == "duplicate":  # applied, its reply superseded
+                            superseded.append(env.msg_id)
+                    if e.reason in RESYNC_REASONS:
+                        agent.join()
+                    continue
                 with lock:
                     uploaded.append(env.msg_id)
                     reply_times.append(time.monotonic())
@@ -152,13 +175,13 @@ def run_kills(broker_url: str, state: Path, *, fleet: str, agents: int = 6, upda
             lo = total * k // (kills + 1) + 1
             hi = max(lo, total * (k + 1) // (kills + 1))
             target = rng.randint(lo, hi)
-            allow(target + agents - len(uploaded))
+            allow(target + agents - answered())
             deadline = time.monotonic() + 120
-            while len(uploaded) < target and time.monotonic() < deadline and not failures:
+            while answered() < target and time.monotonic() < deadline and not failures:
                 time.sleep(0.005)
             time.sleep(rng.uniform(0.0, 0.2))
             killed_at = time.monotonic()
-            done_at_kill = len(uploaded)
+            done_at_kill = answered()
             agg.kill()
             agg.start()
             restarted = agg.started_at
@@ -166,7 +189,7 @@ def run_kills(broker_url: str, state: Path, *, fleet: str, agents: int = 6, upda
             while time.monotonic() < deadline and not failures:
                 with lock:
                     after = [t for t in reply_times if t > restarted]
-                if after or len(uploaded) == total:
+                if after or answered() == total:
                     break
                 time.sleep(0.01)
             first_reply = min(after) if after else None
@@ -188,7 +211,7 @@ def run_kills(broker_url: str, state: Path, *, fleet: str, agents: int = 6, upda
     records = scan_journal(state / "journal-1.log").records
     applied = [r["msg_id"] for r in records if r["op"] == "update"]
     lost = sorted(set(uploaded) - set(applied))
-    unexpected = sorted(set(applied) - set(uploaded))
+    unexpected = sorted(set(applied) - set(uploaded) - set(superseded))
     twice = len(applied) - len(set(applied))
     live = read_snapshot(state / "snapshot-2.msgpack")
     # Replay the same applied sequence on a copy that lacks the live snapshot.
@@ -206,8 +229,9 @@ def run_kills(broker_url: str, state: Path, *, fleet: str, agents: int = 6, upda
     return {
         "agents": agents, "updates_per_agent": updates, "kills": len(kill_log), "seed": seed,
         "uploads_tried": total, "kills_mid_run": sum(k["uploads_done"] < total for k in kill_log), "uploads_answered": len(uploaded), "applied": len(applied),
+        "refused": dict(sorted(refused.items())),
         "lost": len(lost), "applied_twice": twice, "unexpected": len(unexpected),
-        "failures": failures, "completed": not failures and len(uploaded) == total,
+        "failures": failures, "completed": not failures and answered() == total,
         "replayed_records": replayed, "clusters_equal_replay": identical,
         "epoch_live": live["strategy"]["epoch"], "epoch_replay": engine.strategy.uploads_applied,
         "agent_resends": sum(a.counters["resends"] for a in fleet_agents),
@@ -237,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                             kills=args.kills, seed=args.seed, pace_s=args.pace, workdir=work)
     path = write_figures("kill_aggregator", figures, args.out)
     print(f"{figures['kills']} kills, {figures['uploads_tried']} uploads: lost {figures['lost']}, "
-          f"applied twice {figures['applied_twice']}, replay equal {figures['clusters_equal_replay']} -> {path}")
+          f"applied twice {figures['applied_twice']}, refused {figures['refused'] or 0}, "
+          f"replay equal {figures['clusters_equal_replay']} -> {path}")
     return 0 if figures["completed"] and not figures["lost"] and not figures["applied_twice"] else 1
 
 

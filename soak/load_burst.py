@@ -10,7 +10,8 @@ uplink topic sees each publish), at the aggregator (journal records). Back-press
 aggregator stops reading its socket while its inbox holds `aggregator.inbox_max_messages`
 (or _bytes) unprocessed messages, so the broker holds the rest of the burst; the inbox's
 true peak (messages, bytes), the number of pauses and the RSS are reported.
-Latency: upload sent -> personalized model installed, per agent (p50/p99).
+Latency: upload sent -> personalized model installed, per agent (p50/p99). An upload the
+aggregator refuses is answered, not lost: counted by reason (`refused`).
 
     python -m soak.load_burst --agents 1000          # figures -> soak/results/load_burst.json
 """
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -114,7 +116,7 @@ class BrokerCounter:
 
 def run_burst(broker_url: str, workdir: Path, *, agents: int, model: str = "cnn28",
               seed: int = 0) -> dict[str, Any]:
-    from edge_agent.protocol_client import EdgeAgent
+    from edge_agent.protocol_client import AgentError, EdgeAgent
     from fedmq.transport import NetworkLoop, use_network
 
     state = workdir / "aggregator"
@@ -165,6 +167,8 @@ def run_burst(broker_url: str, workdir: Path, *, agents: int, model: str = "cnn2
         go = threading.Event()
         latency: list[float] = [float("nan")] * agents
         errors: list[str] = []
+        refused: dict[str, str] = {}
+        """msg_id -> reason, for uploads the aggregator refused: answered, not lost."""
 
         def upload(i: int) -> None:
             go.wait()
@@ -172,6 +176,11 @@ def run_burst(broker_url: str, workdir: Path, *, agents: int, model: str = "cnn2
             try:
                 fleet[i].upload(envs[i])
                 latency[i] = time.monotonic() - t0
+            except AgentError as e:
+                if not e.refused:
+                    errors.append(f"{fleet[i].agent_id}: {e!r}")  # counted as lost
+                else:
+                    refused[envs[i].msg_id] = e.reason
             except Exception as e:  # noqa: BLE001 - counted as lost
                 errors.append(f"{fleet[i].agent_id}: {e!r}")
 
@@ -193,7 +202,8 @@ def run_burst(broker_url: str, workdir: Path, *, agents: int, model: str = "cnn2
             "uploads_sent_at_agents": agents, "replies_at_agents": len(answered),
             "uploads_seen_at_broker": counter.count - before_broker,
             "applied_at_aggregator": int(stats["applied"]),
-            "lost": agents - len(answered), "errors": errors[:10],
+            "lost": agents - len(answered) - len(refused), "errors": errors[:10],
+            "refused": dict(sorted(Counter(refused.values()).items())),
             "resends": sum(a.counters["resends"] for a in fleet),
             "latency_p50_s": float(np.percentile(answered, 50)) if answered else None,
             "latency_p99_s": float(np.percentile(answered, 99)) if answered else None,
@@ -220,7 +230,8 @@ def run_burst(broker_url: str, workdir: Path, *, agents: int, model: str = "cnn2
 
     # The whole run is journal-1 (snapshots off until the final one).
     ids = [r["msg_id"] for r in scan_journal(state / "journal-1.log").records if r["op"] == "update"]
-    sent_ids = {e.msg_id for e in envs}
+    # A refused upload is not in the journal, unless refused as `duplicate` (applied already).
+    sent_ids = {e.msg_id for e in envs} - {m for m, reason in refused.items() if reason != "duplicate"}
     figures.update(journal_updates=len(ids), applied_twice=len(ids) - len(set(ids)),
                    journal_matches_sent=set(ids) == sent_ids)
     return figures
@@ -244,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         figures = run_burst(broker.url, Path(tmp), agents=args.agents, model=args.model, seed=args.seed)
     path = write_figures("load_burst", figures, args.out)
     print(f"{args.agents} agents: lost {figures['lost']}, applied {figures['applied_at_aggregator']}, "
+          f"refused {figures['refused'] or 0}, "
           f"p50 {figures['latency_p50_s']:.2f}s p99 {figures['latency_p99_s']:.2f}s -> {path}")
     return 0 if figures["lost"] == 0 and figures["applied_twice"] == 0 else 1
 

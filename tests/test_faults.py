@@ -19,6 +19,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,7 @@ import torch
 from aggregator.bootstrap import build_engine
 from aggregator.journal import read_snapshot, scan_journal
 from aggregator.service import AggregatorService
-from edge_agent.protocol_client import EdgeAgent
+from edge_agent.protocol_client import RESYNC_REASONS, AgentError, EdgeAgent
 from fedmq import protocol
 from fedmq.models import model_spec
 from soak.fleet_setup import pretrained_state, small_config, start_aggregator
@@ -60,10 +61,13 @@ def journal_update_ids(state: Path) -> list[str]:
             if r["op"] == "update"]
 
 
-def upload_burst(agents: list[EdgeAgent], per_agent: int, pause_s: float = 0.0) -> tuple[list[threading.Thread], list[str], list[str]]:
+def upload_burst(agents: list[EdgeAgent], per_agent: int, pause_s: float = 0.0,
+                 refused: Counter[str] | None = None) -> tuple[list[threading.Thread], list[str], list[str]]:
     """Each agent joins, then uploads `per_agent` times, waiting for each reply (agent i pauses
     (i + 1) x pause_s before each): the running threads, the msg_ids answered so far, and
-    failures (repr), both filled as they happen."""
+    failures (repr), both filled as they happen. With `refused` (the soak drivers), an upload
+    the aggregator refuses is counted there by reason and the agent goes on (joining again
+    where the aggregator no longer knows its base); without it, a refusal is a failure."""
     uploaded: list[str] = []
     failures: list[str] = []
     lock = threading.Lock()
@@ -74,7 +78,16 @@ def upload_burst(agents: list[EdgeAgent], per_agent: int, pause_s: float = 0.0) 
             for u in range(per_agent):
                 time.sleep(pause_s * (i + 1))
                 env = agent.update_envelope(noisy(agent, 100 * i + u), 100)
-                agent.upload(env)  # returns once the reply is installed
+                try:
+                    agent.upload(env)  # returns once the reply is installed
+                except AgentError as e:
+                    if refused is None or not e.refused:
+                        raise
+                    with lock:
+                        refused[e.reason] += 1
+                    if e.reason in RESYNC_REASONS:
+                        agent.join()
+                    continue
                 with lock:
                     uploaded.append(env.msg_id)
         except Exception as e:  # noqa: BLE001 - asserted by the caller
