@@ -7,7 +7,15 @@ aggregator and the edge agent use it, so chunking and validation cannot differ b
 Acknowledgement stays with the caller: `receive` returns, with each envelope, every raw
 message that carried a piece of it, so a service using manual acks can ack them all once the
 envelope's effect is durable (never a chunk alone: an acked chunk of a message lost in a crash
-could not be redelivered).
+could not be redelivered). Only redundant copies are acked here: a second copy of a piece still
+held (the newest copy stays unacknowledged in its place, so a crash loses nothing) and a copy
+of a piece whose message was already put together (its own pieces are acknowledged with it).
+
+Each piece held for an unfinished message is an unacknowledged delivery, a slot of the
+broker's in-flight window toward this client; a full window stops all of its traffic. So the
+pieces held, all senders together, are bounded by half the transport's window
+(`settings.max_inflight` clamped to the broker's Receive Maximum), and so is the number of
+pieces a message may have (protocol.Reassembler, docs/transport.md).
 """
 
 from __future__ import annotations
@@ -54,11 +62,18 @@ class Channel:
             timeout_s=s.chunk_timeout_s,
             max_partials_per_sender=s.max_partials_per_sender,
             max_chunks=s.max_chunks,
+            max_held_pieces=self.held_budget(),
         )
-        self._pieces: dict[tuple[str, str], list[Message]] = {}
+        self._pieces: dict[tuple[str, str], dict[int, Message]] = {}
         self.bytes_sent = 0
         """Payload bytes published (all pieces), for the simulator's communication metrics."""
         self.bytes_received = 0
+
+    def held_budget(self) -> int:
+        """Most pieces of unfinished messages held unacknowledged at once: half the window in
+        force now (it shrinks to the broker's Receive Maximum at connect), so the other half
+        always carries other senders' messages."""
+        return max(1, self.transport.window // 2)
 
     def send(self, topic: str, envelope: protocol.Envelope, *, retain: bool = False,
              timeout: float | None = None) -> list[PublishHandle]:
@@ -96,27 +111,39 @@ class Channel:
             return Received(topic, env, [message])
         sender = topic.agent or "aggregator"
         key = (sender, env.of)
-        pieces = self._pieces.setdefault(key, [])
-        pieces.append(message)
+        self.reassembler.max_held_pieces = self.held_budget()
         try:
             whole = self.reassembler.add(env, sender)
             if whole is None:
+                if self.reassembler.holds(sender, env.of):
+                    older = self._pieces.setdefault(key, {}).pop(env.index, None)
+                    self._pieces[key][env.index] = message
+                else:  # a copy of a piece of a message already put together
+                    older = message
+                if older is not None:
+                    self.transport.ack(older)
                 return None
-            self._pieces.pop(key, None)
+            pieces = [*self._pieces.pop(key, {}).values(), message]
             full = protocol.decode(whole, max_bytes=self.settings.max_message_bytes)
             protocol.check_topic(topic, full)
         except protocol.ProtocolError as e:
             self.reassembler.drop(sender, env.of)
-            raise Refused(e, topic, env.of, self._pieces.pop(key, pieces)) from None
+            held = self._pieces.pop(key, {})
+            raise Refused(e, topic, env.of, [*held.values(), message]) from None
         return Received(topic, full, pieces)
 
     def expire(self) -> list[Refused]:
-        """Partial messages past the chunk timeout, as refusals whose pieces may be acked."""
+        """Partial messages past the chunk timeout, and those dropped to make room for other
+        pieces (`reassembler.evictions_pending`), as refusals whose pieces may be acked."""
         out = []
         for sender, of, reason in self.reassembler.expire():
-            pieces = self._pieces.pop((sender, of), [])
+            pieces = list(self._pieces.pop((sender, of), {}).values())
             topic = protocol.parse_topic(pieces[0].topic) if pieces else None
-            err = protocol.ProtocolError(reason, f"message {of} from {sender} did not complete "
-                                                 f"within {self.settings.chunk_timeout_s}s")
-            out.append(Refused(err, topic, of, pieces))
+            if reason == "chunk_overflow":
+                detail = (f"message {of} from {sender} dropped unfinished to make room: at most "
+                          f"{self.reassembler.max_held_pieces} pieces of unfinished messages are "
+                          f"held and {sender} held the most; send it again")
+            else:
+                detail = f"message {of} from {sender} did not complete within {self.settings.chunk_timeout_s}s"
+            out.append(Refused(protocol.ProtocolError(reason, detail), topic, of, pieces))
         return out

@@ -832,9 +832,10 @@ def split(
 ) -> list[bytes]:
     """`[payload]` if it fits in `chunk_bytes`, else the encoded `Chunk` envelopes that carry
     it, in order. `of` defaults to the msg_id inside `payload` (an encoded envelope). Each
-    chunk is at most `chunk_bytes + CHUNK_OVERHEAD_BYTES` bytes on the wire. (A receiver may
-    refuse more pieces than its `protocol.max_chunks`, 64 by default: the sender's
-    `chunk_bytes` must be at least its message size / 64.)"""
+    chunk is at most `chunk_bytes + CHUNK_OVERHEAD_BYTES` bytes on the wire. (A receiver
+    refuses more pieces than its `protocol.max_chunks` or half its in-flight window, 32 with
+    the shipped broker configs: the sender's `chunk_bytes` must be at least its message size
+    / 32.)"""
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     if len(payload) <= chunk_bytes:
@@ -899,6 +900,16 @@ class Reassembler:
     count, size, hash, piece length, or different content for an index already held) drops
     the whole partial message ("chunk_inconsistent"); the sender must send it again.
 
+    Held pieces are bounded too: a receiver that acknowledges pieces only with their whole
+    message keeps each stored piece as an unacknowledged delivery, a slot of the broker's
+    in-flight window toward it, and a full window stops everyone's traffic. At most
+    `max_held_pieces` distinct pieces are stored at once, all senders together: a message
+    declaring more is refused at its first piece ("too_large"), and a new piece that would go
+    over drops a partial message of the sender holding the most pieces: its own message
+    ("chunk_overflow", raised) if that is its sender, else the other sender's largest one,
+    reported by the next `expire()` ("chunk_overflow"). So one sender's unfinished messages
+    never take more than the bound, and never keep another sender's message out of it.
+
     Not thread-safe: one caller thread (the MQTT service's message loop) owns it. `add` does
     not expire anything itself: the caller runs `expire()` periodically (and before `add`
     when it wants stale partials to make room) so that it learns what it must answer.
@@ -913,8 +924,14 @@ class Reassembler:
         remember_completed: int = 1024,
         max_partials_per_sender: int = 0,
         max_chunks: int = 0,
+        max_held_pieces: int = 0,
     ) -> None:
         self.max_message_bytes = max_message_bytes
+        self.max_held_pieces = max_held_pieces
+        """Most pieces of unfinished messages stored at once, all senders together (0 = no
+        bound); a caller may change it at any time (Channel: half the in-flight window)."""
+        self._held = 0
+        self._evicted: list[tuple[str, str]] = []
         self.max_chunks = max_chunks
         """Most pieces a message may declare (0 = MAX_CHUNKS only)."""
         self.max_partials_per_sender = max_partials_per_sender
@@ -943,10 +960,43 @@ class Reassembler:
     def pending_messages(self) -> int:
         return len(self._partials)
 
+    @property
+    def held_pieces(self) -> int:
+        """Distinct pieces stored in partial messages (at most max_held_pieces when bounded)."""
+        return self._held
+
+    @property
+    def evictions_pending(self) -> bool:
+        """Partial messages dropped to make room that the next `expire()` reports."""
+        return bool(self._evicted)
+
+    def holds(self, sender: str, of: str) -> bool:
+        """Whether a partial message (sender, of) is open."""
+        return (sender, of) in self._partials
+
     def _drop(self, key: tuple[str, str]) -> None:
         partial = self._partials.pop(key, None)
         if partial is not None:
             self._reserved -= partial.total_bytes
+            self._held -= len(partial.pieces)
+
+    def _make_room(self, key: tuple[str, str]) -> None:
+        """One piece of `key` is about to be stored with `max_held_pieces` already held: drop
+        a partial message of the sender holding the most (counting the arriving piece; a tie
+        goes against the arriving one, so what is held stays)."""
+        per_sender: dict[str, int] = {}
+        for (s, _), p in self._partials.items():
+            per_sender[s] = per_sender.get(s, 0) + len(p.pieces)
+        per_sender[key[0]] = per_sender.get(key[0], 0) + 1
+        hog = max(per_sender, key=lambda s: (per_sender[s], s == key[0]))
+        if hog == key[0]:
+            self._drop(key)
+            raise ProtocolError("chunk_overflow", f"message {key[1]!r} from {key[0]!r} dropped: the "
+                                f"receiver holds at most {self.max_held_pieces} pieces of unfinished "
+                                f"messages and {key[0]!r} holds the most; send it again later")
+        victim = max((k for k in self._partials if k[0] == hog), key=lambda k: len(self._partials[k].pieces))
+        self._drop(victim)
+        self._evicted.append(victim)
 
     def drop(self, sender: str, of: str) -> bool:
         """Forget a partial message (e.g. the sender's session ended); True if there was one."""
@@ -977,6 +1027,11 @@ class Reassembler:
             self._drop(key)
             raise ProtocolError("too_large", f"message {chunk.of!r} declares {chunk.count} pieces, over "
                                              f"{self.max_chunks} (send larger pieces)")
+        if self.max_held_pieces and chunk.count > self.max_held_pieces:
+            self._drop(key)
+            raise ProtocolError("too_large", f"message {chunk.of!r} declares {chunk.count} pieces, over "
+                                             f"the {self.max_held_pieces} the receiver may hold "
+                                             f"unacknowledged (send larger pieces)")
         partial = self._partials.get(key)
         if partial is None:
             piece = _piece_bytes(chunk)
@@ -1005,6 +1060,10 @@ class Reassembler:
         held = partial.pieces.get(chunk.index)
         if held is not None and held != chunk.data:
             self._inconsistent(key, f"piece {chunk.index} arrived twice with different content")
+        if held is None:
+            if self.max_held_pieces and self._held >= self.max_held_pieces:
+                self._make_room(key)
+            self._held += 1
         partial.pieces[chunk.index] = chunk.data
         partial.last_seen = self.clock()
         if len(partial.pieces) < partial.count:
@@ -1022,9 +1081,11 @@ class Reassembler:
     def expire(self) -> list[tuple[str, str, str]]:
         """Drop partial messages that received no piece for more than `timeout_s` (idle time,
         so a slow but steady sender is not cut off; memory stays bounded by the reservation)
-        and return (sender, of, "chunk_timeout") for each, for the caller to log and answer."""
+        and return (sender, of, "chunk_timeout") for each, for the caller to log and answer;
+        first (sender, of, "chunk_overflow") for each partial dropped to make room since."""
+        evicted, self._evicted = self._evicted, []
         t = self.clock()
         stale = [k for k, p in self._partials.items() if t - p.last_seen > self.timeout_s]
         for key in stale:
             self._drop(key)
-        return [(sender, of, "chunk_timeout") for sender, of in stale]
+        return [(s, of, "chunk_overflow") for s, of in evicted] + [(s, of, "chunk_timeout") for s, of in stale]

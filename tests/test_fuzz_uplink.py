@@ -9,8 +9,10 @@ field, and a chunk flood that fills the broker's in-flight window.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -126,6 +128,95 @@ def test_chunk_flood_is_capped_per_sender(mosquitto, pretrained, tmp_path) -> No
             assert reasons == {"chunk_overflow": 78, "chunk_timeout": 2}, reasons
             assert svc.engine.counters["applied.update"] == 1
             assert svc.channel.reassembler.pending_messages == 0
+        finally:
+            fuzzer.close()
+            honest.close()
+
+
+def _piece(agent: str, of: str, index: int, count: int) -> bytes:
+    """Piece `index` of a `count`-byte message of one-byte pieces that is never sent whole."""
+    return protocol.encode(protocol.Chunk(
+        agent=agent, msg_id=protocol.new_msg_id(), sent_at=protocol.now(), of=of, index=index,
+        count=count, total_bytes=count, sha256=hashlib.sha256(bytes(count)).digest(), data=bytes(1)))
+
+
+def _until(cond: Callable[[], bool], timeout: float = 120.0) -> bool:
+    """Poll a counter the aggregator's worker moves (no event to wait on from outside)."""
+    end = time.monotonic() + timeout
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.05)
+    return cond()
+
+
+def test_unfinished_chunks_never_fill_the_in_flight_window(mosquitto, pretrained, tmp_path) -> None:
+    """Unfinished messages of one sender (2 x 63 pieces, then 2 x 30) with a chunk timeout of an
+    hour: pieces are acknowledged only with their message, so without a bound on what is held
+    they would fill the broker's in-flight window toward the aggregator (64, dev.conf) and another
+    agent's join would wait for the timeout. Held: pieces of unfinished messages stay within half
+    the window, the join is answered, copies of a held piece are acknowledged at once."""
+    cfg = small_config(mosquitto.url, pretrained_state(tmp_path / "s", pretrained), "stall",
+                       **{"protocol.chunk_timeout_s": 3600.0})
+    with AggregatorService(cfg, build_engine(cfg)) as svc:
+        fuzzer = Fuzzer(mosquitto.port, "stall")
+        honest = RawAgent(mosquitto.port, "stall", "honest")
+        r = svc.channel.reassembler
+        try:
+            budget = svc.channel.held_budget()
+            assert svc.transport.window == 64 and budget == 32
+            big = [protocol.new_msg_id(), protocol.new_msg_id()]
+            for of in big:  # 64 pieces declared: more than may be held, refused at each piece
+                for i in range(63):
+                    fuzzer.publish(_piece("fuzzer", of, i, 64))
+            honest.join(SPEC.hash, timeout=120)
+            assert Counter(e.reason for _, e in fuzzer.collect(126, timeout=120)) == {"too_large": 126}
+            assert _until(lambda: r.held_pieces == 0 and svc.transport.unacked == 0)
+            held, over = protocol.new_msg_id(), protocol.new_msg_id()
+            for of in (held, over):  # 30 pieces each of two 31-piece messages
+                for i in range(30):
+                    fuzzer.publish(_piece("fuzzer", of, i, 31))
+            for _ in range(5):  # copies of a held piece: the older copy is acknowledged
+                fuzzer.publish(_piece("fuzzer", held, 0, 31))
+            honest.join(SPEC.hash, timeout=120)
+            # The second message reaches the bound at its third piece and is refused; each later
+            # piece starts it again, refused again three pieces on: 30 pieces, 10 refusals.
+            overflow = fuzzer.collect(10, timeout=120)
+            assert [(e.reason, e.in_reply_to) for _, e in overflow] == [("chunk_overflow", over)] * 10
+            assert _until(lambda: r.held_pieces == 30 and svc.transport.unacked == 30), \
+                (r.held_pieces, svc.transport.unacked)
+            assert r.pending_messages == 1 and r.held_pieces <= budget
+        finally:
+            fuzzer.close()
+            honest.close()
+
+
+def test_a_sender_over_its_share_gives_way_to_another_senders_chunked_upload(mosquitto, pretrained, tmp_path) -> None:
+    """One sender holds 31 pieces of a message it never finishes (the bound is 32); another
+    agent's upload in 6 pieces still completes: the biggest holder's message is dropped and
+    answered chunk_overflow, the upload is applied, and nothing of the dropped one stays unacked."""
+    cfg = small_config(mosquitto.url, pretrained_state(tmp_path / "s", pretrained), "share",
+                       **{"protocol.chunk_timeout_s": 3600.0})
+    with AggregatorService(cfg, build_engine(cfg)) as svc:
+        fuzzer = Fuzzer(mosquitto.port, "share")
+        honest = RawAgent(mosquitto.port, "share", "honest")
+        r = svc.channel.reassembler
+        try:
+            honest.join(SPEC.hash, timeout=120)
+            hog = protocol.new_msg_id()
+            for i in range(31):
+                fuzzer.publish(_piece("fuzzer", hog, i, 32))
+            assert _until(lambda: r.held_pieces == 31), r.held_pieces
+            up = honest.update_envelope(honest.base * 1.001, SPEC.hash, codec="fp32")
+            payload = protocol.encode(up)
+            pieces = protocol.split(payload, agent="honest", chunk_bytes=-(-len(payload) // 6))
+            assert len(pieces) == 6
+            for piece in pieces:
+                honest.publish_raw(piece)
+            assert isinstance(honest.expect(up.msg_id, timeout=120), protocol.Model)
+            [(_, dropped)] = fuzzer.collect(1, timeout=120)
+            assert (dropped.reason, dropped.in_reply_to) == ("chunk_overflow", hog)
+            assert svc.engine.counters["applied.update"] == 1
+            assert _until(lambda: svc.transport.unacked == 0 and r.held_pieces == 0), \
+                (svc.transport.unacked, r.held_pieces)
         finally:
             fuzzer.close()
             honest.close()

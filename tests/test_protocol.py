@@ -504,6 +504,35 @@ def test_partial_message_times_out_on_an_injected_clock() -> None:
     assert r.expire() == [] and r.pending_bytes == 0
 
 
+def test_held_pieces_stay_within_the_bound_and_the_biggest_holder_gives_way() -> None:
+    """Each held piece is an unacknowledged delivery: the bound keeps them below the broker's
+    in-flight window whatever the senders do, and a sender over its share loses its own
+    unfinished message, never another's."""
+    r = _reassembler(max_held_pieces=6, max_pending_bytes=100_000)
+    with pytest.raises(ProtocolError) as e:  # could never complete within the bound
+        r.add(_chunks(os.urandom(7_000), 1_000, agent="car-2", of="seven")[0], "car-2")
+    assert e.value.reason == "too_large" and r.held_pieces == 0 and r.pending_messages == 0
+    hog = _chunks(os.urandom(5_000), 1_000, agent="car-2", of="hog")
+    for c in hog[:4]:
+        assert r.add(c, "car-2") is None
+    assert r.add(hog[0], "car-2") is None and r.held_pieces == 4  # a copy holds nothing more
+    honest = _chunks(os.urandom(3_000), 1_000, agent="car-1", of="honest")
+    payload = b"".join(c.data for c in honest)
+    assert r.add(honest[0], "car-1") is None and r.add(honest[1], "car-1") is None
+    assert r.held_pieces == 6 and not r.evictions_pending
+    assert r.add(honest[2], "car-1") == payload  # room made by dropping car-2's message
+    assert r.evictions_pending and r.held_pieces == 0
+    assert r.expire() == [("car-2", "hog", "chunk_overflow")] and not r.evictions_pending
+    # Alone at the bound, a sender loses the message its arriving piece belongs to.
+    first, second = (_chunks(os.urandom(4_000), 1_000, agent="car-2", of=of) for of in ("a", "b"))
+    for c in first[:3] + second[:3]:
+        assert r.add(c, "car-2") is None
+    with pytest.raises(ProtocolError) as e:
+        r.add(second[3], "car-2")
+    assert e.value.reason == "chunk_overflow"
+    assert r.held_pieces == 3 and r.pending_messages == 1 and not r.evictions_pending
+
+
 # ---------------------------------------------------------------------------- the reference
 
 
