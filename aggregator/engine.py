@@ -1,8 +1,9 @@
 """The aggregator's state machine, free of MQTT: uplink envelopes in, downlink envelopes out.
 
 One `handle(batch)` call takes the decoded uplinks of a batch and
-1. refuses what is malformed for this fleet (wrong model spec, shape, codec, NaN, a tau from
-   the future, an unknown agent, a norm beyond the bound) with an `Error` reply and no change;
+1. refuses what cannot be honest for this fleet (wrong model spec, shape, codec, NaN, a tau from
+   the future, an unknown agent or base) with an `Error` reply and no change, and scales a
+   step longer than the poisoning bound down to it (applied, counted `bounded.*`);
 2. answers a replay of an applied msg_id with the reply it already sent, applying nothing;
 3. runs joins, then all valid updates through the strategy in one batched call;
 4. appends one journal record per applied message and makes them durable;
@@ -19,6 +20,8 @@ sketch as sent; the base is re-derived), so a strategy reading any of it replays
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -36,6 +39,12 @@ from fedmq.logs import event, get_logger
 from fedmq.models import ModelSpec
 
 log = get_logger("aggregator")
+
+KEPT_BASES = 2
+"""Models remembered per agent, keyed by the epoch of the reply that carried them: the latest,
+and the one before while the agent may not have installed the latest (its reply lost, or
+answered by a process that had no right to). An upload's tau names the model it trained from;
+older ones are dropped once an upload names a later one."""
 
 RECENT_MSG_IDS = 32
 """Applied msg_ids remembered per agent, each answered again with its reply (or `duplicate`
@@ -58,6 +67,11 @@ class AgentRecord:
 
     base: torch.Tensor | None = None
     """The model the agent holds (what it reconstructed from our last reply), for deltas."""
+    base_epoch: int = -1
+    """The epoch our last reply carried: the tau of an upload trained from `base`."""
+    earlier: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Earlier replies' models by epoch (at most KEPT_BASES - 1), for an upload whose tau names
+    one: the agent did not install our latest reply."""
     last_reply: bytes = b""
     """The encoded reply to the agent's last applied message, re-sent on a replay."""
     last_msg_id: str = ""
@@ -67,14 +81,48 @@ class AgentRecord:
 
     def to_state(self) -> dict[str, Any]:
         return {"base": self.base, "last_reply": self.last_reply, "last_msg_id": self.last_msg_id,
-                "recent": list(self.recent), "high_water": self.high_water}
+                "recent": list(self.recent), "high_water": self.high_water,
+                "base_epoch": self.base_epoch, "earlier": dict(self.earlier)}
 
     @classmethod
     def from_state(cls, d: dict[str, Any]) -> AgentRecord:
         rec = cls(base=d["base"], last_reply=d["last_reply"], last_msg_id=d["last_msg_id"],
-                  high_water=d.get("high_water", max(d["recent"], default="")))
+                  high_water=d.get("high_water", max(d["recent"], default="")),
+                  base_epoch=d.get("base_epoch", -1), earlier=dict(d.get("earlier", {})))
         rec.recent.extend(d["recent"])
         return rec
+
+    def hold(self, model: torch.Tensor | None, epoch: int) -> None:
+        """Our reply carries `model` at `epoch`: it becomes the base, the previous one is kept."""
+        if self.base is not None and self.base_epoch != epoch and model is not None:
+            self.earlier[self.base_epoch] = self.base
+            for old in sorted(self.earlier)[:-(KEPT_BASES - 1) or None]:
+                del self.earlier[old]
+        else:
+            self.earlier.clear()
+        self.base, self.base_epoch = model, epoch
+
+    def trained_from(self, tau: int) -> tuple[torch.Tensor | None, bool]:
+        """(the model an upload with this tau started from, whether its tau names it): `base`,
+        or an earlier reply's model (then the agent did not install the later ones). An unknown
+        tau gives `base`, unnamed."""
+        if tau in self.earlier:
+            return self.earlier[tau], True
+        return self.base, tau == self.base_epoch
+
+    def moved_past(self, tau: int) -> None:
+        """An upload trained from epoch `tau` was applied: earlier bases are no longer needed."""
+        for old in [e for e in self.earlier if e < tau]:
+            del self.earlier[old]
+
+
+@dataclass(frozen=True)
+class Step:
+    """An upload's step ||v - base||: as sent, as applied, and the rule that bounded it."""
+
+    sent: float
+    length: float
+    bounded_by: str | None = None
 
 
 @dataclass
@@ -86,18 +134,27 @@ class Inbound:
 
 
 class FleetSteps:
-    """The fleet's typical step for `aggregator.norm_factor`: the latest `window` applied
-    uploads' distances ||v - base||, of which the median counts at most `per_agent` (the
-    latest) of any one agent's. So one agent's many accepted uploads (a flood of large but
-    allowed steps) cannot raise the bar for its own boosted ones: with other agents in the
-    window, their steps set the median."""
+    """The fleet's typical step for the poisoning bound (`aggregator.norm_factor`).
 
-    def __init__(self, window: int, per_agent: int = 3) -> None:
-        self.recent: deque[tuple[str, float]] = deque(maxlen=max(1, window))
+    The median of the latest `window` applied steps ||v - base||, counting at most `per_agent`
+    (the latest) of any one agent's: one agent's many uploads (a flood of large steps) cannot
+    raise the bound for its own boosted ones. The scale never falls faster than by half over
+    `window` applied uploads (`floor`): a burst of tiny steps (agents whose data did not change)
+    cannot collapse the bound and cut the next drifting agent's honest step to nothing. The
+    floor starts once `warmup` steps are in (before, the median of a few is no fleet's)."""
+
+    def __init__(self, window: int, warmup: int = 1, per_agent: int = 3) -> None:
+        self.window = max(1, window)
+        self.warmup = max(1, warmup)
+        self.recent: deque[tuple[str, float]] = deque(maxlen=self.window)
         self.per_agent = per_agent
+        self.floor = 0.0
+        """The largest median seen, halving over every `window` applied uploads since."""
 
     def add(self, agent: str, dist: float) -> None:
         self.recent.append((agent, float(dist)))
+        if len(self.recent) >= self.warmup:
+            self.floor = max(self.median(), self.floor * 0.5 ** (1.0 / self.window))
 
     def __len__(self) -> int:
         return len(self.recent)
@@ -111,15 +168,22 @@ class FleetSteps:
                 counted.append(dist)
         return float(np.median(counted))
 
-    def state(self) -> list[list[Any]]:
-        return [[agent, dist] for agent, dist in self.recent]
+    def scale(self) -> float:
+        """The typical step that `norm_factor` multiplies: the median, or the floor above it."""
+        return max(self.median(), self.floor)
 
-    def load(self, state: list[Any]) -> None:
-        """Also a snapshot from before the per-agent cap (plain distances, agents unknown)."""
+    def state(self) -> dict[str, Any]:
+        return {"recent": [[agent, dist] for agent, dist in self.recent], "floor": self.floor}
+
+    def load(self, state: dict[str, Any] | list[Any]) -> None:
+        """Also a snapshot from before the floor (a plain list) or the per-agent cap (plain
+        distances, agents unknown); the floor is then the median of what was kept."""
         self.recent.clear()
-        for item in state:
+        items = state["recent"] if isinstance(state, dict) else state
+        for item in items:
             agent, dist = ("", item) if isinstance(item, (int, float)) else item
             self.recent.append((str(agent), float(dist)))
+        self.floor = float(state["floor"]) if isinstance(state, dict) else (self.median() if self.recent else 0.0)
 
 
 class Engine:
@@ -139,7 +203,7 @@ class Engine:
         self.counters: Counter[str] = Counter()
         self.snapshot_every = max(1, cfg.aggregator.snapshot_every)
         cfg.codec.downlink_codec()  # an unknown downlink codec stops the start, not the first reply
-        self.accepted_norms = FleetSteps(cfg.aggregator.norm_window)
+        self.accepted_norms = FleetSteps(cfg.aggregator.norm_window, cfg.aggregator.norm_warmup)
         """||v - base|| of the latest applied updates: the fleet's scale for `norm_factor`."""
         self.applied: list[dict[str, Any]] = []
         """The uploads the last `handle()` applied durably (agent, epoch, staleness, ...): the
@@ -195,20 +259,23 @@ class Engine:
     def _replay(self, rec: dict[str, Any]) -> None:
         agent = rec["agent"]
         if rec["op"] == "join":
-            reply = self.strategy.join(agent, rec.get("n_samples", 0))
+            self._reply_envelope(self.strategy.join(agent, rec.get("n_samples", 0)), rec["msg_id"], whole=True)
         else:
-            known = self.agents.get(agent)  # its base: the reply it had, as when it was live
+            known = self.agents.get(agent)  # the model it trained from, as when it was live
+            start = known.trained_from(rec["tau"])[0] if known is not None else None
             sketch_bytes = rec.get("sketch")  # journaled as on the wire: the live Upload's exactly
             upload = Upload(agent=agent, vector=rec["vector"], tau=rec["tau"],
                             n_samples=rec["n_samples"], alpha=rec.get("upload_alpha"),
-                            msg_id=rec["msg_id"], base=known.base if known is not None else None,
+                            msg_id=rec["msg_id"], base=start,
                             noised=rec.get("noised", False),
                             sketch=None if sketch_bytes is None else
                             np.frombuffer(sketch_bytes, dtype="<f2").astype(np.float32))
             reply = self.strategy.apply(upload, rec.get("alpha"), sent=rec.get("sent"))
             if rec.get("dist") is not None:
                 self.accepted_norms.add(agent, rec["dist"])
-        self._reply_envelope(reply, rec["msg_id"], whole=rec["op"] == "join")
+            if known is not None:
+                known.moved_past(rec["tau"])
+            self._reply_envelope(reply, rec["msg_id"], holds=start)
         self.counters[f"applied.{rec['op']}"] += 1
 
     def refresh_cluster_accuracy(self, every_epochs: int = 1) -> None:
@@ -242,7 +309,7 @@ class Engine:
         applied: list[dict[str, Any]] = []
         joins: list[protocol.Join] = []
         updates: list[tuple[protocol.Update, Upload]] = []
-        dists: dict[tuple[str, str], float | None] = {}  # -> ||v - base||, for accepted_norms
+        steps: dict[tuple[str, str], Step | None] = {}  # -> ||v - base||, for accepted_norms
         seen_in_batch: set[tuple[str, str]] = set()
         for item in batch:
             env = item.envelope
@@ -263,7 +330,7 @@ class Engine:
                     self._check_spec(env.model)
                     joins.append(env)
                 elif isinstance(env, protocol.Update):
-                    upload, dists[key] = self._validate_update(env)
+                    upload, steps[key] = self._validate_update(env)
                     updates.append((env, upload))
                 else:
                     raise Rejected("unexpected_type", f"{env.TYPE} is not for this aggregator")
@@ -288,12 +355,14 @@ class Engine:
             # instead of training every reply again (restart time, docs/reliability.md).
             keep_sent = getattr(self.strategy, "reply_is_trained", False)
             for (env, upload), reply in zip(updates, replies, strict=True):
-                out.append(self._reply_envelope(reply, env.msg_id))
+                self.agents[env.agent].moved_past(env.tau)
+                out.append(self._reply_envelope(reply, env.msg_id, holds=upload.base))
+                step = steps.get((env.agent, env.msg_id))
                 records.append({"op": "update", "agent": env.agent, "msg_id": env.msg_id,
                                 "tau": env.tau, "n_samples": env.n_samples,
                                 "vector": upload.vector, "alpha": reply.alpha,
                                 "upload_alpha": upload.alpha,
-                                "dist": dists.get((env.agent, env.msg_id)),
+                                "dist": None if step is None else step.length,
                                 "sketch": env.sketch, "noised": env.noised,
                                 **({"sent": reply.vectors[0]} if keep_sent and len(reply.vectors) == 1 else {})})
                 info = reply.info
@@ -310,6 +379,11 @@ class Engine:
             self.counters[f"applied.{rec['op']}"] += 1
             if rec.get("dist") is not None:
                 self.accepted_norms.add(rec["agent"], rec["dist"])
+        for (agent, msg_id), step in steps.items():
+            if step is not None and step.bounded_by:
+                self.counters[f"bounded.{step.bounded_by}"] += 1
+                event(log, "uplink.bounded", level=logging.WARNING, agent=agent, msg_id=msg_id, rule=step.bounded_by,
+                      step=round(step.sent, 4), applied_step=round(step.length, 4))
         return out
 
     # ------------------------------------------------------------------ validation
@@ -319,8 +393,8 @@ class Engine:
             raise Rejected("wrong_model", f"model spec {spec_hash} is not this fleet's "
                                           f"{self.spec.arch} ({self.spec.hash})")
 
-    def _validate_update(self, env: protocol.Update) -> tuple[Upload, float | None]:
-        """The upload to apply and its distance from the agent's base (None without a base)."""
+    def _validate_update(self, env: protocol.Update) -> tuple[Upload, Step | None]:
+        """The upload to apply (its step bounded) and the step's length (None without a base)."""
         self._check_spec(env.model)
         record = self.agents.get(env.agent)
         if record is None:
@@ -328,9 +402,13 @@ class Engine:
         if env.tensor.get("n") != self.spec.numel:
             raise Rejected("wrong_shape", f"tensor has {env.tensor.get('n')} values, "
                                           f"{self.spec.arch} has {self.spec.numel}")
-        base = record.base.numpy() if record.base is not None else None
-        if env.tensor.get("delta") and base is None:
+        start, named = record.trained_from(env.tau)
+        if env.tensor.get("delta") and start is None:
             raise Rejected("no_base", "a delta update needs a model this agent received")
+        if env.tensor.get("delta") and not named:
+            raise Rejected("no_base", f"tau {env.tau} names no model this aggregator keeps for "
+                                      f"{env.agent} (it holds epoch {record.base_epoch}); join again")
+        base = start.numpy() if start is not None else None
         try:
             vector = codecs.decode(env.tensor, base=base if env.tensor.get("delta") else None,
                                    max_n=self.spec.numel)
@@ -340,35 +418,42 @@ class Engine:
             raise Rejected("bad_tau", f"tau {env.tau} is ahead of the aggregator's epoch "
                                       f"{self.strategy.uploads_applied}")
         v = torch.from_numpy(np.ascontiguousarray(vector, dtype=np.float32))
-        dist = None if record.base is None else float(torch.linalg.vector_norm(v - record.base))
-        self._check_norm(dist)
-        self._check_descent(record.base, v)
+        step = None
+        if start is not None:
+            v, step = self._bound(start, v)
+        self._check_descent(start, v)
         upload = Upload(agent=env.agent, vector=v, tau=env.tau, n_samples=env.n_samples,
-                        alpha=env.alpha, msg_id=env.msg_id, base=record.base,
+                        alpha=env.alpha, msg_id=env.msg_id, base=start,
                         sketch=_decode_sketch(env), noised=env.noised)
         try:
             self.strategy.check(upload)
         except ValueError as e:
             reason = "bad_alpha" if "alpha" in str(e) else "refused"
             raise Rejected(reason, str(e)) from None
-        return upload, dist
+        return upload, step
 
-    def _check_norm(self, dist: float | None) -> None:
-        """Poisoning guards on the step size (docs/reliability.md): an absolute bound and a
-        fleet-relative one, `norm_factor` x the median step of the latest applied updates
-        (after `norm_warmup` of them). Without a base (FedSoft-Async) neither applies."""
-        if dist is None:
-            return
+    def step_bound(self) -> tuple[float, str | None]:
+        """The longest step applied as sent and the rule that sets it (docs/reliability.md): the
+        absolute `norm_bound`, or `norm_factor` x the fleet's typical step once `norm_warmup`
+        uploads were applied; (inf, None) when neither is on yet."""
         a = self.cfg.aggregator
-        if a.norm_bound > 0 and dist > a.norm_bound:
-            raise Rejected("norm_bound", f"update moves the model by {dist:.3g}, "
-                                         f"above the bound {a.norm_bound:.3g}")
-        if a.norm_factor > 0 and len(self.accepted_norms) >= max(1, a.norm_warmup):
-            median = self.accepted_norms.median()
-            if dist > a.norm_factor * median:
-                raise Rejected("norm_outlier", f"update moves the model by {dist:.3g}, above "
-                                               f"{a.norm_factor:g} x the fleet's median step "
-                                               f"{median:.3g} (last {len(self.accepted_norms)} applied)")
+        limits = [(math.inf, None)]
+        if a.norm_bound > 0:
+            limits.append((a.norm_bound, "norm_bound"))
+        if a.norm_factor > 0 and len(self.accepted_norms) >= self.accepted_norms.warmup:
+            limits.append((a.norm_factor * self.accepted_norms.scale(), "norm_outlier"))
+        return min(limits, key=lambda lim: lim[0])
+
+    def _bound(self, start: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, Step]:
+        """The upload as applied and its step: a step longer than the bound is scaled down to it,
+        not refused, so an honest outlier (a drifting or new agent) still contributes and a
+        boosted one contributes no more than the bound. A zero bound (a fleet of zero steps)
+        leaves it."""
+        sent = float(torch.linalg.vector_norm(v - start))
+        bound, rule = self.step_bound()
+        if rule is None or not 0 < bound < sent:
+            return v, Step(sent, sent)
+        return start + (v - start) * (bound / sent), Step(sent, bound, rule)
 
     def _check_descent(self, base: torch.Tensor | None, vector: torch.Tensor) -> None:
         """`loss_margin`: the upload must not raise the best proxy loss by more than the margin
@@ -409,11 +494,13 @@ class Engine:
         return protocol.Error(agent=agent, msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
                               reason=reason, detail=detail[:4096], in_reply_to=msg_id)
 
-    def _reply_envelope(self, reply: Reply, in_reply_to: str, whole: bool = False) -> protocol.Model:
+    def _reply_envelope(self, reply: Reply, in_reply_to: str, whole: bool = False,
+                        holds: torch.Tensor | None = None) -> protocol.Model:
         """Encode the reply against what the agent holds and remember what it will hold.
 
         `whole` (joins) sends the whole model: an agent that joins may hold nothing, or a model
-        out of step with ours, so a join is how it gets back in sync."""
+        out of step with ours, so a join is how it gets back in sync. `holds`: the model the
+        answered upload was trained from (our latest reply's unless its tau named an earlier)."""
         record = self.agents.setdefault(reply.agent, AgentRecord())
         c = self.cfg.codec
         name, params = c.downlink_codec()
@@ -422,14 +509,15 @@ class Engine:
             # All K models, each whole: the agent's next upload is a whole vector too.
             for vec in reply.vectors:
                 tensors.append(codecs.encode(vec, name, zstd=c.zstd, **params))
-            record.base = None
+            record.hold(None, reply.epoch)
         else:
             (vec,) = reply.vectors
-            base = record.base.numpy() if (c.delta and record.base is not None and not whole) else None
+            held = holds if holds is not None else record.base
+            base = held.numpy() if (c.delta and held is not None and not whole) else None
             wire = codecs.encode(vec, name, base=base, zstd=c.zstd, **params)
             tensors.append(wire)
             # The agent will hold exactly what it decodes, lossy codec or not.
-            record.base = torch.from_numpy(codecs.decode(wire, base=base).copy())
+            record.hold(torch.from_numpy(codecs.decode(wire, base=base).copy()), reply.epoch)
         env = protocol.Model(agent=reply.agent, msg_id=protocol.new_msg_id(),
                              sent_at=protocol.now(), epoch=reply.epoch, model=self.spec.hash,
                              tensors=tensors, in_reply_to=in_reply_to, alpha=reply.alpha,

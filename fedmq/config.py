@@ -61,7 +61,7 @@ class BrokerSettings:
     protocol: str = "auto"
     """auto (MQTT v5, fall back to 3.1.1), 5 or 3.1.1."""
     max_inflight: int = 64
-    """Bound on unacknowledged QoS 1 publishes per client (paho fails at 65,535)."""
+    """Bound on unacknowledged QoS 1 publishes per client (paho fails at 65,535). Clamped to the broker's Receive Maximum, it is also taken as the broker's in-flight window toward this client: half of it bounds the chunk pieces of unfinished messages held unacknowledged (docs/reliability.md), so set it to the broker's window when that is smaller and not announced (MQTT 3.1.1, RabbitMQ's prefetch)."""
     reconnect_min_s: float = 0.5
     """First reconnect delay; it doubles up to reconnect_max_s."""
     reconnect_max_s: float = 30.0
@@ -83,7 +83,7 @@ class ProtocolSettings:
     max_pending_bytes: int = 256 * 1024 * 1024
     """Memory bound for all partially reassembled messages together."""
     max_chunks: int = 64
-    """Most pieces one chunked message may declare; more is refused at its first piece (too_large). Chunks are acknowledged only with their whole message, so more than the broker's in-flight window (64) could never complete; and a message of hundreds of tiny pieces is a cheap way to keep the receiver busy."""
+    """Most pieces one chunked message may declare; more is refused at its first piece (too_large). Chunks are acknowledged only with their whole message, so a receiver holds at most half its in-flight window (32 with the shipped broker configs, see broker.max_inflight) of them and refuses a message of more pieces whatever this says; and a message of hundreds of tiny pieces is a cheap way to keep the receiver busy."""
     max_partials_per_sender: int = 2
     """Partial (chunked) messages one sender may have open at once; more are refused, so one flooding agent cannot take the others' share of max_pending_bytes."""
 
@@ -457,15 +457,15 @@ class AggregatorSettings:
     snapshot_every: int = 200
     """Journal records between snapshots (a snapshot bounds replay time after a crash)."""
     norm_bound: float = 0.0
-    """Refuse uploads whose distance from the model they started from exceeds this (0 = off)."""
+    """Longest step ||v - base|| applied as sent, in parameter-space L2 units (0 = off); a longer one is scaled down to it and applied (`bounded.norm_bound`)."""
     norm_factor: float = 4.0
-    """Refuse uploads whose distance from the model they started from exceeds this many times the median distance of the latest applied uploads (0 = off). On by default: a boosted update is refused (`norm_outlier`) before it moves a cluster; soak/poisoning.py measures it."""
+    """Longest step applied as sent, as a multiple of the fleet's typical step (the median of the latest applied ones, which falls at most by half per norm_window uploads), >= 0 (0 = off); a longer one is scaled down to it and applied (`bounded.norm_outlier`). docs/reliability.md says what it guarantees."""
     loss_margin: float = 0.0
     """Refuse an upload that makes the model worse on the server's proxy data: its lowest mean loss over the K proxy sets above that of the model it started from by more than this many nats (`loss_outlier`; 0 = off). A server-side descent test in the manner of Zeno++ (Xie et al. 2020): it catches sign-flipped updates, which no norm bound sees. Costs two forward passes over the proxy sets per upload."""
     norm_window: int = 100
     """How many of the latest applied uploads' distances the norm_factor median is taken over."""
     norm_warmup: int = 10
-    """Applied uploads needed before norm_factor is enforced (the median needs a fleet to be meaningful)."""
+    """Applied uploads needed before norm_factor acts (the median needs a fleet to be meaningful)."""
     reply_workers: int = 0
     """CDFL: reply worker processes this aggregator starts on its own machine (`--workers N`); each trains the fine-tune replies of uploads handed to it over the broker while the aggregator stays the single writer of the clusters and the journal (docs/scaling.md). 0 = replies are trained in the aggregator, unless reply_pool is on."""
     reply_pool: bool = False

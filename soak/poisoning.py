@@ -11,9 +11,10 @@ they train honestly, then send, with d = v - base,
 
 After `--rounds` rounds, `--joiners` fresh agents join and score the model they receive on
 their own test data, and the honest agents score theirs. Each attack is run with the default
-guard (aggregator.norm_factor and norm_warmup as shipped), with it off, and with the descent
-test on (`aggregator.loss_margin` 1.0), each against the no-attack fleet under the same
-guard; seeds give the same data, order and newcomers for every setting.
+guard (the step bound: aggregator.norm_factor and norm_warmup as shipped) and with it off
+(`--guards` adds `descent`: the opt-in test `aggregator.loss_margin` 1.0), each against the
+no-attack fleet under the same guard; seeds give the same data, order and newcomers for
+every setting. A row's `worst_seed_pp` is its worst seed against that seed's no-attack fleet.
 
     python -m soak.poisoning                 # -> soak/results/poisoning.json
 """
@@ -100,7 +101,8 @@ def run(attack: str, guard: str, seed: int, pretrained: Path, work: Path, *, age
         newcomers.append(Agent(engine, f"new-{j}", data, test).score())
     engine.journal.close()
     shutil.rmtree(state)
-    return {"attack": attack, "guard": guard, "seed": seed, "outcomes": outcomes,
+    bounded = {k: v for k, v in engine.counters.items() if k.startswith("bounded.")}
+    return {"attack": attack, "guard": guard, "seed": seed, "outcomes": outcomes, "bounded": bounded,
             "joined_accuracy": statistics.fmean(newcomers),
             "honest_accuracy": statistics.fmean(a.score() for a in fleet[bad:])}
 
@@ -110,14 +112,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agents", type=int, default=10)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--joiners", type=int, default=5)
-    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--attacks", default=",".join(ATTACKS))
+    p.add_argument("--guards", default="default,off",
+                   help=f"comma list of {', '.join(GUARDS)} (default: default,off)")
     p.add_argument("--out", type=Path, default=None, help="default soak/results/poisoning.json")
     a = p.parse_args(argv)
     attacks = [x for x in a.attacks.split(",") if x]
     unknown = set(attacks) - set(ATTACKS)
     if unknown:
         p.error(f"unknown attack {sorted(unknown)[0]!r}; use {', '.join(ATTACKS)}")
+    guards = [x for x in a.guards.split(",") if x]
+    if set(guards) - set(GUARDS) or not guards:
+        p.error(f"--guards: use a comma list of {', '.join(GUARDS)}")
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     runs = []
@@ -130,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             engine.recover()
             engine.journal.close()
             for attack in attacks:
-                for guard in GUARDS:
+                for guard in guards:
                     r = run(attack, guard, seed, pretrained, work, agents=a.agents, rounds=a.rounds,
                             joiners=a.joiners)
                     runs.append(r)
@@ -138,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"honest {r['honest_accuracy']:.3f}, {r['outcomes']}", flush=True)
     rows = []
     for attack in attacks:
-        for guard in GUARDS:
+        for guard in guards:
             mine = [r for r in runs if r["attack"] == attack and r["guard"] == guard]
             ref = {r["seed"]: r for r in runs if r["attack"] == "none" and r["guard"] == guard}
             if not mine:
@@ -153,12 +160,13 @@ def main(argv: list[str] | None = None) -> int:
                          "attacker_refused": sum(v for r in mine for k, v in r["outcomes"].items()
                                                  if k.startswith("attacker.") and k != "attacker.applied"),
                          "honest_refused": sum(v for r in mine for k, v in r["outcomes"].items()
-                                               if k.startswith("honest.") and k != "honest.applied")})
+                                               if k.startswith("honest.") and k != "honest.applied"),
+                         "bounded": sum(sum(r["bounded"].values()) for r in mine)})
     for row in rows:
         print(f"{row['attack']:16s} {row['guard']:8s} joined {row['joined_accuracy']:.3f} "
               f"({row['joined_vs_no_attack_pp']:+.2f} pp, worst {row['worst_seed_pp']:+.2f}), "
               f"attacker applied/refused {row['attacker_applied']}/{row['attacker_refused']}, "
-              f"honest refused {row['honest_refused']}")
+              f"honest refused {row['honest_refused']}, steps bounded {row['bounded']}")
     defaults = AggregatorSettings()
     path = write_figures("poisoning", {
         "agents": a.agents, "rounds": a.rounds, "joiners": a.joiners, "seeds": a.seeds,

@@ -86,7 +86,7 @@ def update_for(engine, agent: str, rng: np.random.Generator, k: int) -> protocol
     if engine.strategy.name == "fedsoft-async":
         alpha = list(np.full(k, 1.0 / k))
     return protocol.Update(agent=agent, msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
-                           model=SPEC.hash, tau=engine.strategy.uploads_applied, n_samples=50,
+                           model=SPEC.hash, tau=rec.base_epoch, n_samples=50,
                            tensor=codecs.encode(v, "int8", base=start if delta else None),
                            alpha=alpha)
 
