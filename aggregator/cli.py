@@ -82,6 +82,11 @@ def run(args: argparse.Namespace) -> int:
 
     engine = build_engine(cfg)
     service = AggregatorService(cfg, engine)
+    # Before the reply pool connects: its login is shared with the serving aggregator's pool.
+    service.sole.started()
+    if not service.sole.clear_to_serve(cfg.broker, derived_logins=cfg.aggregator.derived_logins,
+                                       network=service.transport.network):
+        raise RuntimeFailure(service.sole.failure)
     pool, workers = _reply_pool(cfg, engine)
     metrics = None
     if cfg.metrics.port:

@@ -89,7 +89,8 @@ class RoundService:
         self.fleet = cfg.fleet
         self.state_path = Path(state_dir) / STATE_FILE if state_dir else None
         self.client_id = client_id or f"fedmq-rounds-{cfg.fleet}"
-        self.sole = SoleAggregator(self.fleet, self.client_id, cfg.aggregator.takeover_grace_s)
+        self.sole = SoleAggregator(self.fleet, self.client_id, cfg.aggregator.takeover_grace_s,
+                                   Path(state_dir) if state_dir else None)
         self._run_stop: threading.Event | None = None
         """run()'s stop event: set when another aggregator serves the fleet (`sole`)."""
         self._inbox: queue.Queue[Message] = queue.Queue()
@@ -116,6 +117,9 @@ class RoundService:
             self.strategy.load_state(msgpack.unpackb(self.state_path.read_bytes(), raw=False))
             event(log, "rounds.resumed", round=self.strategy.round)
         self.sole.started()
+        if not self.sole.clear_to_serve(self.cfg.broker, derived_logins=self.cfg.aggregator.derived_logins):
+            return self  # never connected; run() returns at once, `sole.failure` says why
+        self.sole.record_instance()
         self.sole.watch(self.transport, self._aggregator_status)  # before serve_fleet's status
         serve_fleet(self.transport, self.fleet, lambda: self._status("online"), self._inbox.put)
         # Once more now that the uplinks are subscribed: agents that started first re-send
@@ -160,6 +164,9 @@ class RoundService:
                     self._refuse(r)
                 continue
             self._handle(msg)
+            if self.channel.reassembler.evictions_pending:  # dropped to make room: answer now
+                for r in self.channel.expire():
+                    self._refuse(r)
 
     def wait_for_pool(self, n: int, timeout_s: float,
                       stop: threading.Event | None = None) -> bool:

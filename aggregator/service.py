@@ -20,22 +20,36 @@ state, logs why, and retries the batch with backoff.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
+import os
+import socket
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from aggregator.engine import Engine, Inbound
 from aggregator.inbox import FairInbox
 from aggregator.journal import JournalError
 from fedmq import protocol
+from fedmq.atomic_file import atomic_write
 from fedmq.channel import Channel, Received, Refused
-from fedmq.config import Config, LogSettings
+from fedmq.config import BrokerSettings, Config, LogSettings
 from fedmq.logs import PROGRESS, event, get_logger
 from fedmq.onnx_export import INPUT_NAME, OUTPUT_NAME, fleet_graph
-from fedmq.transport import Message, MqttTransport, NetworkLoop, Will, default_network
+from fedmq.service_logins import PROBE, derived_url
+from fedmq.transport import (
+    Message,
+    MqttTransport,
+    NetworkLoop,
+    TransportError,
+    Will,
+    default_network,
+)
 
 log = get_logger("aggregator")
 
@@ -159,20 +173,39 @@ class ProgressLines:
         self.uploads = self.stale = self.lines = 0
 
 
+INSTANCE_FILE = "aggregator.instance"
+"""In the state dir: who last served from it (started_at, pid, host), so that its successor
+knows that fleet status "online" is its own dead predecessor's, not another aggregator's."""
+
+
 class SoleAggregator:
-    """One aggregator per fleet, asynchronous or rounds: each watches its fleet's aggregator
-    status topic, and of two that see each other announce themselves online, the one that
-    started later stops (each status carries its `started_at`; both compare the same two
-    times, so exactly one stops even when they started a second apart or their clocks differ).
+    """One aggregator per fleet, asynchronous or rounds.
 
-    With one client id the two would take the MQTT session back and forth every second, and
-    Mosquitto 2.0.11 sends no "session taken over" reason, so the status topic is how they
-    tell (`watch`). A status sent before our start does not count: it is a predecessor's last
-    word (retained, or queued in our persistent session). A status without `started_at` (an
-    older aggregator) counts as earlier while we are within `grace_s` of our start."""
+    Before serving (`clear_to_serve`), an aggregator reads its fleet's retained status through
+    a login of its own (USER-probe, fedmq/service_logins.py), not through its session: under
+    prod.conf's use_username_as_clientid any connection as the aggregator's user IS the
+    session the uplinks are queued in, so a newcomer that connected there would take (and
+    answer) uploads before it could tell that another one serves. It serves when the status is
+    absent or offline, or "online" from its own predecessor on this state dir (which must be
+    dead: we hold the state dir's lock); otherwise it waits up to about 1.5 keepalives for the
+    broker to fire the other's will, and stops at once, never having connected, when the other
+    shows that it is alive or the wait ends.
 
-    def __init__(self, fleet: str, client_id: str, grace_s: float) -> None:
+    Once serving, each watches the status topic (`watch`), and of two that see each other
+    announce themselves online, the one that started later stops (each status carries its
+    `started_at`; both compare the same two times, so exactly one stops even when they
+    started a second apart or their clocks differ): the fallback for two that passed the
+    check at the same moment, or an old-style deployment without a probe login. A status sent
+    before our start does not count: it is a predecessor's last word (retained, or queued in
+    our persistent session). A status without `started_at` (an older aggregator) counts as
+    earlier while we are within `grace_s` of our start."""
+
+    def __init__(self, fleet: str, client_id: str, grace_s: float, state_dir: Path | None = None) -> None:
         self.fleet, self.client_id, self.grace_s = fleet, client_id, grace_s
+        self.state_dir = state_dir
+        """Where INSTANCE_FILE lives (None: no state dir, every earlier "online" is foreign)."""
+        self.cleared = False
+        """`clear_to_serve` said yes (the CLI asks before its reply pool connects)."""
         self.own_ids: deque[str] = deque(maxlen=64)
         """msg_ids of the statuses this aggregator published (its will included)."""
         self.started()
@@ -188,6 +221,117 @@ class SoleAggregator:
         msg_id = protocol.new_msg_id()
         self.own_ids.append(msg_id)
         return msg_id
+
+    def predecessor(self) -> float | None:
+        """`started_at` of the aggregator that last served from our state dir, when it is surely
+        gone: this process holds the state dir's lock (its pid is in DIR/lock) and that one was
+        not a live process on this host (a copy of a running aggregator's state dir)."""
+        if self.state_dir is None:
+            return None
+        try:
+            holder = int((self.state_dir / "lock").read_text().split()[0])
+            record = json.loads((self.state_dir / INSTANCE_FILE).read_text())
+            started_at, pid = float(record["started_at"]), int(record["pid"])
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            return None
+        if holder != os.getpid():
+            return None  # we do not hold the state dir (library use): cannot vouch for it
+        if record.get("host") == socket.gethostname() and pid != os.getpid() and _alive(pid):
+            return None
+        return started_at
+
+    def record_instance(self) -> None:
+        """Written before we take the session: after a kill -9 our successor recognizes the
+        "online" status we leave behind as ours."""
+        if self.state_dir is None:
+            return
+        record = {"started_at": self.started_wall, "pid": os.getpid(), "host": socket.gethostname()}
+        try:
+            atomic_write(self.state_dir / INSTANCE_FILE, json.dumps(record).encode() + b"\n")
+        except OSError as e:  # only costs the successor a wait for our will
+            event(log, "aggregator.instance_unwritten", level=30, error=str(e))
+
+    def clear_to_serve(self, broker: BrokerSettings, *, derived_logins: bool = True,
+                       network: NetworkLoop | None = None) -> bool:
+        """Before connecting as the aggregator: False (with `failure` set) when another
+        aggregator serves the fleet. Reads the status as USER-probe (clean session, nothing
+        kept); without such a login (credentials made before it existed) it says so and
+        leaves it to `watch`."""
+        if self.cleared:
+            return True
+        url = derived_url(broker.url, PROBE) if derived_logins else broker.url
+        settings = dataclasses.replace(broker, url=url, session_expiry_s=0)
+        seen: list[tuple[protocol.Status, bool]] = []
+        cond = threading.Condition()
+
+        def on_status(message: Message) -> None:
+            try:
+                env = protocol.decode(message.payload, max_bytes=64 * 1024)
+            except protocol.ProtocolError:
+                return
+            if isinstance(env, protocol.Status):
+                with cond:
+                    seen.append((env, message.retain))
+                    cond.notify_all()
+
+        probe = MqttTransport(f"{self.client_id}-{PROBE}", settings, clean_start=True, network=network)
+        topic = protocol.aggregator_status(self.fleet)
+        t0 = time.monotonic()
+        try:
+            probe.connect()
+            probe.subscribe(topic, on_status, qos=1)
+            # A second SUBACK comes after the retained status the first SUBSCRIBE was sent.
+            probe.subscribe(topic, on_status, qos=1)
+        except TransportError as e:
+            probe.close()
+            event(log, "aggregator.probe_failed", level=30, fleet=self.fleet, error=str(e)[:300],
+                  action="serving; run `fedmq creds` again to add the probe login")
+            self.cleared = True
+            return True
+        try:
+            self.cleared = self._decide(seen, cond, broker.keepalive_s * 1.5 + 5.0, t0)
+            return self.cleared
+        finally:
+            probe.close()
+
+    def _decide(self, seen: list[tuple[protocol.Status, bool]], cond: threading.Condition,
+                wait_s: float, t0: float) -> bool:
+        with cond:
+            retained = [env for env, _ in seen]
+            last = retained[-1] if retained else None
+            if last is None or last.state != "online":
+                event(log, "aggregator.clear", fleet=self.fleet, status=last.state if last else None,
+                      seconds=round(time.monotonic() - t0, 2))
+                return True
+            if last.started_at and last.started_at == self.predecessor():
+                event(log, "aggregator.clear", fleet=self.fleet, status="online",
+                      reason="our predecessor on this state dir, gone", seconds=round(time.monotonic() - t0, 2))
+                return True
+            event(log, "aggregator.waiting", level=30, fleet=self.fleet, epoch=last.epoch, wait_s=wait_s,
+                  reason="another aggregator's status says online: serving only once the broker "
+                         "publishes its will")
+            n = len(seen)
+            deadline = time.monotonic() + wait_s
+
+            def settled() -> bool:
+                return any(env.state != "online" or not retain for env, retain in seen[n:])
+
+            cond.wait_for(settled, max(0.0, deadline - time.monotonic()))
+            news = [(env, retain) for env, retain in seen[n:] if env.state != "online" or not retain]
+        if news and news[0][0].state != "online":
+            event(log, "aggregator.clear", fleet=self.fleet, status=news[0][0].state,
+                  reason="the other aggregator went offline", seconds=round(time.monotonic() - t0, 2))
+            return True
+        proof = "it is alive (it published its status)" if news else \
+            f"its will did not come within {wait_s:.0f} s"
+        last = news[0][0] if news else last
+        self.failure = (f"another aggregator is online for fleet {self.fleet!r} (epoch {last.epoch}): {proof}; "
+                        f"this one stops before taking the MQTT session ({self.client_id}). Stop the other "
+                        f"one, or give this one another --fleet")
+        self.failed.set()
+        event(log, "aggregator.another_online", level=30, fleet=self.fleet, epoch=last.epoch,
+              action="not serving", seconds=round(time.monotonic() - t0, 2))
+        return False
 
     def watch(self, transport: MqttTransport, handler: Callable[[Message], None]) -> None:
         """Subscribe `handler` to the fleet's aggregator status, and subscribe again after every
@@ -225,6 +369,16 @@ class SoleAggregator:
         return True
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's process
+    return True
+
+
 class AggregatorService:
     """Run an `Engine` against a broker. Use as a context manager or start()/stop()."""
 
@@ -233,7 +387,9 @@ class AggregatorService:
         self.engine = engine
         self.fleet = cfg.fleet
         self.client_id = client_id or f"fedmq-aggregator-{cfg.fleet}"
-        self.sole = SoleAggregator(self.fleet, self.client_id, cfg.aggregator.takeover_grace_s)
+        journal = getattr(engine, "journal", None)
+        self.sole = SoleAggregator(self.fleet, self.client_id, cfg.aggregator.takeover_grace_s,
+                                   Path(journal.dir) if journal is not None else None)
         self._inbox = FairInbox(cfg.aggregator.max_queued_per_agent)
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
@@ -334,6 +490,10 @@ class AggregatorService:
         if self.graph is not None:  # retained before the online status, which points at it
             self.transport.on_connect_hooks.append(lambda t, _: t.publish(
                 protocol.model_graph(self.fleet), self.graph or b"", qos=1, retain=True))
+        if not self.sole.clear_to_serve(self.cfg.broker, derived_logins=self.cfg.aggregator.derived_logins,
+                                        network=self.transport.network):
+            return self  # never connected: `sole.failure` says why
+        self.sole.record_instance()
         # Registered before connecting: the SUBSCRIBE goes out with the others at connect.
         self.sole.watch(self.transport, self._aggregator_status)
         serve_fleet(self.transport, self.fleet, lambda: self._status("online"), self._receive)
@@ -463,6 +623,8 @@ class AggregatorService:
                 self._presence(got)
                 continue
             batch.append(got)
+        if self.channel.reassembler.evictions_pending:
+            self._expire()  # partial messages dropped to make room: answer and ack them now
         if not batch:
             return
         self._process_received(batch)

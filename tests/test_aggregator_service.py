@@ -405,10 +405,10 @@ def test_retained_status_follows_the_epoch(service, mosquitto) -> None:
 
 
 def test_a_second_aggregator_on_the_fleet_stops_instead_of_taking_turns(mosquitto, pretrained, tmp_path) -> None:
-    """Both use the fleet's client id (as two `fedmq aggregator` runs would), started within
-    a second of each other, with the shipped defaults. The newcomer's connect takes the session,
-    the running one takes it back and says it is online; only the one that started later
-    stops, with a clear reason (and no offline status over the other's). The other serves on."""
+    """Both use the fleet's client id (as two `fedmq aggregator` runs would), with the shipped
+    defaults. The newcomer reads the fleet's status through its probe connection first, sees
+    the running one online and, no will coming, stops with a clear reason before it ever takes
+    the session (and with no offline status over the other's). The other serves on."""
     dirs = []
     for name in ("running", "second"):
         shutil.copytree(pretrained, tmp_path / name)

@@ -233,7 +233,8 @@ def test_round_agent_draws_a_new_batch_order_each_round(mosquitto) -> None:
 def test_a_second_round_aggregator_on_the_fleet_stops_and_the_first_serves_on(mosquitto) -> None:
     """Two round services for one fleet (one client id, as two `fedmq aggregator --algorithm
     catafed` runs), started a moment apart with the shipped defaults: the later one stops with
-    a clear reason and no offline status over the other's; the first still runs a round."""
+    a clear reason before taking the session (its probe saw the first online) and no offline
+    status over the other's; the first still runs a round."""
     import threading
 
     cfg = make_cfg(mosquitto.url)
