@@ -1,7 +1,7 @@
-"""Issue #16's attacks and accidents, rerun against a real Mosquitto running broker_config/prod.conf.
+"""Attacks and accidents found by outside attacks on the TLS deployment, rerun against a real Mosquitto running broker_config/prod.conf.
 
 Set-up as a deployment has it: credentials from `fedmq creds` (ACL scoped to the fleet), TLS,
-the real `fedmq aggregator` process logging in as `aggregator`. car-1 is an honest agent and
+the real `fedmq aggregator` process logging in as its fleet's aggregator user. car-1 is an honest agent and
 car-2 an attacker with its own valid password, both raw MQTT clients speaking the protocol
 (tests/raw_agent.py), so they can send what no real agent would. Every case checks what
 actually arrived or what is on disk, and says whether the defence `held`.
@@ -22,11 +22,13 @@ import contextlib
 import hashlib
 import multiprocessing
 import os
+import re
 import shutil
 import statistics
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,7 @@ from typing import Any
 import numpy as np
 import paho.mqtt.client as mqtt
 
+from aggregator.journal import scan_journal
 from fedmq import protocol
 from fedmq.broker import REPO_BROKER_CONFIG, MosquittoBroker
 from fedmq.creds import make_credentials
@@ -140,7 +143,8 @@ class Arena:
 
     def aggregator(self, state: Path, *extra: str, settings: dict[str, Any] | None = None,
                    fleet: str = FLEET) -> CliProcess:
-        argv = ["fedmq", "aggregator", "--broker", self.url("aggregator"), "--ca-file", str(self.ca),
+        argv = ["fedmq", "aggregator", "--broker", self.url(self.creds.aggregator_for(fleet)[0]),
+                "--ca-file", str(self.ca),
                 "--fleet", fleet, "--state-dir", str(state), "--log-level", "info", *extra]
         for key, value in {**SMALL, **(settings or {})}.items():
             argv += ["--set", f"{key}={value}"]
@@ -158,9 +162,8 @@ class Arena:
         return self._main
 
     def stop_main(self) -> None:
-        """Before a case runs an aggregator of its own on SECOND_FLEET: under prod.conf every
-        process logging in as `aggregator` gets the client id `aggregator`, so two aggregators
-        share one MQTT session, whatever their fleets (docs/broker.md)."""
+        """Before a case runs an aggregator of its own on SECOND_FLEET: each fleet's aggregator
+        has its own login (and so its own MQTT session), but both would share the machine."""
         if self._main is not None:
             self._main.stop()
             self._main = None
@@ -347,6 +350,35 @@ def case_chunk_flood(arena: Arena) -> dict[str, Any]:
             "ratio_median": round(ratio, 2)}
 
 
+def timed_join(agent: RawAgent) -> float:
+    t0 = time.perf_counter()
+    agent.join(SPEC.hash, timeout=WAIT_S)
+    return time.perf_counter() - t0
+
+
+def case_chunk_stall(arena: Arena, joins: int = 5) -> dict[str, Any]:
+    """car-2 sends every piece but the last of two 64-piece messages (2 x 63 pieces, more than
+    the broker's in-flight window of 64 toward the aggregator), then car-3 joins; then the same
+    with two 32-piece messages (2 x 31 pieces: within what may be held, together not). Held:
+    car-3's first join behind the pieces is answered within 2x its idle round trip (the median
+    of `joins` joins just before), both times, not after the chunk timeout."""
+    arena.main_aggregator()
+    with arena.joined("car-2") as car2, contextlib.closing(arena.agent("car-3")) as car3:
+        idle = [timed_join(car3) for _ in range(joins)]
+        behind: dict[int, list[float]] = {}
+        for count in (64, 32):
+            for of in (protocol.new_msg_id(), protocol.new_msg_id()):
+                for i in range(count - 1):  # every piece but the last; publish_raw waits for the PUBACK
+                    car2.publish_raw(chunk(of, i, count, count))
+            behind[count] = [timed_join(car3) for _ in range(joins)]
+    idle_s = statistics.median(idle)
+    firsts = {count: times[0] for count, times in behind.items()}
+    return {"held": all(t <= 2.0 * idle_s for t in firsts.values()), "idle_join_median_s": round(idle_s, 3),
+            "first_join_behind_2x63_s": round(firsts[64], 3), "first_join_behind_2x31_s": round(firsts[32], 3),
+            "joins_behind_pieces_s": {f"2x{c - 1}": [round(t, 3) for t in ts] for c, ts in behind.items()},
+            "ratio": round(max(firsts.values()) / idle_s, 2)}
+
+
 def case_retained(arena: Arena, mib: int = 8, copies: int = 3) -> dict[str, Any]:
     """car-2 stores large retained messages on its own topics and on another fleet's."""
     arena.main_aggregator()
@@ -373,7 +405,7 @@ def case_retained(arena: Arena, mib: int = 8, copies: int = 3) -> dict[str, Any]
             round_trip(car1, 2)
     finally:
         car2.close()
-    watcher = Watcher(arena, "aggregator", f"fedmq/{FLEET}/agents/car-2/#")
+    watcher = Watcher(arena, arena.creds.aggregator_for(FLEET)[0], f"fedmq/{FLEET}/agents/car-2/#")
     try:
         watcher.quiet(3.0)
         kept = {t: p for t, p, retained in watcher.messages if retained}
@@ -388,10 +420,11 @@ def case_retained(arena: Arena, mib: int = 8, copies: int = 3) -> dict[str, Any]
 
 
 def case_poisoning(arena: Arena, warm: int = 6, attacks: int = 10) -> dict[str, Any]:
-    """car-2 sends sign-flipped updates boosted x5 (the issue's case: all were accepted) after
-    car-1's and car-3's honest ones, on an aggregator of its own (the flood case's steps would
-    otherwise be in the window). What poisoning costs in accuracy needs agents that really
-    train: soak/poisoning.py measures it."""
+    """car-2 sends sign-flipped updates boosted x5 (the report's case: all were accepted as
+    sent) after car-1's and car-3's honest ones, on an aggregator of its own (the flood case's
+    steps would otherwise be in the window). Each must be applied cut to the bound, 4x the
+    fleet's step, as its `uplink.bounded` line says. What poisoning costs in accuracy needs
+    agents that really train: soak/poisoning.py measures it."""
     arena.stop_main()
     state = arena.state("poisoning")
     agg = arena.aggregator(state, fleet=SECOND_FLEET)
@@ -399,26 +432,68 @@ def case_poisoning(arena: Arena, warm: int = 6, attacks: int = 10) -> dict[str, 
     try:
         with arena.joined("car-1", fleet=SECOND_FLEET) as car1, arena.joined("car-3", fleet=SECOND_FLEET) as car3, \
                 arena.joined("car-2", fleet=SECOND_FLEET) as car2:
-            for i in range(warm):  # the fleet-relative guard starts after 10 applied uploads
+            for i in range(warm):  # the fleet-relative bound starts after 10 applied uploads
                 round_trip(car1, i)
                 round_trip(car3, i)
-            reasons = []
+            replies = []
             for _ in range(attacks):
                 # An honest step flipped and boosted x5.
-                up = car2.update_envelope(car2.base - step_vector(car2.base.size, 1000 + len(reasons), 5 * HONEST_STEP),
+                up = car2.update_envelope(car2.base - step_vector(car2.base.size, 1000 + len(replies), 5 * HONEST_STEP),
                                           SPEC.hash, codec="fp32")
                 car2.send(up)
                 got = car2.expect(up.msg_id, timeout=WAIT_S)
-                reasons.append(getattr(got, "reason", type(got).__name__))
+                replies.append(getattr(got, "reason", type(got).__name__))
                 if isinstance(got, protocol.Model):
                     car2.install(got)
             _, after = round_trip(car1, warm)
+            agg.wait_for(r"uplink\.bounded.*car-2", WAIT_S)
     finally:
         agg.stop()
-    refused = sum(r == "norm_outlier" for r in reasons)
-    return {"held": refused == attacks and isinstance(after, protocol.Model),
-            "sign_flipped_x5_refused": f"{refused} of {attacks}", "replies": reasons,
+    applied = [float(m.group(1)) for line in agg.lines if "uplink.bounded" in line and "car-2" in line
+               for m in [re.search(r"applied_step\W+([0-9.]+)", line)] if m]
+    cut = sum(a <= 4.0 * HONEST_STEP * 1.01 for a in applied)
+    return {"held": cut == attacks and replies.count("Model") == attacks and isinstance(after, protocol.Model),
+            "sign_flipped_x5_cut_to_the_bound": f"{cut} of {attacks}", "replies": replies,
+            "applied_steps": [round(a, 4) for a in applied], "sent_step": 5 * HONEST_STEP,
             "car1_after": type(after).__name__}
+
+
+def case_guard_lockout(arena: Arena, warm: int = 6, quiet: int = 10, drifts: int = 5) -> dict[str, Any]:
+    """The report's lock-out: the fleet steps normally, then car-2 and car-3 send tiny steps for
+    a while (their data did not change), then car-1's data drifts and it sends 3x its usual
+    step, again and again. Before, the median fell with the tiny steps and each of car-1's
+    uploads was refused, never moving its base; now each must be applied as sent (no
+    `uplink.bounded` line of car-1's), on an aggregator of its own."""
+    arena.stop_main()
+    agg = arena.aggregator(arena.state("lockout"), fleet=SECOND_FLEET)
+    agg.wait_for(r"aggregator\.started", WAIT_S)
+    try:
+        with arena.joined("car-1", fleet=SECOND_FLEET) as car1, arena.joined("car-3", fleet=SECOND_FLEET) as car3, \
+                arena.joined("car-2", fleet=SECOND_FLEET) as car2:
+            for i in range(warm):
+                round_trip(car1, i)
+                round_trip(car3, i)
+            for i in range(quiet):
+                for agent in (car2, car3):
+                    up = agent.update_envelope(agent.base + step_vector(agent.base.size, 500 + i, HONEST_STEP / 100),
+                                               SPEC.hash, codec="fp32")
+                    agent.send(up)
+                    agent.install(agent.expect(up.msg_id, timeout=WAIT_S))
+            replies = []
+            for i in range(drifts):
+                up = car1.update_envelope(car1.base + step_vector(car1.base.size, 900 + i, 3 * HONEST_STEP),
+                                          SPEC.hash, codec="fp32")
+                car1.send(up)
+                got = car1.expect(up.msg_id, timeout=WAIT_S)
+                replies.append(getattr(got, "reason", type(got).__name__))
+                if isinstance(got, protocol.Model):
+                    car1.install(got)
+    finally:
+        agg.stop()
+    bounded = sum("uplink.bounded" in line and "car-1" in line for line in agg.lines)
+    return {"held": replies.count("Model") == drifts and bounded == 0,
+            "drifting_uploads_applied": f"{replies.count('Model')} of {drifts}", "replies": replies,
+            "drifting_uploads_cut": bounded}
 
 
 def case_second_aggregator(arena: Arena) -> dict[str, Any]:
@@ -430,12 +505,99 @@ def case_second_aggregator(arena: Arena) -> dict[str, Any]:
     with arena.joined("car-1") as car1:
         _, reply = round_trip(car1, 1)
     refusal = one_line_refusal(second, code)
-    # Same user, so same client id under prod.conf: the newcomer's connect bumps the running
-    # one's connection once; it reconnects to its persistent session and serves on.
+    # Same user, so same client id under prod.conf: the newcomer looks through its probe login
+    # and stops before it connects as the aggregator (case split_brain_start counts uploads).
     return {"held": code != 0 and not refusal["traceback"] and "another aggregator" in refusal["said"]
             and agg.proc.poll() is None and isinstance(reply, protocol.Model),
             "second": refusal, "first_disconnected": disconnects(agg) - before,
             "first_serves_after": type(reply).__name__}
+
+
+def aggregator_sessions(arena: Arena, fleet: str = FLEET) -> int:
+    """How often the broker logged a connection as `fleet`'s aggregator user (its session)."""
+    user = arena.creds.aggregator_for(fleet)[0]
+    return arena.broker.log_tail(10_000_000).count(f" as {user} (")
+
+
+def case_split_brain_start(arena: Arena, after: int = 3) -> dict[str, Any]:
+    """Three honest agents upload in turn while a second `fedmq aggregator` for their fleet
+    (same login, its own state dir) starts, until it has exited and `after` uploads more each.
+    Held: the newcomer exits with one line, never having connected as the aggregator; every
+    upload is answered exactly once, with a model, by the serving aggregator (it is in that
+    one's journal); the serving one is never disconnected."""
+    agg = arena.main_aggregator()
+    state = arena.root / "main"
+    before, sessions = disconnects(agg), aggregator_sessions(arena)
+    heard: dict[str, list[protocol.Envelope]] = {name: [] for name in AGENTS}
+    sent: dict[str, list[str]] = {name: [] for name in AGENTS}
+    agents = [arena.agent(name) for name in AGENTS]
+    for a in agents:  # every downlink recorded, so that a second answer cannot hide
+        def on_message(client, userdata, msg, a: RawAgent = a) -> None:
+            env = protocol.decode(msg.payload, max_bytes=1 << 27)
+            heard[a.agent].append(env)
+            a.inbox.put(env)
+        a.client.on_message = on_message
+    failures: list[str] = []
+    second_gone = threading.Event()
+
+    def upload(a: RawAgent, seed: int) -> None:
+        extra = 0
+        try:
+            a.join(SPEC.hash, timeout=WAIT_S)
+            while extra < after:
+                extra += second_gone.is_set()
+                second_gone.wait(0.5)  # about two uploads a second each while the newcomer starts
+                seed += 1
+                up = a.update_envelope(a.base + step_vector(a.base.size, seed), SPEC.hash, codec="fp32")
+                sent[a.agent].append(up.msg_id)
+                a.send(up)
+                reply = a.expect(up.msg_id, timeout=WAIT_S)
+                if isinstance(reply, protocol.Model):
+                    a.install(reply)
+        except Exception as e:  # reported: the case fails
+            failures.append(f"{a.agent}: {type(e).__name__}: {e}"[:300])
+
+    threads = [threading.Thread(target=upload, args=(a, 1000 * i), daemon=True) for i, a in enumerate(agents)]
+    try:
+        for t in threads:
+            t.start()
+        second = arena.aggregator(arena.state("split-second"))
+        code = second.wait(WAIT_S + 120)
+        second_gone.set()
+        for t in threads:
+            t.join(WAIT_S)
+        for a in agents:  # a barrier: an answer sent before this join's reached the agent before it
+            a.join(SPEC.hash, timeout=WAIT_S)
+    finally:
+        second_gone.set()
+        for a in agents:
+            a.close()
+    answers = {name: [e for e in heard[name] if getattr(e, "in_reply_to", None) in set(sent[name])]
+               for name in AGENTS}
+    counts = [sum(getattr(e, "in_reply_to", None) == m for e in answers[name])
+              for name in AGENTS for m in sent[name]]
+    kinds = Counter(type(e).__name__ if isinstance(e, protocol.Model) else f"Error:{getattr(e, 'reason', '?')}"
+                    for name in AGENTS for e in answers[name])
+    journaled = {r.get("msg_id") for j in sorted(state.glob("journal-*.log")) for r in scan_journal(j).records
+                 if isinstance(r, dict) and r.get("op") == "update"}
+    uploads = [m for name in AGENTS for m in sent[name]]
+    refusal = one_line_refusal(second, code)
+    newcomer_sessions = aggregator_sessions(arena) - sessions
+    figures = {"uploads": len(uploads), "answered_once": sum(c == 1 for c in counts),
+               "answered_twice_or_more": sum(c > 1 for c in counts), "unanswered": counts.count(0),
+               "answers": dict(kinds), "in_serving_journal": sum(m in journaled for m in uploads),
+               "newcomer_connected_as_aggregator": newcomer_sessions,
+               "serving_disconnected": disconnects(agg) - before, "second": refusal,
+               "second_connected_as_aggregator_line": any(
+                   f"client=fedmq-aggregator-{FLEET} " in line for line in second.lines),
+               "failures": failures}
+    figures["held"] = bool(
+        uploads and not failures and figures["answered_once"] == len(uploads)
+        and kinds == Counter({"Model": len(uploads)}) and figures["in_serving_journal"] == len(uploads)
+        and newcomer_sessions == 0 and figures["serving_disconnected"] == 0
+        and not figures["second_connected_as_aggregator_line"]
+        and code != 0 and not refusal["traceback"] and "another aggregator" in refusal["said"])
+    return figures
 
 
 def damaged_start(arena: Arena, state: Path, *extra: str, fleet: str = FLEET) -> dict[str, Any]:
@@ -541,9 +703,12 @@ CASES: dict[str, Callable[[Arena], dict[str, Any]]] = {
     "status_epoch": case_status_epoch,
     "update_flood": case_update_flood,
     "chunk_flood": case_chunk_flood,
+    "chunk_stall": case_chunk_stall,
     "retained": case_retained,
     "second_aggregator": case_second_aggregator,
+    "split_brain_start": case_split_brain_start,
     "poisoning": case_poisoning,
+    "guard_lockout": case_guard_lockout,
     "storage": case_storage,
     "state_dir_is_file": case_state_dir_is_file,
     "agent_state": case_agent_state,

@@ -2,10 +2,12 @@
 
 Cases whose verdict is a latency ratio (update_flood, chunk_flood) run only in `make soak`:
 speed is measured there, not asserted in tests. So do the two that start an aggregator
-process per damaged copy or of their own (storage, poisoning; about ten more process starts
+process per damaged copy or of their own (storage, poisoning, guard_lockout; about ten more process starts
 that would crowd whatever test runs beside them): tests/test_journal.py,
-tests/test_cli_errors.py and tests/test_poisoning.py cover those defences in-process. The
-rest run in two groups, each with its own broker and credentials.
+tests/test_cli_errors.py and tests/test_poisoning.py cover those defences in-process.
+chunk_stall runs here although its verdict is a ratio: the stall it guards against is the
+chunk timeout (30 s) against a join of well under a second, so its 2x does not hang on the
+machine's load. The rest run in two groups, each with its own broker and credentials.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ import pytest
 from fedmq.broker import find_mosquitto
 
 GROUPS = {
-    "network": ["takeover", "replay", "refusal", "status_epoch", "retained", "second_aggregator", "secrets"],
+    "network": ["takeover", "replay", "refusal", "status_epoch", "chunk_stall", "retained", "second_aggregator",
+                "split_brain_start", "secrets"],
     "cli": ["state_dir_is_file", "agent_state", "secrets"],
 }
-SOAK_ONLY = {"update_flood", "chunk_flood", "storage", "poisoning"}
+SOAK_ONLY = {"update_flood", "chunk_flood", "storage", "poisoning", "guard_lockout"}
 
 
 @pytest.mark.slow
