@@ -191,17 +191,23 @@ def step_vector(size: int, seed: int, length: float = HONEST_STEP) -> np.ndarray
     return length * d / np.linalg.norm(d)
 
 
-def round_trip(agent: RawAgent, step: int, timeout: float = WAIT_S) -> tuple[float, protocol.Envelope]:
-    """One honest update and its reply (installed when it is a model); seconds and the reply.
-    Its step is HONEST_STEP long in a random direction, every time: a step of growing size
-    would soon be refused by the fleet-relative norm guard (`norm_outlier`)."""
-    up = agent.update_envelope(agent.base + step_vector(agent.base.size, step), SPEC.hash, codec="fp32")
+def round_trip(agent: RawAgent, step: int, timeout: float = WAIT_S,
+               length: float = HONEST_STEP) -> tuple[float, protocol.Envelope]:
+    """One update and its reply (installed when it is a model); seconds and the reply. Its step
+    is `length` long (negative: flipped) in a random direction seeded by `step`; HONEST_STEP
+    every time by default, so the fleet-relative bound never cuts the honest ones."""
+    up = agent.update_envelope(agent.base + step_vector(agent.base.size, step, length), SPEC.hash, codec="fp32")
     t0 = time.perf_counter()
     agent.send(up)
     reply = agent.expect(up.msg_id, timeout=timeout)
     if isinstance(reply, protocol.Model):
         agent.install(reply)
     return time.perf_counter() - t0, reply
+
+
+def kind(reply: protocol.Envelope) -> str:
+    """"Model", or the refusal's reason."""
+    return getattr(reply, "reason", type(reply).__name__)
 
 
 def disconnects(proc: CliProcess) -> int:
@@ -244,7 +250,7 @@ def case_replay(arena: Arena) -> dict[str, Any]:
     moved = after.epoch - first.epoch if isinstance(first, protocol.Model) and isinstance(after, protocol.Model) else None
     replayed = isinstance(again, protocol.Error) and again.reason == "duplicate"
     return {"held": replayed and moved == 1, "first_reply": type(first).__name__,
-            "replay_reply": getattr(again, "reason", type(again).__name__),
+            "replay_reply": kind(again),
             "clock_moved_by_replay_and_next_update": moved}
 
 
@@ -286,7 +292,7 @@ def case_update_flood(arena: Arena, rounds: int = 15) -> dict[str, Any]:
         out = []
         for i in range(rounds):
             seconds, reply = round_trip(car1, first + i)
-            replies.append(getattr(reply, "reason", type(reply).__name__))
+            replies.append(kind(reply))
             out.append(seconds)
             time.sleep(max(0.0, 1.0 - seconds))  # car-1's pace: one upload a second
         return out
@@ -435,16 +441,8 @@ def case_poisoning(arena: Arena, warm: int = 6, attacks: int = 10) -> dict[str, 
             for i in range(warm):  # the fleet-relative bound starts after 10 applied uploads
                 round_trip(car1, i)
                 round_trip(car3, i)
-            replies = []
-            for _ in range(attacks):
-                # An honest step flipped and boosted x5.
-                up = car2.update_envelope(car2.base - step_vector(car2.base.size, 1000 + len(replies), 5 * HONEST_STEP),
-                                          SPEC.hash, codec="fp32")
-                car2.send(up)
-                got = car2.expect(up.msg_id, timeout=WAIT_S)
-                replies.append(getattr(got, "reason", type(got).__name__))
-                if isinstance(got, protocol.Model):
-                    car2.install(got)
+            # Honest steps flipped and boosted x5.
+            replies = [kind(round_trip(car2, 1000 + i, length=-5 * HONEST_STEP)[1]) for i in range(attacks)]
             _, after = round_trip(car1, warm)
             agg.wait_for(r"uplink\.bounded.*car-2", WAIT_S)
     finally:
@@ -474,20 +472,9 @@ def case_guard_lockout(arena: Arena, warm: int = 6, quiet: int = 10, drifts: int
                 round_trip(car1, i)
                 round_trip(car3, i)
             for i in range(quiet):
-                for agent in (car2, car3):
-                    up = agent.update_envelope(agent.base + step_vector(agent.base.size, 500 + i, HONEST_STEP / 100),
-                                               SPEC.hash, codec="fp32")
-                    agent.send(up)
-                    agent.install(agent.expect(up.msg_id, timeout=WAIT_S))
-            replies = []
-            for i in range(drifts):
-                up = car1.update_envelope(car1.base + step_vector(car1.base.size, 900 + i, 3 * HONEST_STEP),
-                                          SPEC.hash, codec="fp32")
-                car1.send(up)
-                got = car1.expect(up.msg_id, timeout=WAIT_S)
-                replies.append(getattr(got, "reason", type(got).__name__))
-                if isinstance(got, protocol.Model):
-                    car1.install(got)
+                round_trip(car2, 500 + i, length=HONEST_STEP / 100)
+                round_trip(car3, 500 + i, length=HONEST_STEP / 100)
+            replies = [kind(round_trip(car1, 900 + i, length=3 * HONEST_STEP)[1]) for i in range(drifts)]
     finally:
         agg.stop()
     bounded = sum("uplink.bounded" in line and "car-1" in line for line in agg.lines)
