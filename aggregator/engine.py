@@ -406,6 +406,7 @@ class Engine:
         if env.tensor.get("delta") and start is None:
             raise Rejected("no_base", "a delta update needs a model this agent received")
         if env.tensor.get("delta") and not named:
+            self._check_tau(env.tau)  # a tau from the future names no model: say that first
             raise Rejected("no_base", f"tau {env.tau} names no model this aggregator keeps for "
                                       f"{env.agent} (it holds epoch {record.base_epoch}); join again")
         base = start.numpy() if start is not None else None
@@ -414,9 +415,7 @@ class Engine:
                                    max_n=self.spec.numel)
         except codecs.CodecError as e:
             raise Rejected(f"codec_{e.reason}", str(e)) from None
-        if env.tau > self.strategy.uploads_applied:
-            raise Rejected("bad_tau", f"tau {env.tau} is ahead of the aggregator's epoch "
-                                      f"{self.strategy.uploads_applied}")
+        self._check_tau(env.tau)
         v = torch.from_numpy(np.ascontiguousarray(vector, dtype=np.float32))
         step = None
         if start is not None:
@@ -431,6 +430,11 @@ class Engine:
             reason = "bad_alpha" if "alpha" in str(e) else "refused"
             raise Rejected(reason, str(e)) from None
         return upload, step
+
+    def _check_tau(self, tau: int) -> None:
+        if tau > self.strategy.uploads_applied:
+            raise Rejected("bad_tau", f"tau {tau} is ahead of the aggregator's epoch "
+                                      f"{self.strategy.uploads_applied}")
 
     def step_bound(self) -> tuple[float, str | None]:
         """The longest step applied as sent and the rule that sets it (docs/reliability.md): the
