@@ -248,8 +248,7 @@ class SoftClusters(Strategy):
 
 GPU_REPLY_BATCH = 8
 """cdfl.reply_batch = 0 on a GPU: 8 queued replies trained together paid 1.57x (cnn28) and 3.64x
-(digits model) on an H200, against 0.71x and 2.54x on a 2-core CPU (docs/results_cdfl.md
-section 19)."""
+(digits model) on an H200, against 0.71x and 2.54x on a 2-core CPU (docs/results_cdfl.md#cost)."""
 
 
 def resolve_reply_batch(requested: int, device: torch.device) -> int:
@@ -335,7 +334,7 @@ class CDFL(SoftClusters):
         """cdfl.cluster_average: an exponential average of the cluster iterates, the cluster
         models the server reports. Replies are still made from the iterates: an agent's step is
         relative to the reply it trained from, and added to an average it was not taken from it
-        made both the clusters and the replies worse (docs/results_cdfl.md section 12)."""
+        made both the clusters and the replies worse (docs/results_cdfl.md#cluster-updates)."""
         if not 0.0 <= reply_average < 1.0:
             raise ValueError(f"cdfl.reply_average must be in [0, 1), got {reply_average}")
         self.reply_average = float(reply_average)
@@ -397,7 +396,7 @@ class CDFL(SoftClusters):
     def _shared_step_kept(self, k: int, shared: Tensor, own: Tensor) -> bool:
         """cdfl.trunk_guard: cluster k takes the whole trunk step only where its loss on its
         own proxy set is no higher than with the alpha share alone (the shared part broke a
-        cluster at trunk_share 0.5, docs/results_cdfl.md section 11)."""
+        cluster at trunk_share 0.5, docs/results_cdfl.md#cluster-updates)."""
         return self.evaluator.loss_on(shared, k) <= self.evaluator.loss_on(own, k)
 
     @property

@@ -3,7 +3,7 @@
 The paper's step 3 pulls each cluster model toward every upload, w_k := (1 - beta_k) w_k +
 beta_k v. An upload is an agent's own model trained on a mixture of clusters, so over a long
 run that stream blurs the specialists: at K = 4 and 6, 25 updates per agent, CDFL's clusters
-ended 0.5-1 pp below FedSoft-Async's (docs/results_cdfl.md, section 3), whichever alpha or
+ended 0.5-1 pp below FedSoft-Async's (docs/results_cdfl.md#paper-sized-fleets), whichever alpha or
 update rule was used. The server already holds a labelled proxy set D_k per cluster; after
 step 3, each cluster the upload moved takes a few SGD steps on its own D_k, which pulls it
 back toward a specialist while it keeps what the uploads taught it.

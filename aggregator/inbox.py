@@ -1,7 +1,7 @@
 """Received messages waiting for the aggregator's worker, queued per sender and taken in turn.
 
 A single FIFO let one agent's backlog delay everyone: 200 updates from car-2 sat in front of
-car-1's one, whose reply took 98 s (issue #16). Here each sender has its own queue and the
+car-1's one, whose reply took 98 s. Here each sender has its own queue and the
 worker takes at most one message per sender per batch, senders in turn, and a sender served
 in the previous batch waits while others are waiting: another agent's next message waits
 for at most the batch in progress, then is worked on without the flooder's beside it. A sender that already has

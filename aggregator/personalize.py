@@ -22,10 +22,9 @@ finetune and distill start from `start` (cfg.cdfl.personalize_start): the alpha-
 default), the upload, the dominant cluster, or a blend (1 - lam) upload + lam mixture with lam
 picked per reply from a grid by the alpha-weighted proxy loss. A proximal term (rho,
 cfg.cdfl.personalize_rho) holds the training near its start, so the agent's next step is not
-spent undoing the reply's proxy fit, which the clusters never held (docs/results_cdfl.md
-section 16). Starting from the upload alone, the reply never contains the cluster models, so
+spent undoing the reply's proxy fit, which the clusters never held (docs/results_cdfl.md#the-reply). Starting from the upload alone, the reply never contains the cluster models, so
 it is the same whether the fleet's uploads move the clusters or not (the frozen control,
-docs/results_cdfl.md section 9).
+docs/results_cdfl.md#the-reply).
 
 The server-side training runs on the evaluator's device (the GPU when there is one) and is
 deterministic for a given seed on CPU, so journal replay rebuilds the same reply.
@@ -277,7 +276,7 @@ class DistillPersonalizer(Personalizer):
         """The reply's epochs over `kept` samples, and the average of its last iterates.
 
         personalize_epochs is stretched to at least min_steps SGD steps: a reply over few proxy
-        samples (small K, small sets) otherwise takes few steps (docs/results_cdfl.md section 15).
+        samples (small K, small sets) otherwise takes few steps (docs/results_cdfl.md#the-reply).
         An explicit `samples` per epoch is a cap on the reply's cost, and the floor leaves it.
         The tail average starts past the last step when tail_average is 0 (the last iterate)."""
         per_epoch = -(-(self.samples or kept) // self.batch_size)
@@ -351,7 +350,7 @@ class DistillPersonalizer(Personalizer):
 class TailAverage:
     """The running mean of the iterates from step `first` on (cdfl.personalize_tail_average,
     Polyak-Ruppert / stochastic weight averaging). Measured no help for CDFL's replies on
-    rotated digits (docs/results_cdfl.md section 16); kept as an option, off."""
+    rotated digits (docs/results_cdfl.md#the-reply); kept as an option, off."""
 
     def __init__(self, first: int) -> None:
         self.first = first

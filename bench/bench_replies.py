@@ -31,7 +31,7 @@ VARIANTS: dict[str, dict] = {
     "paper (mixture, no refresh)": {"personalization": "mixture", "cluster_refresh_steps": 0,
                                     "update_rule": "alpha"},
     DEFAULT: {},
-    "upload start (before issue 15)": {"personalize_start": "upload", "update_rule": "alpha"},
+    "upload start, alpha rule": {"personalize_start": "upload", "update_rule": "alpha"},
     "no refresh": {"cluster_refresh_steps": 0},
     "no proximal term (rho 0, before)": {"personalize_rho": 0.0},
     "finetune-ep2": {"personalize_epochs": 2},
@@ -43,7 +43,7 @@ VARIANTS: dict[str, dict] = {
 }
 """Name -> CDFLSettings fields that differ from the defaults."""
 SMALL_SERVER = 100
-"""Proxy samples per cluster of the realistic-budget rows (docs/results_cdfl.md sections 11-15):
+"""Proxy samples per cluster of the realistic-budget rows (docs/results_cdfl.md#the-reply):
 there a reply's epochs hold few SGD steps, and cdfl.personalize_min_steps sets its price."""
 SMALL = {f"{SMALL_SERVER} proxy/cluster, min-steps 0, rho 0": {"personalize_min_steps": 0, "personalize_rho": 0.0},
          f"{SMALL_SERVER} proxy/cluster, min-steps 64, rho 0": {"personalize_min_steps": 64, "personalize_rho": 0.0},

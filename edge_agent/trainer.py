@@ -9,7 +9,7 @@ an effective rho. The proximal gradient is added to the parameters' gradients di
 (no second forward pass); `final_loss` is the data loss alone.
 
 Defaults (2 epochs, batch 32, SGD lr 0.01, momentum 0.9, rho 0.1) were set by a
-measurement on rotated digits (docs/edge_agent.md): DESIGN.md's lr 0.05 lowered the
+measurement on rotated digits (docs/edge_agent.md): an lr of 0.05 lowered the
 accuracy of good received models (by up to 0.025 here too); SGD lr 0.01 for 2 epochs
 improved every case, partly trained (+0.16 to +0.26) and good (+0.03 to +0.08) models.
 """

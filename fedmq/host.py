@@ -1,7 +1,7 @@
 """The machine a figure was measured on. Benchmarks and experiments record it beside their
 numbers: speed differs between machines, and so does float rounding, which grows over a few
 hundred training steps into a different experiment result for the same command (0.921 against
-0.915 received accuracy in docs/results_cdfl.md section 14). A variant and its control are a
+0.915 received accuracy in docs/results_cdfl.md#headline). A variant and its control are a
 pair only when they were made on the same machine."""
 
 from __future__ import annotations

@@ -164,7 +164,7 @@ class RabbitCluster:
             # runuser resets the soft limit to 1024, so the node raises it itself; the hard limit
             # (20000 for root here) is raised first where we may (CAP_SYS_RESOURCE, up to fs.nr_open): every
             # connection is a socket and every mirrored session queue keeps files open, and a
-            # node out of handles stalls queue declarations without a word (issue 18's 10k run).
+            # node out of handles stalls queue declarations without a word (seen at 10,000 agents).
             hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
             n = self.fd_limit
             if hard != resource.RLIM_INFINITY and n > hard:

@@ -8,7 +8,7 @@ is a digits image upsampled to 20x20, placed at a random offset of up to 2 px fr
 of a 28x28 frame, with a random stroke gain (0.8-1.2) and pixel noise (sigma 0.05). Train
 images come from fedmq's digits train split, test images from its test split, so the two
 share no base image; but 60,000 images are drawn from 1,257 bases, so it has far less variety
-than MNIST. docs/results_cdfl.md section 18 reports runs on it. Deterministic.
+than MNIST. docs/results_cdfl.md#headline reports runs on it. Deterministic.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ the alpha-mixture by default) and the cosine between the two, over the model's
 parameters (running statistics left out). A negative cosine is a step that partly undoes the
 reply's fit; the clusters, which never held that fit, take it all the same. Prints one
 `step-stats` JSON line (means and medians) and writes it to OUT/step_stats.json.
-docs/results_cdfl.md section 16 reads it.
+docs/results_cdfl.md#the-reply reads it.
 """
 
 from __future__ import annotations

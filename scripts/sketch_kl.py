@@ -5,9 +5,9 @@
 Each (K, seed) fleet of `python -m sim.ablation` draws the same per-cycle data here
 (`make_schedule` + `draw_cycle`, the ablation's defaults for agents and updates per agent), and
 each draw's sketch is fitted to the clusters' reference sketches (`sketch_references`) with
-every shrinkage given (1 = the plain fit before session 23). No model is trained, so this
+every shrinkage given (1 = the plain least-squares fit). No model is trained, so this
 takes minutes where the fleets take hours; it measures the estimator alone, not what its
-alpha does to the replies. docs/results_cdfl.md section 20 reads it.
+alpha does to the replies. docs/results_cdfl.md#estimation reads it.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ CENTRAL_CLUSTERS = "central-clusters"
 test sample scored by its own cluster's model. An upper bound for one personalized model per
 agent, which must serve its whole mixture (at K = 2 the clusters are 0 and 180 degrees, where
 a 6 and a 9 look alike to one model for both; measured on rotated digits the gap to `central`
-is small: 0.956 against 0.947, docs/results_cdfl.md section 12)."""
+is small: 0.956 against 0.947, docs/results_cdfl.md#ceilings)."""
 CENTRAL_PERSONAL = "central-personal"
 """The best one model per agent we know how to build: for each cycle, `central`'s model fine-tuned
 on the pooled data resampled by that cycle's true mixture, so it knows every label the fleet saw
@@ -148,7 +148,7 @@ DEFAULT_VARIANTS = ("local=local", "fedsoft-async=fedsoft-async", "cdfl=cdfl",
                     "cdfl-paper=cdfl:cdfl.personalization=mixture,cdfl.cluster_refresh_steps=0,"
                     "cdfl.update_rule=alpha,aggregator.pretrain_shared=false")
 """Today's CDFL defaults (a reply fine-tuned from the cluster mixture, clusters moved by the
-agents' steps: docs/results_cdfl.md section 9); the reply before issue 15 (the agent's upload
+agents' steps: docs/results_cdfl.md#the-reply); the upload-start reply (the agent's upload
 fine-tuned on proxy data, which the fleet's uploads never reach); and the
 paper as written (mixture reply, no refresh). CDFL variants get their controls."""
 
@@ -659,8 +659,8 @@ TARGETS = (
     Target("cluster >= FedSoft-Async", "fedsoft_gain_cluster"),
     Target("KL < FedSoft-Async's argmin", "kl"),
 )
-"""What a CDFL reply must show against its controls and baselines (issue 15,
-docs/results_cdfl.md)."""
+"""What a CDFL reply must show against its controls and baselines
+(docs/results_cdfl.md#headline)."""
 
 
 def targets_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -772,7 +772,7 @@ def merge_results(sources: Sequence[Path], out: Path, command: str | None = None
     the spread and count one seed as two. Runs from different machines (or from a
     source that does not say) are merged with a note in the table: float rounding differs
     between CPUs and grows over a run, so a variant and its control make a pair only when
-    one machine ran both (docs/results_cdfl.md section 14).
+    one machine ran both (docs/results_cdfl.md#headline).
     """
     runs: list[VariantResult] = []
     commands: list[str] = []

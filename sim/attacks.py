@@ -1,4 +1,4 @@
-"""Privacy attacks on one upload, as tests of ourselves (issue #19): what a server learns.
+"""Privacy attacks on one upload, as tests of ourselves: what a server learns.
 
 Threat model. The adversary is the aggregator (or whoever holds its credentials): it sees
 every upload exactly as sent, and knows everything fedmq's server knows. For one client it
@@ -851,7 +851,7 @@ def write_results(view: ServerView, plan: AttackPlan, cells: Sequence[CellResult
            "cells": [{k: v for k, v in asdict(c).items() if k != "examples"} for c in cells]}
     (out / "attacks.json").write_text(json.dumps(_finite(doc), indent=1) + "\n")
     tables = markdown_tables(cells)
-    (out / "attacks.md").write_text(f"# Privacy attacks on one upload (issue #19)\n\n`{command}`\n\n"
+    (out / "attacks.md").write_text(f"# Privacy attacks on one upload\n\n`{command}`\n\n"
                                     f"{describe_setting(view, plan)}\n\n{tables}\n\n{NOTES}\n")
     draw_reconstructions(cells, out / "reconstructions.png")
     return tables

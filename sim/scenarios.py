@@ -7,7 +7,7 @@ seeded by (run seed, agent, cycle), so an agent's data in cycle c is the same in
 of the same seed, whatever the thread timing.
 
 - `rotated-digits|mnist|fashionmnist|cifar100|shapes`: cluster k is the dataset rotated by
-  k * 360 / K; an agent's mixture is 40-90 % from a random primary cluster (DESIGN.md).
+  k * 360 / K; an agent's mixture is 40-90 % from a random primary cluster (docs/data.md).
   Digits and shapes (generated 32x32 colour) are offline; the others need their files
   under `--data-dir`.
 - `digits-domains`: three digit sources, which offline means scikit-learn's digits as

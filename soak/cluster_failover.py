@@ -1,4 +1,4 @@
-"""Broker nodes killed again and again under a fleet's uploads (issue 18's soak run).
+"""Broker nodes killed again and again under a fleet's uploads (docs/scaling.md).
 
     python -m soak.cluster_failover                    # 2 nodes, 8 agents, 6 kills
     python -m soak.cluster_failover --kills 10 --agents 12 --uploads-per-kill 6

@@ -1,4 +1,4 @@
-"""10,000 connected agents on a 2-node RabbitMQ cluster, with uploads flowing (issue 18).
+"""10,000 connected agents on a 2-node RabbitMQ cluster, with uploads flowing (docs/scaling.md).
 
     python -m soak.cluster_fleet                     # 10,000 agents in 4 processes
     python -m soak.cluster_fleet --agents 2000 --processes 2

@@ -69,7 +69,7 @@ def warm_python(tmp_path_factory) -> Iterator[Path]:
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """How many documented commands the suite ran, and how (issue 14: the docs are executed)."""
+    """How many documented commands the suite ran, and how (the docs are executed)."""
     ran = [r for reports in terminalreporter.stats.values() for r in reports
            if "test_documented_commands" in getattr(r, "nodeid", "") and getattr(r, "when", "") == "call"]
     if ran:

@@ -250,7 +250,7 @@ def test_the_same_command_runs_on_mnist_files_through_data_dir(tmp_path):
 
 
 def test_digits28_files_stand_in_for_mnist_through_data_dir(tmp_path, capsys):
-    """scripts/digits28_files.py, as docs/results_cdfl.md section 18 runs it (fewer images:
+    """scripts/digits28_files.py, as docs/results_cdfl.md#headline runs it (fewer images:
     test time), then that section's command planned on the files: rotated-mnist and cnn28."""
     script = [sys.executable, str(ROOT / "scripts" / "digits28_files.py"), str(tmp_path / "d28"),
               "--train", "1500", "--test", "400"]
@@ -270,7 +270,7 @@ def test_digits28_files_stand_in_for_mnist_through_data_dir(tmp_path, capsys):
     clear_cache()
     kl = subprocess.run([sys.executable, str(ROOT / "scripts" / "sketch_kl.py"), "--data-dir", str(tmp_path / "d28"),
                          "--clusters", "2,4,6", "--seeds", "0,1,2", "--dry-run"], capture_output=True, text=True,
-                        timeout=300)  # section 20's sketch_kl command on the same files
+                        timeout=300)  # the results page's sketch_kl command on the same files
     assert kl.returncode == 0 and kl.stdout.startswith("rotated-mnist, K 2, 4, 6"), kl.stderr
 
 
@@ -455,7 +455,7 @@ def test_resample_by_mixture_gives_each_cluster_its_alpha_share_whatever_the_poo
 
 
 def test_reply_step_stats_measures_each_agents_step_against_its_replys_fit(tmp_path):
-    """scripts/reply_step_stats.py, as section 16 runs it: every upload after an agent's first
+    """scripts/reply_step_stats.py, as docs/results_cdfl.md#the-reply runs it: every upload after an agent's first
     starts from the reply that agent was sent, so each is measured; a trained reply has a fit."""
     out = tmp_path / "out"
     sets = [x for k, v in SMALL.items() for x in ("--set", f"{k}={v}")]
@@ -474,7 +474,7 @@ def test_reply_step_stats_measures_each_agents_step_against_its_replys_fit(tmp_p
 
 def test_sketch_kl_replays_a_fleets_draws_for_each_shrinkage():
     """scripts/sketch_kl.py: one JSON line per (K, seed), a KL per shrinkage; the whitened fit
-    beats the plain one over this fleet's 24 draws (section 20 measured it over 300)."""
+    beats the plain one over this fleet's 24 draws (the results page measured it over 300)."""
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "sketch_kl.py"), "--clusters", "4", "--seeds", "1",
                            "--agents", "8", "--updates-per-agent", "3"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

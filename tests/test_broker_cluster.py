@@ -1,4 +1,4 @@
-"""fedmq on a real 2-node RabbitMQ cluster (issue 18), started as a user would:
+"""fedmq on a real 2-node RabbitMQ cluster (docs/scaling.md), started as a user would:
 `fedmq broker --rabbitmq 2`. Agents on one node, the aggregator on the other, the agents'
 node killed (-9 on its Erlang VM) during a burst of uploads.
 

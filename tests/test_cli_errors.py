@@ -264,7 +264,7 @@ def test_unwritable_state_dir_is_one_line(tmp_path) -> None:
     blocker.write_text("")
     argv = ("aggregator", "--state-dir", str(blocker / "agg"), "--broker", f"mqtt://127.0.0.1:{free_port()}",)
     assert_one_line(run(*argv), 1, str(blocker / "agg"), "--state-dir")
-    # The agent too: it used to print two tracebacks and hang (issue #16).
+    # The agent too: it used to print two tracebacks and hang.
     argv = ("agent", "--id", "a1", "--state-dir", str(blocker / "a1"), "--broker", f"mqtt://127.0.0.1:{free_port()}")
     assert_one_line(run(*argv), 1, str(blocker / "a1"))
 

@@ -550,7 +550,7 @@ def exported_metrics() -> set[str]:
 def test_dashboard_queries_only_metrics_the_aggregator_exports() -> None:
     """Every panel of the provisioned Grafana dashboard reads metrics that exist, per fleet, from
     the provisioned data source; it covers uploads/s, stale and refused, reply latency, cluster
-    accuracy, agents online and the reply workers (issue 18)."""
+    accuracy, agents online and the reply workers (docs/scaling.md)."""
     dash = json.loads((MONITORING / "grafana/dashboards/fedmq.json").read_text())
     uid = yaml.safe_load((MONITORING / "grafana/provisioning/datasources/prometheus.yml").read_text())[
         "datasources"][0]["uid"]

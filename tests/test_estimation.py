@@ -175,7 +175,7 @@ def test_whitener_is_the_inverse_root_of_the_shrunk_within_cluster_covariance():
 def test_whitened_sketch_fit_cuts_the_kl_of_the_default_estimator():
     """cdfl.sketch_shrinkage: least squares in the metric of the features' own noise. Rotated
     digits, realistic budget, K = 4, the same 40 draws: KL at least a third lower than plain
-    least squares (shrinkage 1; section 20 measured 0.044 -> 0.015 over a fleet's draws)."""
+    least squares (shrinkage 1; docs/results_cdfl.md#estimation: 0.044 -> 0.015 over a fleet's draws)."""
     from aggregator.bootstrap import make_strategy
     from fedmq.config import load_config
 

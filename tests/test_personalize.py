@@ -339,7 +339,7 @@ def test_trunk_share_gives_every_cluster_the_step_below_the_head(world, moves_he
 
 def test_the_default_trunk_share_is_half_from_three_clusters_and_none_at_two(world):
     """cdfl.trunk_share = -1 (the default): 0.5 at K >= 3, 0 at K = 2 (docs/results_cdfl.md
-    section 13); an explicit share is kept whatever K."""
+    #cluster-updates); an explicit share is kept whatever K."""
     assert CDFLSettings().trunk_share == -1.0
     assert resolve_trunk_share(-1.0, 2) == 0.0
     assert resolve_trunk_share(-1.0, 3) == resolve_trunk_share(-1.0, 6) == 0.5
@@ -389,7 +389,7 @@ def test_refresh_all_refreshes_a_cluster_the_upload_had_no_share_of(world):
 
 
 def test_default_reply_carries_another_agents_upload_and_the_frozen_control_does_not(world):
-    """Issue 15 with today's defaults (mixture start, delta rule): agent b's reply depends on what
+    """The federating reply with the defaults (mixture start, delta rule): agent b's reply depends on what
     agent a uploaded before it, and does not once the clusters are frozen (beta0 = server_lr =
     0, the experiments' control)."""
     _, w, proxies = world
@@ -443,7 +443,7 @@ def test_replies_trained_together_match_replies_trained_one_by_one(world, sample
 
 def test_reply_batch_defaults_to_one_on_a_cpu_and_to_the_measured_batch_on_a_gpu(world):
     """cdfl.reply_batch = 0 (the default) resolves by device: batching paid on an H200 for both
-    models and lost for cnn28 on a 2-core CPU (docs/results_cdfl.md section 19)."""
+    models and lost for cnn28 on a 2-core CPU (docs/results_cdfl.md#cost)."""
     _, w, proxies = world
     assert CDFLSettings().reply_batch == 0
     assert CDFL.from_settings(SPEC, w, proxies, CDFLSettings(clusters=K), device="cpu").reply_batch == 1

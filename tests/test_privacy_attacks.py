@@ -1,4 +1,4 @@
-"""Privacy attacks on one upload (sim/attacks.py, issue #19): they work where nothing protects
+"""Privacy attacks on one upload (sim/attacks.py): they work where nothing protects
 the client, and under DP they gain no more than the accountant's epsilon allows.
 
 Real digits, the real pre-trained cluster models, uploads trained by the agent's own

@@ -388,7 +388,7 @@ def test_reassembles_in_order_out_of_order_and_with_duplicates() -> None:
 
 
 def test_a_message_of_more_pieces_than_allowed_is_refused_at_its_first_piece() -> None:
-    """Hundreds of one-byte pieces kept a receiver busy for nothing (issue #16); more than the
+    """Hundreds of one-byte pieces kept a receiver busy for nothing; more than the
     broker's in-flight window could never complete anyway (chunks are acked with the whole)."""
     chunks = _chunks(os.urandom(640), 1)
     r = _reassembler(max_chunks=64)

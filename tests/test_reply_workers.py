@@ -1,4 +1,4 @@
-"""Reply workers (issue 18): CDFL's trained replies made by `fedmq worker` processes over a
+"""Reply workers (docs/scaling.md): CDFL's trained replies made by `fedmq worker` processes over a
 real Mosquitto, the aggregator staying the single writer (aggregator/reply_pool.py).
 
 The writer side here is a CDFL strategy built from the same config as the workers (the

@@ -374,7 +374,7 @@ def test_hash_matches_mosquitto_passwd(tmp_path):
 @needs_mosquitto
 def test_fleet_scoped_acl_keeps_an_agent_to_its_own_fleet(tmp_path):
     """`fedmq creds --fleet f1`: every rule names f1, so an agent cannot store retained
-    messages under other fleet ids (issue #16: 5 x 90 MiB under invented fleets). An
+    messages under other fleet ids (5 x 90 MiB under invented fleets). An
     observer that may read everything (added to the ACL for this test only) sees what the
     broker kept: the message in f1, not the one in f2."""
     creds = make_credentials(tmp_path / "creds", ["a1"], monitor_user="observer", fleets=["f1"])

@@ -1,6 +1,6 @@
 """Per-agent data: a mixture over rotation clusters, drawn afresh after every cycle.
 
-The rule (DESIGN.md, "Data and experiments"): an agent holds 500-2000 samples, 40-90 % from
+The rule (docs/data.md): an agent holds 500-2000 samples, 40-90 % from
 one primary cluster chosen at random; the rest is split over the other clusters by a
 symmetric Dirichlet. Every draw takes a numpy Generator, so the same seed gives the same
 mixture and the same samples.
