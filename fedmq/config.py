@@ -47,7 +47,7 @@ class BrokerSettings:
     """Where the MQTT broker is and how to talk to it."""
 
     url: str = "mqtt://127.0.0.1:1883"
-    """mqtt://[user:pass@]host[:port] or mqtts://... for TLS; the nodes of a broker cluster separated by commas (a client fails over to the next when its node goes down, docs/scaling.md). A URL with a user and no password (mqtts://car-1@host) takes the password from the environment variable FEDMQ_BROKER_PASSWORD, which, unlike argv, other users of the machine cannot read."""
+    """mqtt://[user:pass@]host[:port], or mqtts://... for TLS; a broker cluster's nodes separated by commas (failover, docs/scaling.md). A user with no password (mqtts://car-1@host) reads it from FEDMQ_BROKER_PASSWORD, which other users cannot read, unlike argv."""
     ca_file: str = ""
     """CA bundle that signed the broker's certificate (mqtts)."""
     cert_file: str = ""
@@ -61,7 +61,7 @@ class BrokerSettings:
     protocol: str = "auto"
     """auto (MQTT v5, fall back to 3.1.1), 5 or 3.1.1."""
     max_inflight: int = 64
-    """Bound on unacknowledged QoS 1 publishes per client (paho fails at 65,535). Clamped to the broker's Receive Maximum, it is also taken as the broker's in-flight window toward this client: half of it bounds the chunk pieces of unfinished messages held unacknowledged (docs/reliability.md), so set it to the broker's window when that is smaller and not announced (MQTT 3.1.1, RabbitMQ's prefetch)."""
+    """Unacknowledged QoS 1 publishes per client (1-65535), clamped to the broker's Receive Maximum and taken as its in-flight window toward this client; set it to the broker's window when that is smaller and not announced (MQTT 3.1.1, RabbitMQ). docs/reliability.md."""
     reconnect_min_s: float = 0.5
     """First reconnect delay; it doubles up to reconnect_max_s."""
     reconnect_max_s: float = 30.0
@@ -83,7 +83,7 @@ class ProtocolSettings:
     max_pending_bytes: int = 256 * 1024 * 1024
     """Memory bound for all partially reassembled messages together."""
     max_chunks: int = 64
-    """Most pieces one chunked message may declare; more is refused at its first piece (too_large). Chunks are acknowledged only with their whole message, so a receiver holds at most half its in-flight window (32 with the shipped broker configs, see broker.max_inflight) of them and refuses a message of more pieces whatever this says; and a message of hundreds of tiny pieces is a cheap way to keep the receiver busy."""
+    """Most pieces one chunked message may declare (integer >= 1); more is refused at its first piece (too_large). A receiver also refuses more than half its in-flight window (broker.max_inflight) of pieces. docs/reliability.md."""
     max_partials_per_sender: int = 2
     """Partial (chunked) messages one sender may have open at once; more are refused, so one flooding agent cannot take the others' share of max_pending_bytes."""
 
@@ -163,7 +163,7 @@ class CDFLSettings:
     tau0: int = 0
     """Staleness threshold: uploads with staleness > tau0 leave clusters unchanged. 0 = number of agents seen."""
     staleness_cap: int = 1
-    """Staleness counts each agent's uploads since the model an upload started from at most this many times, so one agent uploading 20x as often cannot make the others' uploads stale (1: staleness = 1 + agents that uploaded since). 0 = every upload counts (the papers' t - tau). Also FedSoft-Async and FedAsync."""
+    """Times each agent's uploads count toward an upload's staleness (integer >= 0; 1: staleness = 1 + agents that uploaded since, so a frequent uploader cannot make others stale; 0 = every upload counts, the papers' t - tau). Also FedSoft-Async and FedAsync."""
     beta0: float = 0.025
     """Base update ratio (the paper's value); beta_mk = beta0 * alpha_mk * s(t - tau)."""
     hinge_a: float = 10.0
@@ -171,7 +171,7 @@ class CDFLSettings:
     hinge_b: float = 5.0
     """Hinge staleness knee b: staleness up to b counts fully."""
     estimator: str = "sketch"
-    """How alpha is estimated: sketch (NNLS of the agent's 2 KB data sketch on the proxy sets' sketches; the default: KL 0.001-0.034 at K = 2-6, below FedSoft's argmin; uploads without a sketch go to sketch_fallback), metrics (the paper's softmax of loss / gap / distance), direction (NNLS of the step on proxy gradients), evidence (per-sample gain on proxy data) or trajectory (NNLS on server-simulated per-cluster local runs; the best from the model alone, costs K short trainings per upload). See docs/cdfl.md and docs/results_cdfl.md."""
+    """How alpha is estimated: sketch (NNLS of the agent's 2 KB data sketch on the clusters' reference sketches; uploads without one use sketch_fallback), metrics (the paper's softmax of loss / gap / distance), direction, evidence or trajectory. See docs/cdfl.md and docs/results_cdfl.md#estimation."""
     metric_weights: list[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])
     """Convex weights of the loss, loss-gap and distance distributions."""
     temperature: float = 1.0
@@ -191,11 +191,9 @@ class CDFLSettings:
     sketch_floor: float = 0.01
     """sketch estimator: mix this much uniform into alpha."""
     sketch_shrinkage: float = 0.25
-    """sketch estimator: the mixture is fit by least squares in the metric of the features' noise: their covariance over single inputs within each cluster's references, shrunk this far toward its mean variance (1 = plain least squares, before session 23). A client's sketch is a mean of n inputs' features, so its error has that covariance over n; plain least squares let the directions where single inputs vary most outweigh those where the clusters differ. Realistic budget: KL 0.077 to 0.023 at K = 6 on rotated digits (seed 0, the fleet's draws), 0.134 to 0.034 at K = 2 seed 1 on the 28x28 stand-in (a fleet) (docs/results_cdfl.md section 20)."""
+    """sketch estimator: the mixture is fitted by least squares in the metric of the features' noise, its covariance shrunk this far toward its mean variance (in [0, 1]; 1 = plain least squares). docs/results_cdfl.md#estimation."""
     sketch_pretrain: bool = True
-    """sketch estimator: compare uploads' sketches with each cluster's proxy and pre-training inputs
-    (labels unused), not the proxy set alone: the reference's sampling noise, not the client's,
-    set most of the KL at 100 proxy samples per cluster (docs/results_cdfl.md section 18)."""
+    """sketch estimator: a cluster's reference sketch is made from its proxy and pre-training inputs (labels unused), not the proxy set alone (less reference noise). docs/results_cdfl.md#estimation."""
     trajectory_epochs: int = 2
     """trajectory estimator: epochs of each simulated per-cluster run (match the agents' local training)."""
     trajectory_lr: float = 0.05
@@ -203,7 +201,7 @@ class CDFLSettings:
     trajectory_rho: float = 0.1
     """trajectory estimator: proximal strength of the simulated runs."""
     eval_formulation: str = "auto"
-    """Proxy evaluation: auto (fused on CPU when it reproduces the model, else stacked), fused (conv1+pool as window GEMMs, oneDNN later layers, worker threads; 71 % of the matmul rate here, 142 of 200 GFLOP/s), stacked, or vmap. See docs/cdfl.md."""
+    """Proxy evaluation: auto (fused on CPU when it reproduces the model, else stacked), fused (conv1+pool as window GEMMs, worker threads), stacked, or vmap. See docs/cdfl.md."""
     eval_workers: int = 0
     """fused: worker threads (0 = torch's thread count)."""
     eval_chunk: int = 0
@@ -211,35 +209,35 @@ class CDFLSettings:
     eval_compile: bool = False
     """torch.compile the stacked/vmap evaluation (~1.6x those after ~4 s of compiling; the fused default does not use it and is faster)."""
     personalization: str = "finetune"
-    """How the one reply model is made (aggregator/personalize.py): finetune (the agent's upload trained on alpha-weighted proxy data: the measured winner, +18-26 pp over the paper's mixture on rotated digits), mixture (the paper's sum_k alpha_k w_k, cheapest), upload (the agent's own upload), distill (finetune taught by each cluster's specialist) or distill-mixture (distill from the mixture). finetune costs a training of personalize_epochs per reply: with 2 epochs ~0.06-0.1 s for the digits model and, for cnn28 with K = 4 and 1000 proxy samples per cluster, 1.4 s against 0.78 s for mixture per upload on an idle 2-core CPU; 8 epochs (the default) cost 4x that. See docs/results_cdfl.md."""
+    """How the reply model is made (aggregator/personalize.py): finetune (its start trained on alpha-weighted proxy data), mixture (the paper's sum_k alpha_k w_k, cheapest), upload, distill or distill-mixture. finetune costs personalize_epochs of training per reply. docs/results_cdfl.md#the-reply."""
     personalize_start: str = "mixture"
-    """finetune/distill: the model the reply's training starts from: mixture (sum_k alpha_k w_k, the default: the reply then carries what the fleet's uploads taught the clusters), upload (the agent's own; the default before issue 15, which no other agent's upload reaches), dominant (the cluster with the largest alpha) or blend ((1 - lam) upload + lam mixture, lam from personalize_blend_grid with the lowest alpha-weighted proxy loss, chosen per reply). Only mixture, dominant and blend carry the fleet's uploads into the reply; see docs/results_cdfl.md section 10."""
+    """finetune/distill: the model the reply's training starts from: mixture (sum_k alpha_k w_k; carries what the fleet taught the clusters), upload (the agent's own), dominant (the largest-alpha cluster) or blend (lam from personalize_blend_grid, chosen per reply). docs/results_cdfl.md#the-reply."""
     personalize_blend_grid: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     """blend: the candidate weights lam of the cluster mixture against the upload."""
     reply_uses_upload: bool = True
     """false: build every reply as if the agent had uploaded nothing (the proxy-only control of an experiment; the clusters still learn from the upload)."""
     personalize_epochs: int = 8
-    """finetune/distill: epochs over the alpha-weighted proxy sets per reply (0: the start itself is the reply). 8 against 2: received accuracy +1.0-3.7 pp on rotated digits at 4x the reply's cost (cnn28, K = 4, 1000 proxy samples per cluster, CPU: ~11 s against ~2.8 s per upload on a loaded 2-core machine); see docs/results_cdfl.md section 4."""
+    """finetune/distill: epochs over the alpha-weighted proxy sets per reply (integer >= 0; 0: the start itself is the reply). A reply's cost grows linearly with it. docs/results_cdfl.md#the-reply."""
     personalize_lr: float = 0.01
     """finetune/distill: SGD learning rate (momentum 0.9)."""
     personalize_batch_size: int = 64
-    """finetune/distill: proxy samples per SGD step of the reply's training. 32 (twice the steps over the same samples), rotated digits, realistic budget, 3 seeds: received accuracy +1.2 pp at K = 2 and +0.6 at K = 3, unchanged at K = 4 and 6, while the reported clusters lose 0.4-2.0 pp (docs/results_cdfl.md section 14)."""
+    """finetune/distill: proxy samples per SGD step of the reply's training (integer >= 1). docs/results_cdfl.md#the-reply."""
     personalize_min_steps: int = 128
-    """finetune/distill: train the reply for at least this many SGD steps, stretching personalize_epochs where the alpha-weighted proxy sets are small (0 = personalize_epochs as set). At batch 64, 8 epochs over 100 samples per cluster are 16 steps per cluster, so small proxy sets and small K got the fewest; with paper-sized sets (1000 per cluster) 8 epochs already pass 128 steps and nothing changes. Not applied when personalize_samples is set (that caps the reply's cost). Rotated digits, realistic budget: received accuracy +1.6 / +0.6 (ten seeds) / +0.4 / +0.0 pp at K = 2 / 3 / 4 / 6 over 0, the reported clusters -0.1 to -0.8 pp (docs/results_cdfl.md section 15)."""
+    """finetune/distill: SGD steps a reply trains at least, stretching personalize_epochs over small proxy sets (integer >= 0; 0 = the epochs as set). Not applied when personalize_samples caps the reply. docs/results_cdfl.md#the-reply."""
     personalize_tail_average: float = 0.0
-    """finetune/distill: the reply is the mean of its training's iterates over this last fraction of its SGD steps (0 = the last iterate; 0.5 = the mean of the second half's). Tried in case the last iterate over a few hundred proxy samples wandered; it did not help: 0.5 gave received accuracy -0.1 pp, clusters +0.0 at K = 3, 3 seeds (docs/results_cdfl.md section 16)."""
+    """finetune/distill: the reply is the mean of its iterates over this last fraction of its SGD steps (in [0, 1]; 0 = the last iterate). Measured no help; off. docs/results_cdfl.md#the-reply."""
     personalize_rho: float = 0.1
-    """finetune/distill: proximal weight of the reply's training toward its start (the alpha-mixture): loss + (rho/2)||w - start||^2 (0 = none, the default before session 20). Without it a reply trained 128+ steps on small proxy sets moved ~7x as far from the mixture as the agent's own step, and the agent's step partly undid that fit (cosine -0.10), which the clusters then took. Rotated digits, realistic budget, ten seeds at K = 3: received accuracy +0.7 pp, clusters +1.6 pp over 0 (docs/results_cdfl.md section 16)."""
+    """finetune/distill: proximal weight pulling the reply's training toward its start, loss + (rho/2)||w - start||^2 (>= 0; 0 = none). docs/results_cdfl.md#the-reply."""
     personalize_samples: int = 0
     """finetune/distill: proxy samples per epoch, drawn with replacement in proportion to alpha (0 = every sample of the clusters with alpha > 0, weighted by alpha). Caps a reply's cost whatever K and the proxy sizes are."""
     reply_batch: int = 0
-    """finetune: train up to this many queued uploads' replies together (one torch.func vmapped gradient per mini-batch over all of them; the same replies up to float rounding). 0 (the default) = 8 where the server trains on a GPU, 1 on a CPU; 1 = one at a time. With 8 queued on an H200 it paid 1.57x for cnn28 and 3.64x for the 14 k-parameter digits model; on a 2-core CPU 0.71x for cnn28 (one reply already keeps both cores busy) and 2.54x for the digits model (docs/results_cdfl.md section 19, `python -m bench replies`)."""
+    """finetune: queued uploads whose replies train together as one vmapped batch (integer >= 0; 0 = 8 on a GPU, 1 on a CPU; 1 = one at a time). Same replies up to float rounding. docs/results_cdfl.md#cost, `python -m bench replies`."""
     personalize_kd_weight: float = 0.5
     """distill: weight of the specialist teachers' tempered softmax against the true labels."""
     personalize_temperature: float = 2.0
     """distill: softmax temperature of teacher and student."""
     update_rule: str = "delta"
-    """How an upload moves the clusters: delta (the default: w_k += server_lr alpha_k s (v - base), the agent's own step in its share, see server_lr), or the paper's pull toward v, w_k += beta_k (v - w_k), with beta_k = beta0 alpha_k s (alpha), alpha_k^update_power renormalized (sharpen) or alpha_k times 1 - H(alpha)/log K (confidence). See docs/results_cdfl.md section 10."""
+    """How an upload moves the clusters: delta (w_k += server_lr alpha_k s (v - base), the agent's own step in its share), alpha (the paper's pull w_k += beta_k (v - w_k)), sharpen or confidence (alpha reweighted). docs/results_cdfl.md#cluster-updates."""
     update_power: float = 2.0
     """sharpen: the power applied to alpha before renormalizing."""
     server_lr: float = 1.0
@@ -249,21 +247,21 @@ class CDFLSettings:
     delta_tau0: int = 0
     """delta rule: uploads with t - tau above this leave the clusters unchanged (0 = 5 x the number of agents seen)."""
     delta_moves_head: bool = False
-    """delta rule: whether the agents' steps also move each cluster's output layer (the model's last weight and bias). false (the default): the fleet teaches the layers below, and each head stays the specialist its proxy refresh keeps it; rotated digits, realistic budget, 3 seeds: cluster federation gain -0.8 / +0.4 / +2.1 / +1.0 pp at K = 2 / 3 / 4 / 6 against -3.3 / -1.3 / +0.9 / +0.2 with the heads moved, received accuracy the same (docs/results_cdfl.md section 10)."""
+    """delta rule: whether the agents' steps also move each cluster's output layer (last weight and bias). false: each head stays the specialist its proxy refresh keeps. docs/results_cdfl.md#cluster-updates."""
     trunk_share: float = -1.0
-    """delta rule: the share of an agent's step on the layers below the output layer that every cluster takes whatever its alpha: trunk beta_k = server_lr s(d) ((1 - share) alpha_k + share); the output layer keeps alpha_k. 1: every upload teaches every cluster's trunk (the clusters then learn like one trunk with K heads); 0: the alpha share only. -1 (the default): 0.5 with K >= 3 clusters, 0 with K = 2. Rotated digits, realistic budget, 3 seeds: at K = 3 / 4 / 6 the reported clusters 0.944 / 0.942 / 0.935 against 0.939 / 0.940 / 0.929 with 0 and K = 6's received federation gain +3.1 against +2.5; at K = 2 it brought the cluster federation gain from +0.5 to +0.0 (docs/results_cdfl.md sections 11 and 13)."""
+    """delta rule: share of an agent's step below the output layer that every cluster takes whatever its alpha (in [0, 1]; trunk beta_k = server_lr s(d) ((1 - share) alpha_k + share)). -1 = auto: 0.5 with K >= 3, 0 with K = 2. docs/results_cdfl.md#cluster-updates."""
     trunk_guard: bool = False
     """With trunk_share > 0: cluster k takes the shared part of an agent's trunk step only when that does not raise its loss on its own proxy set (compared with the alpha share alone); else the alpha share alone. Costs two proxy evaluations per cluster per upload."""
     cluster_refresh_steps: int = 1
-    """After an upload moves cluster k, w_k takes this many SGD mini-batches (64 samples) on its own proxy set D_k, so the clusters stay specialists under a stream of mixed uploads (aggregator/cluster_refresh.py). Rotated digits, 25 updates per agent: cluster accuracy 0.972 / 0.966 at K = 4 / 6 against 0.954 / 0.945 without it and FedSoft-Async's 0.963 / 0.955, for ~0.04 s per upload (docs/results_cdfl.md section 5). 0: off (the paper's rule)."""
+    """SGD mini-batches (64 samples) a moved cluster takes on its own proxy set after each upload, keeping the clusters specialists (integer >= 0; 0 = off, the paper's rule; ~0.04 s per upload). docs/results_cdfl.md#cluster-updates."""
     cluster_refresh_lr: float = 0.05
     """Learning rate of the cluster refresh (plain SGD); 0.05 beat 0.01 at K = 4 and 6."""
     cluster_average: float = 0.995
-    """Report an exponential average of the cluster models instead of the latest iterates (Polyak averaging): after each applied upload avg_k := d avg_k + (1 - d) w_k, and the cluster models the server reports (accuracy, metrics, server_models) are avg_k. Replies are still made from the iterates w_k, which the agents' steps and the proxy refresh move: a step is relative to the reply it was trained from (replies from the average made clusters and replies worse). Each step is one agent's noisy descent; the average keeps what they share. Rotated digits, realistic budget, 15 updates per agent, 3 seeds: cluster accuracy 0.938 / 0.939 / 0.940 at K = 2 / 3 / 4 against 0.906 / 0.917 / 0.917 for the iterates, replies unchanged (docs/results_cdfl.md section 12). 0: off (the iterates are reported); 0.995 averages over about the last 200 uploads, the start models included until then."""
+    """Decay d of the exponential average the server reports as its cluster models, avg_k := d avg_k + (1 - d) w_k per upload (in [0, 1); 0 = report the iterates; 0.995 ~ the last 200 uploads). Replies still come from the iterates. docs/results_cdfl.md#cluster-updates."""
     reply_average: float = 0.0
-    """Make replies from an exponential average of the cluster iterates with this decay (after each applied upload ravg_k := d ravg_k + (1 - d) w_k) instead of the iterates themselves. 0 (the default): from the iterates. Tried because cluster_average's 0.995 (~200 uploads) was too far from the iterates the agents' steps are added to (section 12); shorter ones do not help either: rotated digits, realistic budget, K = 3, 3 seeds: 0.9 (about the last 10 uploads) received +0.0 pp and reported clusters -1.3 pp, 0.98 -0.4 / -1.9 (docs/results_cdfl.md section 15)."""
+    """Decay of an exponential average of the cluster iterates that replies are made from instead of the iterates (in [0, 1); 0 = the iterates). Measured no help; off. docs/results_cdfl.md#cluster-updates."""
     cluster_refresh_all: bool = False
-    """Refresh every cluster after each upload, not only those with a share of it: with trunk_share > 0 every cluster's lower layers move, also where alpha is 0 (docs/results_cdfl.md section 11). The frozen control refreshes the same clusters."""
+    """Refresh every cluster after each upload, not only those with a share of it (with trunk_share > 0 every cluster's lower layers move). docs/results_cdfl.md#cluster-updates."""
 
     def check(self) -> None:
         """ConfigError naming the first [cdfl] reply key out of range: said by `--dry-run` and at
@@ -291,7 +289,7 @@ AUTO_TRUNK_SHARE = 0.5
 def resolve_trunk_share(share: float, k: int) -> float:
     """cdfl.trunk_share, with -1 (auto) made concrete for K clusters: a shared trunk step helps
     most where each cluster gets the smallest share of the uploads, and with two clusters it
-    pulled the two specialists together (docs/results_cdfl.md section 13)."""
+    pulled the two specialists together (docs/results_cdfl.md#cluster-updates)."""
     if share == -1.0:
         return AUTO_TRUNK_SHARE if k >= 3 else 0.0
     if not 0.0 <= share <= 1.0:
@@ -445,11 +443,11 @@ class AggregatorSettings:
     status_every_s: float = 10.0
     """The retained online status (epoch, counters) is re-published when the epoch moved, at most this often (0 = only at connect)."""
     takeover_grace_s: float = 60.0
-    """Of two aggregators on one fleet, the one that started later (each says when, in its status) exits with a clear message instead of taking the MQTT session in turns with the other (which serves on and logs a warning). A status without a start time (an older aggregator) makes us the newcomer within this many seconds of our own start."""
+    """Of two aggregators on one fleet, the later-started one exits with a clear message rather than trade the MQTT session with the other. A status without a start time makes us the newcomer within this many seconds of our own start."""
     max_queued_per_agent: int = 4
-    """An agent's uploads waiting beyond this many (copies of one message, re-sent while the aggregator was down, count once) are refused at once (`rate_limited`, acknowledged), so one agent's flood neither fills the inbox nor delays the others (who are served in turn, one message each per batch). An agent waits for each reply, so it has one. 0 = no quota."""
+    """An agent's uploads waiting beyond this many are refused at once (`rate_limited`, acknowledged; re-sent copies count once), so one agent's flood neither fills the inbox nor delays the others (integer >= 0; 0 = no quota)."""
     pretrain_shared: bool = True
-    """Pre-train one model on every cluster's pretrain pool first (about as many samples as one cluster model sees), then specialize each cluster from it (at lr 0.01): the clusters then share a basin, so their parameter mixtures, the CDFL reply's start, are models too. false: each cluster from the same seeded init on its own pool (sharper specialists that do not average; FedSoft-Async's argmin is surer with them)."""
+    """Pre-train one model on every cluster's pool, then specialize each cluster from it, so the clusters share a basin and their mixtures (the CDFL reply's start) are models too. false: each cluster from the same seeded init on its own pool. docs/results_cdfl.md#the-reply."""
     pretrain_epochs: int = 0
     """Epochs of server-side pre-training of each cluster model on its pretrain pool. 0 = auto: enough epochs to see about 10,000 samples, at least 5 (5 for the paper's 2000 per cluster; 24 for digits' 418 at K = 3)."""
     accuracy_every: int = 10
@@ -461,17 +459,17 @@ class AggregatorSettings:
     norm_factor: float = 4.0
     """Longest step applied as sent, as a multiple of the fleet's typical step (the median of the latest applied ones, which falls at most by half per norm_window uploads), >= 0 (0 = off); a longer one is scaled down to it and applied (`bounded.norm_outlier`). docs/reliability.md says what it guarantees."""
     loss_margin: float = 0.0
-    """Refuse an upload that makes the model worse on the server's proxy data: its lowest mean loss over the K proxy sets above that of the model it started from by more than this many nats (`loss_outlier`; 0 = off). A server-side descent test in the manner of Zeno++ (Xie et al. 2020): it catches sign-flipped updates, which no norm bound sees. Costs two forward passes over the proxy sets per upload."""
+    """Refuse an upload whose lowest mean loss over the K proxy sets exceeds that of its start model by more than this many nats (`loss_outlier`; >= 0, 0 = off). Catches sign-flipped updates; costs two proxy forward passes per upload. docs/reliability.md."""
     norm_window: int = 100
     """How many of the latest applied uploads' distances the norm_factor median is taken over."""
     norm_warmup: int = 10
     """Applied uploads needed before norm_factor acts (the median needs a fleet to be meaningful)."""
     reply_workers: int = 0
-    """CDFL: reply worker processes this aggregator starts on its own machine (`--workers N`); each trains the fine-tune replies of uploads handed to it over the broker while the aggregator stays the single writer of the clusters and the journal (docs/scaling.md). 0 = replies are trained in the aggregator, unless reply_pool is on."""
+    """CDFL: reply worker processes this aggregator starts on its own machine (`--workers N`, integer >= 0); each trains the replies handed to it over the broker, while the aggregator alone writes the clusters and journal (docs/scaling.md). 0 = replies train in the aggregator."""
     reply_pool: bool = False
     """CDFL: hand trained replies to reply workers that announce themselves on the broker (`fedmq worker`, on this or other machines), training a reply here only while none is online. On by itself when reply_workers > 0."""
     derived_logins: bool = True
-    """When the broker URL names a user, the reply pool's connection and each worker started by reply_workers log in as USER-replies and USER-worker-I, with passwords derived from USER's (what `fedmq creds --workers N` writes): broker_config/prod.conf keys sessions by user name, so a second connection as USER would take over the first. false: they log in as USER (brokers that do not key sessions by user)."""
+    """When the broker URL names a user, reply connections and workers log in as USER-replies and USER-worker-I with passwords derived from USER's (`fedmq creds --workers N`), since prod.conf keys sessions by user. false: they log in as USER."""
     worker_threads: int = 0
     """Torch threads of each worker started by reply_workers (0 = the machine's cores divided among them)."""
     worker_timeout_s: float = 300.0
@@ -551,7 +549,7 @@ class PrivacySettings:
     """Differential privacy of what an agent sends (fedmq/privacy.py, docs/privacy.md)."""
 
     epsilon: float = 0.0
-    """The agent's lifetime budget (record level: one sample changed): with it, the agent trains with DP-SGD and noises its sketch (CDFL) or its mixture estimate (FedSoft-Async) on the device, sends no accuracy figures, and stops uploading, saying so, when the next upload would spend more. 0 = DP off (the default): docs/privacy.md says what an upload then exposes."""
+    """The agent's lifetime DP budget (record level; > 0 turns on DP-SGD and noises the sketch or mixture estimate on the device; uploading stops when the next upload would spend more). 0 = DP off (the default). docs/privacy.md."""
     delta: float = 1e-5
     """The delta of the (epsilon, delta) guarantee."""
     clip: float = 1.0
@@ -565,7 +563,7 @@ class PrivacySettings:
     batch_size: int = 128
     """DP-SGD's batch (0: agent.batch_size). Its noise on the mean gradient is noise_multiplier x clip / batch, so a larger batch drowns less signal; measured on digits at epsilon 4, an agent's own trained model reached 0.929 with 128 against 0.884 with 32 (docs/privacy.md)."""
     uploads: int = 10
-    """N > 0: spread the budget over N uploads. The three noise multipliers are then ignored and set to the smallest common value with which N uploads of at least agent.min_samples_to_train samples fit in epsilon (`fedmq privacy plan` prints it); uploads of more samples spend less, so an agent may make more than N. 0: use the multipliers as set."""
+    """N > 0: spread the budget over N uploads; the noise multipliers are then set to the smallest common value with which N uploads fit in epsilon (`fedmq privacy plan` prints it). 0: use the multipliers as set."""
 
     def mechanisms(self, seed: int | None = None, *, plan: dict[str, Any] | None = None) -> UplinkPrivacy:
         """The agent's mechanisms and accountant; ConfigError for values out of range.
