@@ -40,7 +40,7 @@ to any client image), each beside a control (m random public images: an attacker
 the upload), and the nearest-neighbour identification rate (the share of reconstructions
 whose L2-nearest image among members and as many non-members is a member; chance 0.5).
 
-    python -m sim.attacks --out docs/results_privacy/attacks
+    python -m sim.attacks --out results/privacy/attacks
 """
 
 from __future__ import annotations
@@ -940,7 +940,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim.attacks")
                    help="uploads each budget is planned for; the attacker sees one (default: %(default)s)")
     p.add_argument("--clients", type=int, default=None,
                    help="clients per size (default: 20 at n=10, 5 at 100, 2 at 1000)")
-    p.add_argument("--out", type=Path, default=Path("docs/results_privacy/attacks"),
+    p.add_argument("--out", type=Path, default=Path("results/privacy/attacks"),
                    help="output folder (default: %(default)s)")
     p.add_argument("--quick", action="store_true",
                    help="a small run for tests: n=10, no DP and epsilon 4, 4 clients, fewer steps")

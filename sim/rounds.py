@@ -1,6 +1,6 @@
 """CATA-Fed vs FedAvg(deadline) vs FedProx vs TiFL on heterogeneous fleets, on a simulated clock.
 
-    python -m sim.rounds --seeds 10 --until 600 --target 0.9 --out docs/results_catafed/digits-a0.3-s30
+    python -m sim.rounds --seeds 10 --until 600 --target 0.9 --out results/catafed/digits-a0.3-s30
 
 The server strategies (aggregator/round_algorithms.py) and the agents' deadline logic
 (edge_agent/deadline.py: soft stop, watchdog, eps_i, shards) are the ones the MQTT services

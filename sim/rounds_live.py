@@ -1,6 +1,6 @@
 """The real-time twin of sim/rounds.py: the same fleets as RoundService + RoundAgents over MQTT.
 
-    python -m sim.rounds_live --twin --seeds 0,1 --out docs/results_catafed/live
+    python -m sim.rounds_live --twin --seeds 0,1 --out results/catafed/live
 
 sim/rounds.py replaces the wire and the clock to compare CATA-Fed, FedAvg, FedProx and TiFL
 cheaply; this runs what it stands for, so that the two can be checked against each other.

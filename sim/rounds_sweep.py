@@ -1,7 +1,7 @@
 """The deadline-round comparison over a grid of settings: non-IID level x share of slow devices.
 
     python -m sim.rounds_sweep --seeds 10 --target 0.9 --until 600 \\
-        --out docs/results_catafed/digits
+        --out results/catafed/digits
 
 Each setting (Dirichlet label_alpha, slow share) is one `python -m sim.rounds` run with the
 same algorithms, seeds and flags, written to OUT/a{alpha}-s{slow%}/ (results.json, table.md,

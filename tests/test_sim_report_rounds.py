@@ -11,7 +11,7 @@ import pytest
 from fedmq.cli import main
 from sim.report import is_rounds_dir, write_report
 
-COMMITTED = Path(__file__).resolve().parent.parent / "docs" / "results_catafed" / "ablation"
+COMMITTED = Path(__file__).resolve().parent.parent / "results" / "catafed" / "ablation"
 
 
 def test_report_rebuilds_the_committed_catafed_table(tmp_path, capsys):
