@@ -68,14 +68,14 @@ RULES: list[Rule] = [
          "checks the compose files and runs their command lines against Mosquitto"),
     Rule(r"^curl -s 127\.0\.0\.1:9100/metrics", "elsewhere",
          "tests/test_compose.py scrapes the compose aggregator's metrics endpoint"),
-    Rule(r"^export FEDMQ_AGGREGATOR_PASSWORD", "elsewhere",
+    Rule(r"^export FEDMQ_(AGGREGATOR|BROKER)_PASSWORD", "elsewhere",
          "the secure compose stack's set-up: tests/test_compose.py runs it with these credentials"),
     Rule(r"^(sudo |journalctl )", "elsewhere", "administration of a device (users, systemd, ACLs); "
          "tests/test_compose.py checks the unit files' commands and tests/test_security.py the credentials"),
     Rule(r"^(python -m venv|pip install)", "elsewhere", "what `make venv` runs before every test run"),
     Rule(r"^fedmq sim (merge|report) runs-split", "elsewhere",
          "tests/test_sim_multiprocess.py splits a small run the same way, then merges and reports it"),
-    Rule(r"^fedmq fleet status --broker \"mqtts://monitor:\$MONITOR_PW@127", "elsewhere",
+    Rule(r"^fedmq fleet status --broker mqtts://monitor@127", "elsewhere",
          "the secure compose stack's monitor: tests/test_compose.py runs it with real credentials"),
     Rule(r"^fedmq fleet status --broker mqtts://monitor:PASSWORD@broker\.example", "elsewhere",
          "a TLS broker at a placeholder host: tests/test_compose.py runs the secure stack's monitor "
