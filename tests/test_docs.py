@@ -160,7 +160,7 @@ def check_docs(files: list[Path], root: Path = ROOT) -> list[str]:
         for found in sorted(paths):
             if re.search(r"/[A-Z_]+\b|\$", found) or ignored(found):  # a placeholder (NAME.json), or output
                 continue
-            if not any(base.glob(found) for base in (root, path.parent)):
+            if not any(next(base.glob(found), None) for base in (root, path.parent)):
                 problems.append(f"{rel}: path {found} does not exist")
     return problems
 
@@ -192,3 +192,5 @@ def test_the_checker_fails_on_a_planted_broken_reference(tmp_path: Path) -> None
     assert any("cdfl.no_such_key" in p for p in problems)
     assert any("no_such_function" in p for p in problems)
     assert not check_docs([good], tmp_path)
+    bad.write_text("The outputs are in `results/no-such-run` and docs/no_such_page.md.\n")
+    assert len(check_docs([bad], tmp_path)) == 2, check_docs([bad], tmp_path)
