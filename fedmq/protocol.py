@@ -569,6 +569,22 @@ class Ack(Envelope):
 
 
 @dataclass(frozen=True)
+class Receipt(Envelope):
+    """Aggregator -> agent: message `of` was taken and its reply is on the way, expected within
+    `expect_s` seconds of this receipt (its own recent reply times times the messages queued
+    `ahead`). Sent when the message arrives and again whenever that expectation ran out, so an
+    agent re-sends only when receipts stop (the aggregator is down). A type of its own, so a
+    receiver that predates it refuses it (`unknown_type`) and goes on waiting as before; `of`,
+    not `in_reply_to`, so nothing that matches replies by `in_reply_to` takes it for one."""
+
+    TYPE: ClassVar[str] = "receipt"
+
+    of: Annotated[str, MsgId]
+    expect_s: Annotated[float, NumRule(0.0, 86400.0)]
+    ahead: Annotated[int, NonNegInt] = 0
+
+
+@dataclass(frozen=True)
 class Status(Envelope):
     """Retained presence of an agent or the aggregator (offline is the last will).
 
@@ -677,12 +693,12 @@ def _schema_of(cls: type[Envelope]) -> _Schema:
 
 
 ENVELOPE_TYPES: dict[str, type[Envelope]] = {
-    c.TYPE: c for c in (Join, Update, Model, Error, Ack, Status, RoundInvite, Report, Chunk)
+    c.TYPE: c for c in (Join, Update, Model, Error, Ack, Receipt, Status, RoundInvite, Report, Chunk)
 }
 _SCHEMAS: dict[str, _Schema] = {t: _schema_of(c) for t, c in ENVELOPE_TYPES.items()}
 
 UPLINK_TYPES = frozenset({"join", "update", "report", "chunk"})
-DOWNLINK_TYPES = frozenset({"model", "round_invite", "error", "ack", "chunk"})
+DOWNLINK_TYPES = frozenset({"model", "round_invite", "error", "ack", "receipt", "chunk"})
 
 
 # ------------------------------------------------------------------------- encode / decode

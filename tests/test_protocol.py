@@ -22,6 +22,7 @@ from fedmq.protocol import (
     Model,
     ProtocolError,
     Reassembler,
+    Receipt,
     Report,
     RoundInvite,
     Status,
@@ -64,6 +65,7 @@ SAMPLES: list[Envelope] = [
     Report("car-1", "m14", T0, round=3, finished=False, n_samples=0, shard_size=400),
     Chunk("car-1", "m15", T0, of="m3", index=1, count=3, total_bytes=10,
           sha256=hashlib.sha256(b"x").digest(), data=b"abcd"),
+    Receipt("car-1", "m16", T0, of="m3", expect_s=26.5, ahead=2),
 ]
 
 
