@@ -27,7 +27,7 @@ import os
 import socket
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from typing import Any
 from aggregator.engine import Engine, Inbound
 from aggregator.inbox import FairInbox
 from aggregator.journal import JournalError
+from aggregator.receipts import ReplyClock
 from fedmq import protocol
 from fedmq.atomic_file import atomic_write
 from fedmq.channel import Channel, Received, Refused
@@ -55,6 +56,12 @@ log = get_logger("aggregator")
 
 EXPIRE_EVERY_S = 0.5
 """How often partial (chunked) messages past their timeout are dropped and answered."""
+
+RENEW_EVERY_S = 0.5
+"""How often receipts whose expected reply time ran out are sent again (aggregator/receipts.py)."""
+
+MAX_TRACKED_CHUNKED = 1024
+"""Chunked messages whose pieces the network thread counts (to send the receipt once whole)."""
 
 
 def _sender_of(topic: str) -> str:
@@ -411,6 +418,10 @@ class AggregatorService:
         )
         self.channel = Channel(self.transport, cfg.protocol)
         self.progress = ProgressLines(cfg.log, self._progress_state)
+        self.receipts = ReplyClock()
+        """Messages taken and not yet answered, and what a reply costs: the `receipt`s' estimates."""
+        self._pieces_seen: OrderedDict[tuple[str, str], set[int]] = OrderedDict()
+        self._renewer: threading.Thread | None = None
         self._status_epoch = -1
         self._status_at = time.monotonic()
 
@@ -474,8 +485,10 @@ class AggregatorService:
             event(log, "graph.unavailable", level=30, model=self.engine.spec.arch,
                   error=f"{type(e).__name__}: {e}"[:300])
             return
+        # cached: the export came from the disk cache (fedmq/disk_cache.py), not the exporter
+        # (a MobileNetV3's dynamo export takes 7-30 s here, the cached graph 0.3 s).
         event(log, "graph.exported", model=self.engine.spec.arch, bytes=info.bytes,
-              exporter=info.exporter, seconds=round(info.seconds, 2))
+              exporter=info.exporter, seconds=round(info.seconds, 2), cached=info.reused_graph)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -499,6 +512,9 @@ class AggregatorService:
         serve_fleet(self.transport, self.fleet, lambda: self._status("online"), self._receive)
         self._worker = threading.Thread(target=self._run, name="fedmq-aggregator", daemon=True)
         self._worker.start()
+        self._renewer = threading.Thread(target=self._renew_receipts, name="fedmq-aggregator-receipts",
+                                         daemon=True)
+        self._renewer.start()
         event(log, "aggregator.started", fleet=self.fleet, epoch=self.engine.strategy.uploads_applied,
               replayed=replayed, broker=self.cfg.broker.url)
         return self
@@ -507,6 +523,8 @@ class AggregatorService:
         self._stop.set()
         if self._worker is not None:
             self._worker.join(timeout=30)
+        if self._renewer is not None:
+            self._renewer.join(timeout=5)
         self.progress.tick(force=True)
         try:
             self.engine.snapshot_if_due(force=True)
@@ -544,12 +562,61 @@ class AggregatorService:
         sender = _sender_of(message.topic)
         if self._inbox.over_quota(sender) and self._refuse_over_quota(message):
             return
+        self._take(message)
         with self._inbox_lock:
             n, size = self._inbox.put(sender, message)
             if (n >= a.inbox_max_messages or size >= a.inbox_max_bytes) and not self.transport.reading_paused:
                 self.transport.pause_reading()
                 self.counters["backpressure.paused"] += 1
                 event(log, "backpressure.paused", messages=n, bytes=size)
+
+    def _take(self, message: Message) -> None:
+        """Network thread: a join or update taken (a chunked one once its last piece is here)
+        gets a `receipt` saying when to expect its reply, before the worker can answer it, so
+        an agent waiting behind a long batch does not re-send it (aggregator/receipts.py)."""
+        try:
+            topic = protocol.parse_topic(message.topic)
+            if topic.kind != "up" or topic.agent is None or not message.payload:
+                return
+            env = protocol.decode(message.payload, max_bytes=self.cfg.protocol.max_message_bytes)
+        except protocol.ProtocolError:
+            return  # the worker refuses it with its reason
+        if env.agent != topic.agent:
+            return
+        if isinstance(env, protocol.Chunk):
+            key = (topic.agent, env.of)
+            seen = self._pieces_seen.pop(key, set())
+            seen.add(env.index)
+            if len(seen) < env.count:
+                self._pieces_seen[key] = seen
+                while len(self._pieces_seen) > MAX_TRACKED_CHUNKED:
+                    self._pieces_seen.popitem(last=False)
+                return
+            msg_id, kind = env.of, "update"  # a join is never chunked
+        elif isinstance(env, (protocol.Join, protocol.Update)):
+            msg_id, kind = env.msg_id, env.TYPE
+        else:
+            return
+        expect_s, ahead = self.receipts.taken(topic.agent, msg_id, kind)
+        self._send_receipt(topic.agent, msg_id, expect_s, ahead)
+
+    def _send_receipt(self, agent: str, msg_id: str, expect_s: float, ahead: int) -> None:
+        if not self.transport.connected:
+            return
+        receipt = protocol.Receipt(agent=agent, msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
+                                   of=msg_id, expect_s=round(expect_s, 3), ahead=ahead)
+        self.channel.send(protocol.downlink(self.fleet, agent), receipt)
+        self.counters["sent.receipt"] += 1
+
+    def _renew_receipts(self) -> None:
+        """Receipt thread: a message whose expected reply time ran out (a batch slower than its
+        estimate, a long queue) gets another receipt; an agent re-sends only when they stop."""
+        while not self._stop.wait(RENEW_EVERY_S):
+            for agent, msg_id, expect_s, ahead in self.receipts.overdue():
+                try:
+                    self._send_receipt(agent, msg_id, expect_s, ahead)
+                except Exception as e:  # never end the thread: the worker answers regardless
+                    event(log, "receipt.unsent", level=30, agent=agent, of=msg_id, error=str(e)[:300])
 
     def _refuse_over_quota(self, message: Message) -> bool:
         """Network thread: refuse (answer and ack) an uplink envelope from an agent that has
@@ -631,6 +698,8 @@ class AggregatorService:
 
     def _process_received(self, batch: list[Received]) -> None:
         started = time.perf_counter()
+        keys = [(b.envelope.agent, b.envelope.msg_id) for b in batch]
+        self.receipts.batch_started(keys)
         try:
             replies = self._handle_durably(batch)
         except Exception as e:  # a bug or an input no check foresaw: never wedge the queue
@@ -643,6 +712,11 @@ class AggregatorService:
             return
         if replies is None:
             return
+        # Before the replies go out: an agent's next message may be taken the moment it has
+        # its reply, and its receipt must not count this batch as still ahead.
+        joins = sum(isinstance(b.envelope, protocol.Join) for b in batch)
+        self.receipts.batch_done(keys, time.perf_counter() - started,
+                                 {"update": len(self.engine.applied), "join": joins})
         for env in replies:
             self.channel.send(protocol.downlink(self.fleet, env.agent), env)
             self.counters[f"sent.{env.TYPE}"] += 1
@@ -687,6 +761,7 @@ class AggregatorService:
                              detail=f"{type(error).__name__}: {error}"[:4096],
                              in_reply_to=got.envelope.msg_id)
         self.channel.send(protocol.downlink(self.fleet, got.envelope.agent), err)
+        self.receipts.answered(got.envelope.agent, got.envelope.msg_id)
         for m in got.messages:
             self.transport.ack(m)
 
@@ -705,6 +780,7 @@ class AggregatorService:
             err = protocol.Error(agent=agent, msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
                                  reason=r.reason, detail=r.detail[:4096], in_reply_to=r.msg_id)
             self.channel.send(protocol.downlink(self.fleet, agent), err)
+            self.receipts.answered(agent, r.msg_id)
         for m in r.messages:
             self.transport.ack(m)
 
