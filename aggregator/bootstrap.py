@@ -4,9 +4,10 @@ Cluster models are pre-trained on a few thousand samples per cluster (`data.pret
 cluster`) starting from one shared initialization, so that their parameter-space mixtures
 are meaningful; when the state dir already holds a snapshot they are loaded from it instead.
 Proxy sets are drawn from the dataset with the config's seed, so a restarted aggregator
-evaluates on exactly the same samples. Pre-trained zoo models are kept in the disk cache
-(fedmq/disk_cache.py): an aggregator on a fresh state dir with the same data, seed and
-settings starts without training them again.
+evaluates on exactly the same samples. Pre-trained zoo and torchvision models are kept in the
+disk cache (fedmq/disk_cache.py): an aggregator on a fresh state dir with the same data, seed
+and settings starts without training them again. Pre-training reports its epochs at the
+default log level every PROGRESS_EVERY_S, so a minutes-long start shows how far it got.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from fedmq import disk_cache
 from fedmq.algorithms import ASYNC_SERVER
 from fedmq.config import Config
 from fedmq.data import RotatedClusters, clusters_from_settings
-from fedmq.logs import event, get_logger
+from fedmq.logs import PROGRESS, event, get_logger
 from fedmq.models import ModelSpec, build_model, model_spec, resolve_model_name, to_vector
 from fedmq.training import fit
 
@@ -52,6 +53,35 @@ def resolve_device(device: str) -> str:
 # An auto pretrain_epochs shows each cluster model about this many samples: the paper's
 # 2000 per cluster for 5 epochs, so that small datasets get as far as large ones.
 PRETRAIN_SAMPLES_SEEN = 10_000
+
+
+PROGRESS_EVERY_S = 10.0
+"""Pre-training reports an epoch at the default (progress) level when this long passed since
+its last such line: a real model's minutes of pre-training show, a small one's second does not."""
+
+
+class PretrainProgress:
+    """`fit`'s epoch callback for pre-training: one `pretrain.epoch` line per epoch at info, and
+    at the default level at most every PROGRESS_EVERY_S (with the models still to train)."""
+
+    def __init__(self, models: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.models, self.clock = models, clock
+        self.started = self.last = clock()
+        self.model = ""
+        self.index = 0
+        self.epochs = 0
+
+    def next_model(self, name: str, epochs: int) -> None:
+        self.model, self.epochs = name, epochs
+        self.index += 1
+
+    def __call__(self, epoch: int, loss: float) -> None:
+        now = self.clock()
+        level = PROGRESS if now - self.last >= PROGRESS_EVERY_S else logging.INFO
+        if level == PROGRESS:
+            self.last = now
+        event(log, "pretrain.epoch", level=level, model=self.model, of_models=f"{self.index}/{self.models}",
+              epoch=f"{epoch + 1}/{self.epochs}", loss=round(loss, 4), seconds=round(now - self.started, 1))
 
 
 def pretrain_epochs(configured: int, samples: int) -> int:
@@ -82,12 +112,19 @@ def pretrain_clusters(cfg: Config, clusters: RotatedClusters, model_name: str) -
 
 def _pretrain_cache_name(cfg: Config, model_name: str, pools: list) -> str | None:
     """Pre-training is a pure function of these (on the CPU, at a given thread count); a
-    zoo model only, since a factory's code may change under the same parameter shapes."""
+    zoo model or a torchvision one (its version fixes the code: a MobileNetV3's pre-training
+    takes many minutes on 2 cores), not a factory's, whose code may change under the same
+    parameter shapes."""
     from fedmq import models, training
 
-    if model_name not in models.ZOO:
-        return None
     code = [Path(m.__file__).read_bytes() for m in (models, training)] + [Path(__file__).read_bytes()]
+    reference = models.parse_reference(model_name) if models.is_reference(model_name) else None
+    if reference is not None and reference.source == "torchvision":
+        import torchvision
+
+        code.append(f"torchvision {torchvision.__version__}".encode())
+    elif model_name not in models.ZOO:
+        return None
     data = [t.contiguous().numpy().tobytes() for p in pools for t in (p.x, p.y)]
     made_by = disk_cache.digest(model_name, *code, torch.__version__, str(torch.get_num_threads()),
                                 str(cfg.seed), str(cfg.aggregator.pretrain_shared),
@@ -109,6 +146,7 @@ def _cached_pretraining(name: str, k: int, numel: int) -> list[torch.Tensor] | N
 def _pretrain(cfg: Config, pools: list, model_name: str) -> list[torch.Tensor]:
     start = to_vector(build_model(model_name, seed=cfg.seed))
     lr = 0.05
+    progress = PretrainProgress(len(pools) + bool(cfg.aggregator.pretrain_shared))
     if cfg.aggregator.pretrain_shared:
         t0 = time.perf_counter()
         x = torch.cat([p.x for p in pools])
@@ -116,7 +154,9 @@ def _pretrain(cfg: Config, pools: list, model_name: str) -> list[torch.Tensor]:
         # Epochs by all pools together: the shared model sees as many samples as one
         # cluster model does, not K times as many (compose and the demo wait for it).
         epochs = pretrain_epochs(cfg.aggregator.pretrain_epochs, len(y))
-        shared = fit(model_name, start, x, y, epochs=epochs, batch_size=32, lr=lr, momentum=0.9, seed=cfg.seed)
+        progress.next_model("shared", epochs)
+        shared = fit(model_name, start, x, y, epochs=epochs, batch_size=32, lr=lr, momentum=0.9, seed=cfg.seed,
+                     on_epoch=progress)
         event(log, "cluster.pretrained", cluster="shared", samples=len(y),
               seconds=time.perf_counter() - t0, loss=shared.final_loss)
         start, lr = shared.vector, 0.01
@@ -124,8 +164,9 @@ def _pretrain(cfg: Config, pools: list, model_name: str) -> list[torch.Tensor]:
     for k, data in enumerate(pools):
         t0 = time.perf_counter()
         epochs = pretrain_epochs(cfg.aggregator.pretrain_epochs, len(data))
+        progress.next_model(f"cluster {k}", epochs)
         result = fit(model_name, start, data.x, data.y, epochs=epochs,
-                     batch_size=32, lr=lr, momentum=0.9, seed=cfg.seed + k)
+                     batch_size=32, lr=lr, momentum=0.9, seed=cfg.seed + k, on_epoch=progress)
         event(log, "cluster.pretrained", cluster=k, samples=len(data),
               seconds=time.perf_counter() - t0, loss=result.final_loss)
         vectors.append(result.vector)

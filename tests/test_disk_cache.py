@@ -1,6 +1,7 @@
-"""The disk cache (fedmq/disk_cache.py): pre-trained cluster models and damaged entries.
+"""The disk cache (fedmq/disk_cache.py): pre-trained cluster models, the aggregator's fleet
+graph across restarts, and damaged entries.
 
-The ONNX graphs it keeps are tested in tests/test_inference.py.
+The ONNX graphs it keeps are tested in tests/test_inference.py too.
 """
 
 from __future__ import annotations
@@ -51,6 +52,35 @@ def test_a_second_aggregator_reuses_the_pretraining_and_a_damaged_entry_is_train
     refused = [r for r in caplog.records if r.getMessage() == "cache.refused"]
     assert refused and refused[0].fields["path"] == str(kept)
     assert disk_cache.read("pretrain", kept.name) is not None  # rewritten whole
+
+
+def test_a_second_aggregator_start_takes_its_graph_from_the_disk_cache(cache, monkeypatch, caplog, mosquitto,
+                                                                        tmp_path) -> None:
+    """The fleet's ONNX graph (a MobileNetV3's dynamo export: 7-30 s on 2 cores) is exported
+    by the first start only; the restart, a new process, says `cached` and publishes the same
+    graph."""
+    from aggregator.bootstrap import build_engine
+    from aggregator.service import AggregatorService
+    from fedmq import onnx_export
+    from soak.fleet_setup import small_config
+
+    exported: list[str] = []
+    real_export = onnx_export._fresh_export
+    monkeypatch.setattr(onnx_export, "_fresh_export",
+                        lambda name, *a, **k: exported.append(name) or real_export(name, *a, **k))
+    cfg = small_config(mosquitto.url, tmp_path / "state", "graphs")
+    graphs, cached = [], []
+    for _ in range(2):
+        monkeypatch.setattr(onnx_export, "_GRAPHS", {})  # each start in a new process
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="fedmq"), AggregatorService(cfg, build_engine(cfg)) as svc:
+            graphs.append(svc.graph)
+        lines = [r for r in caplog.records if r.getMessage() == "graph.exported"]
+        assert len(lines) == 1, caplog.records
+        cached.append(lines[0].fields["cached"])
+    assert exported == ["digits-cnn"], "the restart exported the graph again"
+    assert cached == [False, True]
+    assert graphs[0] is not None and graphs[0] == graphs[1]
 
 
 def test_an_unwritable_cache_costs_only_the_work(monkeypatch, tmp_path) -> None:
