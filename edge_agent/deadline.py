@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from fedmq.algorithms import DEADLINE_MODE
+from edge_agent.agent_algorithms import agent_algorithm
 from fedmq.config import CataFedSettings
 from fedmq.training import evaluate, fit
 
@@ -314,15 +314,16 @@ class DeadlineLearner:
     def __init__(self, x: torch.Tensor, y: torch.Tensor, settings: CataFedSettings, *,
                  algorithm: str = "catafed", seed: int = 0, epochs: int | None = None,
                  model_name: str | None = None) -> None:
-        if algorithm not in DEADLINE_MODE:
-            raise ValueError(f"algorithm must be one of {', '.join(DEADLINE_MODE)}, got {algorithm!r}")
+        self.kind = agent_algorithm(algorithm)
+        if not self.kind.rounds:
+            raise ValueError(f"{algorithm} is not a deadline-round algorithm")
         if settings.resize not in RESIZE:
             raise ValueError(f"catafed.resize must be one of {RESIZE}, got {settings.resize!r}")
         self.x, self.y = x, y
         self.settings = settings
         self.algorithm = algorithm
-        self.mode = DEADLINE_MODE[algorithm]
-        if algorithm == "catafed" and not settings.deadline_aware:
+        self.mode = self.kind.deadline_mode
+        if self.kind.shards and not settings.deadline_aware:
             self.mode = "fedavg"  # trains all its epochs; it still notices it was late
         self.model_name = model_name
         self.epochs = settings.epochs if epochs is None else epochs  # baselines: fedavg.epochs
@@ -335,7 +336,7 @@ class DeadlineLearner:
     @property
     def shard_size(self) -> int:
         """Per-round data size: the shard size for CATA-Fed, all data for the baselines."""
-        return self.shards.size if self.algorithm == "catafed" else self.shards.n
+        return self.shards.size if self.kind.shards else self.shards.n
 
     def budget_s(self, deadline_s: float) -> float:
         """T - eps_i: the watchdog's budget for a round of deadline T."""
@@ -343,23 +344,23 @@ class DeadlineLearner:
 
     def run_round(self, start: torch.Tensor, make_runner: RunnerFactory,
                   time_left: Callable[[], float]) -> RoundWork:
-        if self.algorithm == "catafed":
+        if self.kind.shards:
             j = self.shards.index(self.rounds_done)
             idx = torch.from_numpy(self.shards.indices(j))
             x, y = self.x[idx], self.y[idx]
         else:
             j, x, y = 0, self.x, self.y
         score = None
-        if self.algorithm == "tifl" and self.model_name:
+        if self.kind.scores_start and self.model_name:
             score = evaluate(self.model_name, start, self.x, self.y)[0]
         anchor = start if self.mode == "fedprox" else None
         result = train_to_deadline(start, make_runner(x, y, anchor), epochs=self.epochs,
                                    time_left=time_left, mode=self.mode)
         self.rounds_done += 1
         missed = not result.finished or (self.mode != self.algorithm and time_left() < 0)
-        if self.algorithm == "catafed" and missed and self.settings.partition:
+        if self.kind.shards and missed and self.settings.partition:
             self._shrink(result)
-        elif (self.algorithm == "catafed" and self.settings.regrow and result.finished
+        elif (self.kind.shards and self.settings.regrow and result.finished
               and result.epochs_done == self.epochs
               and result.seconds <= 0.4 * self.budget_s(self.settings.deadline_s)
               and self.shards.double()):

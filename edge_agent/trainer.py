@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from edge_agent.agent_algorithms import agent_algorithm
 from fedmq.privacy import DpSgd, UplinkPrivacy
 from fedmq.training import (
     OPTIMIZERS,
@@ -111,7 +112,7 @@ def train_cycle(model_name: str, algorithm: str, held: torch.Tensor, clusters: S
         dp = privacy.sgd(dp_seed)
         knobs["batch_size"] = privacy.batch(knobs.get("batch_size", 32))
     alpha: list[float] | None = None
-    if algorithm == "fedsoft-async":
+    if agent_algorithm(algorithm).trains_from == "cluster_mixture":
         if not clusters:
             raise ValueError("fedsoft-async trains against the K cluster models: none received")
         alpha = estimate_alpha_argmin(model_name, clusters, x, y)
