@@ -319,6 +319,9 @@ def resolve_model_name(model: str, dataset: str) -> str:
         default = DEFAULT_MODEL_FOR_DATASET.get(key)
         if model == "auto":
             if default is None:
+                from fedmq.data.sources import canonical_dataset
+
+                canonical_dataset(dataset)  # an unknown dataset is named as such, with the known ones
                 raise UsageError(f"no default model for dataset {dataset!r}; pass --model: {MODEL_HELP}")
             return default
         ref = parse_reference(model)
