@@ -37,7 +37,7 @@ from fedmq.config import CataFedSettings
 from fedmq.training import evaluate, fit
 
 MODES = ("catafed", "fedavg", "fedprox")
-"""How an agent trains against the deadline (module docstring); see fedmq.algorithms.DEADLINE_MODE."""
+"""How an agent trains against the deadline (module docstring); each round algorithm's is its `deadline_mode` (edge_agent/agent_algorithms.py)."""
 RESIZE = ("halve", "fit")
 
 
@@ -305,7 +305,7 @@ RunnerFactory = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], Ep
 class DeadlineLearner:
     """One agent's side of deadline rounds, without I/O: data, shards, eps_i, training.
 
-    `algorithm` is a round algorithm (fedmq/algorithms.py); it trains in its DEADLINE_MODE.
+    `algorithm` is a round algorithm (fedmq/algorithms.py); it trains in its `deadline_mode` (edge_agent/agent_algorithms.py: TiFL's agents train as FedAvg's).
     CATA-Fed's ablation switches (`catafed.deadline_aware`, `catafed.partition`) and its
     `resize` rule act here. With `model_name`, a TiFL agent also scores the model it received
     on its own data (TiFL's per-tier accuracy comes from these scores).

@@ -16,11 +16,6 @@ ASYNC_AGENT: tuple[str, ...] = ("cdfl", "fedsoft-async", "local")
 ROUNDS: tuple[str, ...] = ("catafed", "fedavg", "fedprox", "tifl")
 """Deadline-round algorithms: the same name on the aggregator and on its agents."""
 
-DEADLINE_MODE: dict[str, str] = {"catafed": "catafed", "fedavg": "fedavg", "fedprox": "fedprox",
-                                 "tifl": "fedavg"}
-"""How a round agent trains against the deadline (edge_agent/deadline.py): TiFL's agents
-train as FedAvg's (all epochs; the server drops a late report); only selection differs."""
-
 DISPLAY: dict[str, str] = {"cdfl": "CDFL", "fedsoft-async": "FedSoft-Async", "fedasync": "FedAsync",
                            "fedbuff": "FedBuff", "local": "Local", "catafed": "CATA-Fed",
                            "fedavg": "FedAvg", "fedprox": "FedProx", "tifl": "TiFL"}
