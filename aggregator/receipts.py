@@ -5,8 +5,9 @@ wait behind others; an agent that only knows a fixed reply timeout re-sends a la
 it is already being answered for. So the aggregator says, when it takes a message, how long
 its reply should take: the median of its own recent per-message costs (per kind: a join
 costs little, an update a fine-tune), summed over the messages queued ahead of it, plus what
-remains of the batch it is working on. When that time has passed without a reply, it says
-so again with a fresh estimate (`overdue`), so a living aggregator keeps its agents waiting
+remains of the batch it is working on (half its time so far, once it is later than its
+estimate). When that time has passed without a reply, it says so again with a fresh
+estimate (`overdue`), so a living aggregator keeps its agents waiting
 and only a dead one makes them re-send.
 
 Thread-safe: the network thread takes messages, the worker starts and ends batches, a timer
@@ -94,8 +95,14 @@ class ReplyClock:
         """New promises, in one pass in take order, for `stop_at` or else for every message
         whose promise ran out: each waits for what remains of the running batch, then for the
         messages taken before it, then for its own cost."""
-        remaining = max(self._batch_cost - (now - self._batch_started), 0.0)
         in_batch = sum(1 for p in self._pending.values() if p.in_batch)
+        elapsed = now - self._batch_started
+        remaining = self._batch_cost - elapsed
+        if in_batch and remaining <= 0:
+            # Later than estimated: expect half as long again as it has taken, so that the
+            # receipts of a long batch space out instead of coming every MIN_EXPECT_S.
+            remaining = elapsed / 2
+        remaining = max(remaining, 0.0)
         queued_cost, queued = 0.0, 0
         out = []
         for key, pending in self._pending.items():

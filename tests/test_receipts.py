@@ -52,14 +52,24 @@ def test_overdue_messages_get_fresh_promises_until_answered() -> None:
     rc.batch_started([("a", "m1")])
     assert rc.overdue() == []
     clock.t += UNMEASURED_S
-    # The batch ran past its estimate: promised again, MIN_EXPECT_S at least.
-    assert rc.overdue() == [("a", "m1", MIN_EXPECT_S, 0)]
+    # The batch ran past its estimate: promised again, half as long again as it has taken.
+    assert rc.overdue() == [("a", "m1", UNMEASURED_S / 2, 0)]
     assert rc.overdue() == []
-    clock.t += MIN_EXPECT_S
-    assert [o[:2] for o in rc.overdue()] == [("a", "m1")]
+    clock.t += UNMEASURED_S / 2
+    assert rc.overdue() == [("a", "m1", UNMEASURED_S * 3 / 4, 0)]
     rc.answered("a", "m1")
     clock.t += 100.0
     assert rc.overdue() == [] and rc.outstanding == 0
+
+
+def test_a_short_overrun_is_promised_min_expect_s() -> None:
+    clock = Clock()
+    rc = ReplyClock(clock)
+    rc.batch_done([], 1.0, {"update": 1})
+    rc.taken("a", "m1", "update")
+    rc.batch_started([("a", "m1")])
+    clock.t += MIN_EXPECT_S
+    assert rc.overdue() == [("a", "m1", MIN_EXPECT_S, 0)]
 
 
 def test_a_message_never_answered_is_forgotten() -> None:
