@@ -65,6 +65,65 @@ def update_weights(alpha: Sequence[float], rule: str = "alpha", power: float = 2
     return [x * confidence for x in a]
 
 
+class ClusterAgreement:
+    """Where each cluster's applied steps have been heading, and how far to trust a step that
+    points the other way (`cdfl.direction_guard`, the delta rule only).
+
+    Per cluster, an exponential average of the unit directions of the steps it took, each
+    weighted by the upload's alpha share. An upload's step is compared with the alpha-weighted
+    mix of its clusters' directions: at a cosine >= 0 it is taken whole; below, its cluster
+    steps are scaled by 1 + cos / guard, never below MIN_TRUST (so an honest step that
+    disagrees still contributes). A sign-flipped update points against the clusters it claims
+    (cosine -0.13 to -0.43 in soak/poisoning.py's fleet), an honest one rarely and slightly
+    (9 of 185 below 0, lowest -0.15, at K = 4 on rotated digits). Only steps the guard took
+    (in part) teach the directions; a cluster needs WARMUP of them before the guard judges
+    against it."""
+
+    WARMUP = 2
+    MEMORY = 0.8
+    MIN_TRUST = 0.1
+
+    def __init__(self, k: int, numel: int, guard: float) -> None:
+        self.guard = float(guard)
+        self.directions = torch.zeros(k, numel) if guard > 0 else None
+        self.seen = [0] * k
+
+    def trust(self, step: Tensor, alpha: Sequence[float]) -> float:
+        if self.directions is None or any(a > 0 and n < self.WARMUP for a, n in zip(alpha, self.seen, strict=True)):
+            return 1.0
+        mix = torch.as_tensor(list(alpha), dtype=torch.float32) @ self.directions
+        norms = float(torch.linalg.vector_norm(mix)) * float(torch.linalg.vector_norm(step))
+        if norms == 0.0:
+            return 1.0
+        cos = float(step.float() @ mix) / norms
+        return 1.0 if cos >= 0 else max(self.MIN_TRUST, 1.0 + cos / self.guard)
+
+    def add(self, step: Tensor, alpha: Sequence[float], trust: float) -> None:
+        if self.directions is None or trust <= 0:
+            return
+        length = float(torch.linalg.vector_norm(step))
+        if length == 0.0:
+            return
+        unit = step.float() / length
+        for k, a in enumerate(alpha):
+            w = (1.0 - self.MEMORY) * a * trust
+            if w > 0:
+                self.directions[k].mul_(1.0 - w).add_(unit, alpha=w)
+                self.seen[k] += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"directions": None if self.directions is None else self.directions.clone(), "seen": list(self.seen)}
+
+    def load_state_dict(self, d: dict[str, Any] | None) -> None:
+        """A state saved without the guard (or with it off) starts it afresh."""
+        if self.directions is None or not d or d.get("directions") is None:
+            return
+        if tuple(d["directions"].shape) != tuple(self.directions.shape):
+            raise ValueError(f"state directions {tuple(d['directions'].shape)}, expected {tuple(self.directions.shape)}")
+        self.directions = d["directions"].detach().to("cpu", torch.float32).clone()
+        self.seen = [int(n) for n in d["seen"]]
+
+
 class SoftClusters(Strategy):
     """K cluster vectors with staleness-gated, alpha-weighted asynchronous updates."""
 
@@ -79,7 +138,8 @@ class SoftClusters(Strategy):
                  beta0: float = 0.025, hinge_a: float = 10.0, hinge_b: float = 5.0,
                  update_rule: str = "alpha", update_power: float = 2.0, server_lr: float = 1.0,
                  delta_hinge_a: float = 0.1, delta_tau0: int = 0, staleness_cap: int = 1,
-                 delta_moves_head: bool = True, trunk_share: float = 0.0) -> None:
+                 delta_moves_head: bool = True, trunk_share: float = 0.0,
+                 direction_guard: float = 0.0) -> None:
         super().__init__()
         if update_rule not in UPDATE_RULES:
             raise ValueError(f"update_rule must be one of {', '.join(UPDATE_RULES)}, got {update_rule!r}")
@@ -121,6 +181,9 @@ class SoftClusters(Strategy):
         self.last_reply_version: dict[str, int] = {}
         """Agent -> clock of the last reply it was sent."""
         self.ledger = UploadLedger(staleness_cap)
+        if direction_guard < 0:
+            raise ValueError(f"cdfl.direction_guard must be >= 0, got {direction_guard}")
+        self.agreement = ClusterAgreement(self.k, spec.numel, direction_guard)
 
     # ------------------------------------------------------------------ shared rules
 
@@ -172,6 +235,13 @@ class SoftClusters(Strategy):
             if self.trunk_share > 0.0:
                 trunk_betas = [rate * s * ((1.0 - self.trunk_share) * a + self.trunk_share) for a in weights]
                 info["trunk_betas"] = trunk_betas
+        if step is not None:
+            trust = self.agreement.trust(step, alpha)
+            if trust < 1.0:
+                betas = [b * trust for b in betas]
+                trunk_betas = [b * trust for b in trunk_betas]
+                info["trust"] = round(trust, 4)
+            self.agreement.add(step, alpha, trust)
         refused: list[int] = []
         for k, (beta, trunk_beta) in enumerate(zip(betas, trunk_betas, strict=True)):
             if max(beta, trunk_beta) <= 0.0:
@@ -226,7 +296,8 @@ class SoftClusters(Strategy):
         return {"epoch": self.uploads_applied, "clusters": self.clusters.clone(), "versions": list(self.versions),
                 "cluster_updated": list(self.cluster_updated), "agents_seen": dict(self.agents_seen),
                 "last_epoch": dict(self.last_reply_version), "counters": dict(self.counters),
-                "k": self.k, "spec": self.spec.hash, "ledger": self.ledger.state_dict()}
+                "k": self.k, "spec": self.spec.hash, "ledger": self.ledger.state_dict(),
+                "agreement": self.agreement.state_dict()}
 
     def _load_base(self, d: dict[str, Any]) -> None:
         if d.get("spec") != self.spec.hash or int(d["k"]) != self.k:
@@ -242,6 +313,7 @@ class SoftClusters(Strategy):
         self.agents_seen = {str(a): int(e) for a, e in d["agents_seen"].items()}
         self.last_reply_version = {str(a): int(e) for a, e in d["last_epoch"].items()}
         self.ledger.load_state_dict(d.get("ledger", {}))
+        self.agreement.load_state_dict(d.get("agreement"))
         self.counters.clear()
         self.counters.update(d["counters"])
 
@@ -315,11 +387,12 @@ class CDFL(SoftClusters):
                  server_lr: float = 1.0, delta_hinge_a: float = 0.1, delta_tau0: int = 0,
                  staleness_cap: int = 1, reply_batch: int = 0, delta_moves_head: bool = True,
                  trunk_share: float = 0.0, refresh_all: bool = False, trunk_guard: bool = False,
-                 average: float = 0.0, reply_average: float = 0.0) -> None:
+                 average: float = 0.0, reply_average: float = 0.0, direction_guard: float = 0.0) -> None:
         super().__init__(spec, clusters, tau0=tau0, beta0=beta0, hinge_a=hinge_a, hinge_b=hinge_b,
                          update_rule=update_rule, update_power=update_power, server_lr=server_lr,
                          delta_hinge_a=delta_hinge_a, delta_tau0=delta_tau0, staleness_cap=staleness_cap,
-                         delta_moves_head=delta_moves_head, trunk_share=trunk_share)
+                         delta_moves_head=delta_moves_head, trunk_share=trunk_share,
+                         direction_guard=direction_guard)
         if refresh_steps < 0 or refresh_lr <= 0:
             raise ValueError(f"need cluster_refresh_steps >= 0 and cluster_refresh_lr > 0, "
                              f"got {refresh_steps} and {refresh_lr}")
@@ -385,7 +458,7 @@ class CDFL(SoftClusters):
                    delta_moves_head=settings.delta_moves_head,
                    trunk_share=resolve_trunk_share(settings.trunk_share, len(clusters)),
                    trunk_guard=settings.trunk_guard, average=settings.cluster_average,
-                   reply_average=settings.reply_average, **kwargs)
+                   reply_average=settings.reply_average, direction_guard=settings.direction_guard, **kwargs)
 
     def _guards_trunk(self) -> bool:
         return self.trunk_guard

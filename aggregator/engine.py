@@ -276,7 +276,16 @@ class Engine:
             if known is not None:
                 known.moved_past(rec["tau"])
             self._reply_envelope(reply, rec["msg_id"], holds=start)
+            self._count_bounds(rec)
         self.counters[f"applied.{rec['op']}"] += 1
+
+    def _count_bounds(self, rec: dict[str, Any]) -> None:
+        """`bounded.<rule>` for an applied update whose step was cut: by the step bound
+        (norm_bound, norm_outlier) or by the strategy's direction guard (its trust < 1)."""
+        if rec.get("bounded"):
+            self.counters[f"bounded.{rec['bounded']}"] += 1
+        if "trust" in rec:
+            self.counters["bounded.direction"] += 1
 
     def refresh_cluster_accuracy(self, every_epochs: int = 1) -> None:
         """Recompute `cluster_accuracy` when the models moved by `every_epochs` since (0: after
@@ -363,6 +372,8 @@ class Engine:
                                 "vector": upload.vector, "alpha": reply.alpha,
                                 "upload_alpha": upload.alpha,
                                 "dist": None if step is None else step.length,
+                                **({"bounded": step.bounded_by} if step is not None and step.bounded_by else {}),
+                                **({"trust": reply.info["trust"]} if "trust" in reply.info else {}),
                                 "sketch": env.sketch, "noised": env.noised,
                                 **({"sent": reply.vectors[0]} if keep_sent and len(reply.vectors) == 1 else {})})
                 info = reply.info
@@ -379,9 +390,10 @@ class Engine:
             self.counters[f"applied.{rec['op']}"] += 1
             if rec.get("dist") is not None:
                 self.accepted_norms.add(rec["agent"], rec["dist"])
+        for rec in records:
+            self._count_bounds(rec)
         for (agent, msg_id), step in steps.items():
             if step is not None and step.bounded_by:
-                self.counters[f"bounded.{step.bounded_by}"] += 1
                 event(log, "uplink.bounded", level=logging.WARNING, agent=agent, msg_id=msg_id, rule=step.bounded_by,
                       step=round(step.sent, 4), applied_step=round(step.length, 4))
         return out

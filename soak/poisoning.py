@@ -11,8 +11,9 @@ they train honestly, then send, with d = v - base,
 
 After `--rounds` rounds, `--joiners` fresh agents join and score the model they receive on
 their own test data, and the honest agents score theirs. Each attack is run with the default
-guard (the step bound: aggregator.norm_factor and norm_warmup as shipped) and with it off
-(`--guards` adds `descent`: the opt-in test `aggregator.loss_margin` 1.0), each against the
+guards (the step bound, aggregator.norm_factor and norm_warmup, and the direction guard,
+cdfl.direction_guard, as shipped), with the bound alone, and with both off (`--guards` adds
+`descent`: the opt-in test `aggregator.loss_margin` 1.0), each against the
 no-attack fleet under the same guard; seeds give the same data, order and newcomers for
 every setting. A row's `worst_seed_pp` is its worst seed against that seed's no-attack fleet.
 
@@ -48,7 +49,8 @@ ATTACKS: dict[str, float] = {"none": 1.0, "scaled": 5.0, "signflip": -1.0, "sign
 """Attack -> the factor on the attacker's own step d = v - base."""
 GUARDS: dict[str, dict[str, Any]] = {
     "default": {},
-    "off": {"aggregator.norm_factor": 0.0},
+    "bound-only": {"cdfl.direction_guard": 0.0},
+    "off": {"aggregator.norm_factor": 0.0, "cdfl.direction_guard": 0.0},
     "descent": {"aggregator.loss_margin": 1.0},
 }
 
@@ -114,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--joiners", type=int, default=5)
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--attacks", default=",".join(ATTACKS))
-    p.add_argument("--guards", default="default,off",
-                   help=f"comma list of {', '.join(GUARDS)} (default: default,off)")
+    p.add_argument("--guards", default="default,bound-only,off",
+                   help=f"comma list of {', '.join(GUARDS)} (default: default,bound-only,off)")
     p.add_argument("--out", type=Path, default=None, help="default soak/results/poisoning.json")
     a = p.parse_args(argv)
     attacks = [x for x in a.attacks.split(",") if x]

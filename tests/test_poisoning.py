@@ -234,3 +234,60 @@ def test_a_delta_from_the_model_before_our_last_reply_is_decoded_against_it(pret
     assert refused(reply, "no_base") and "join again" in reply.detail, reply
     assert_unchanged(before, engine)
     c.install(c.send(c.step(0.5, seed=4)))  # the model it holds is still known
+
+
+def test_the_direction_guard_scales_a_step_against_its_clusters_and_keeps_an_honest_tenth() -> None:
+    """cdfl.direction_guard: per cluster, the alpha-weighted average direction of the steps it
+    took; a step at cosine >= 0 with its clusters' mix is taken whole, below it is scaled by
+    1 + cos / guard, never under MIN_TRUST; nothing is judged before WARMUP steps per cluster."""
+    from aggregator.cdfl import ClusterAgreement
+
+    g = ClusterAgreement(k=2, numel=4, guard=0.2)
+    east, north = torch.tensor([1.0, 0, 0, 0]), torch.tensor([0, 1.0, 0, 0])
+    assert g.trust(-east, [1.0, 0.0]) == 1.0  # no direction learned yet
+    for _ in range(ClusterAgreement.WARMUP):
+        g.add(east, [1.0, 0.0], 1.0)
+    assert g.trust(-east, [0.0, 1.0]) == 1.0  # cluster 1 has not warmed up
+    assert g.trust(east, [1.0, 0.0]) == 1.0
+    assert g.trust(north, [1.0, 0.0]) == 1.0  # orthogonal: no disagreement
+    assert g.trust(-east, [1.0, 0.0]) == ClusterAgreement.MIN_TRUST
+    slightly = torch.tensor([-0.1, 0.995, 0, 0])  # cos -0.1
+    assert g.trust(slightly, [1.0, 0.0]) == pytest.approx(0.5, abs=0.01)
+    again = ClusterAgreement(k=2, numel=4, guard=0.2)
+    again.load_state_dict(g.state_dict())
+    assert again.trust(-east, [1.0, 0.0]) == ClusterAgreement.MIN_TRUST
+    off = ClusterAgreement(k=2, numel=4, guard=0.0)
+    off.add(east, [1.0, 0.0], 1.0)
+    assert off.trust(-east, [1.0, 0.0]) == 1.0
+
+
+def test_a_sign_flipped_trained_update_moves_its_clusters_far_less(pretrained, tmp_path) -> None:
+    """As shipped: honest trained steps teach the clusters their direction; the same agent's
+    next step flipped is applied (not refused) and counted `bounded.direction`, and it moves
+    the clusters along itself by under a third of what it does with the guard off (the
+    tenth it keeps, plus the cluster refresh both runs share)."""
+    from fedmq.data import load_dataset
+    from fedmq.training import fit
+
+    ds = load_dataset("digits")
+    along = {}
+    for guard in (0.2, 0.0):
+        engine = make_engine(pretrained, tmp_path / str(guard), **{"cdfl.direction_guard": guard})
+        c = Client(engine, "car-5")
+
+        def trained(seed: int) -> np.ndarray:
+            base = torch.from_numpy(c.base.copy())
+            return fit("digits-cnn", base, ds.x[:200], ds.y[:200], epochs=1, lr=0.05, seed=seed).vector.numpy()
+
+        for seed in range(6):
+            c.install(c.send(c.update(codecs.encode(trained(seed), "fp32", base=c.base))))
+        assert "bounded.direction" not in engine.counters
+        flip = -(trained(6) - c.base)
+        before = engine.strategy.state_dict()["clusters"].clone()
+        c.install(c.send(c.update(codecs.encode((c.base + flip).astype(np.float32), "fp32", base=c.base))))
+        moved = engine.strategy.state_dict()["clusters"] - before
+        unit = torch.from_numpy(flip / np.linalg.norm(flip))
+        along[guard] = float((moved @ unit).sum())
+        assert engine.counters.get("bounded.direction", 0) == (1 if guard else 0)
+        engine.journal.close()
+    assert along[0.0] > 0 and along[0.2] < along[0.0] / 3, along

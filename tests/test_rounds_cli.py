@@ -19,7 +19,7 @@ WAIT_S = 120.0
 def test_round_settings_errors_are_one_line() -> None:
     # Both are refused before any connection: no broker needed.
     for args, expected in ((("--set", "catafed.prox_mu=0.1"), "set fedavg.prox_mu instead"),
-                           (("--min-agents", "-1"), "catafed.min_agents must be >= 0, got -1")):
+                           (("--min-agents", "-1"), "--min-agents (catafed.min_agents) must be >= 0, got -1")):
         done = subprocess.run([sys.executable, "-m", "fedmq.cli", "aggregator", "--algorithm",
                                "fedavg", "--broker", "mqtt://127.0.0.1:1", *args], cwd=ROOT,
                               capture_output=True, text=True, timeout=WAIT_S)
