@@ -68,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     stop = threading.Event()
     SignalRelay({signal.SIGTERM: stop.set, signal.SIGINT: stop.set})  # also when started with SIGINT ignored
-    from aggregator.journal import Journal, StateDirLock
+    from aggregator.journal import Journal
+    from fedmq.state_dir import StateDirLock
     from fedmq.transport import check_reachable
 
     # Fail in a second, not after minutes of loading data and pre-training.
@@ -183,13 +184,26 @@ def _run_rounds(cfg, stop: threading.Event) -> int:
               f"stragglers {len(r.stragglers)}, dropouts {len(r.dropouts)}, {r.ended} after "
               f"{r.seconds:.1f} s, accuracy {acc}", flush=True)
 
+    rounds = cfg.catafed.rounds
     with RoundService(cfg, strategy, model_name=model_name,
                       evaluate=lambda w: evaluate(model_name, w, test.x, test.y)[0],
                       state_dir=cfg.aggregator.state_dir) as service:
-        print(f"aggregator {algorithm} (rounds) on {mask_secrets(cfg.broker.url)} fleet={cfg.fleet} "
-              f"round={strategy.round}; waiting for {wanted} agents", flush=True)
-        with contextlib.suppress(KeyboardInterrupt):
-            service.run(stop=stop, min_agents=wanted, on_round=report)
+        left = max(0, rounds - strategy.round)  # catafed.rounds counts the rounds of the state dir
+        if left:
+            print(f"aggregator {algorithm} (rounds) on {mask_secrets(cfg.broker.url)} fleet={cfg.fleet} "
+                  f"round={strategy.round}; waiting for {wanted} agents", flush=True)
+            with contextlib.suppress(KeyboardInterrupt):
+                records = service.run(rounds=left, stop=stop, min_agents=wanted, on_round=report)
+                service.finished = not stop.is_set()
+        else:
+            records, service.finished = [], not service.sole.failed.is_set()
+        if service.finished:  # stop() tells the agents, which exit
+            target = cfg.catafed.target_accuracy
+            why = (f"target accuracy {target:g} reached" if target and records and records[-1].accuracy is not None
+                   and records[-1].accuracy >= target else f"catafed.rounds = {rounds} done")
+            print(f"aggregator {algorithm}: finished after {strategy.round} rounds ({why}); agents told to "
+                  f"stop. A restart on {cfg.aggregator.state_dir} runs only the rounds up to a larger "
+                  f"catafed.rounds", flush=True)
     if service.sole.failure:
         raise RuntimeFailure(service.sole.failure)
     return 0

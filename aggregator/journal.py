@@ -46,6 +46,7 @@ from fedmq.atomic_file import atomic_write as write_atomically
 from fedmq.atomic_file import keep_aside
 from fedmq.errors import RuntimeFailure
 from fedmq.logs import event, get_logger
+from fedmq.state_dir import StateDirUnwritable, check_writable
 
 log = get_logger("aggregator.journal")
 
@@ -205,34 +206,6 @@ def scan_journal(path: Path, *, resync: bool = False) -> JournalScan:
     return scan
 
 
-class StateDirBusy(RuntimeFailure):
-    """Another process holds the state dir (two aggregators on one state would interleave)."""
-
-
-class StateDirLock:
-    """An exclusive lock on a state dir for this process's lifetime (`flock` on `DIR/lock`,
-    released by the kernel when the process dies, kill -9 included)."""
-
-    def __init__(self, state_dir: str | os.PathLike[str]) -> None:
-        import fcntl
-
-        self.path = Path(state_dir) / "lock"
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self._fd, 64, 0).decode(errors="replace").strip() or "?"
-            os.close(self._fd)
-            raise StateDirBusy(f"state dir {self.path.parent} is in use by another aggregator (pid "
-                               f"{holder}); stop it, or pass another --state-dir") from None
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
-
-    def release(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self._fd)
-
-
 class Journal:
     """Snapshots and the journal of one state dir; one writer (the aggregator's worker)."""
 
@@ -270,16 +243,9 @@ class Journal:
         """JournalError now, not after minutes of set-up, when the state dir cannot be
         created or written (a file in the way, read-only, full)."""
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            probe = self.dir / f".write-probe-{os.getpid()}"
-            with open(probe, "wb") as f:
-                f.write(b"x")
-                f.flush()
-                os.fsync(f.fileno())
-            probe.unlink()
-        except OSError as e:
-            raise JournalError(e.errno, f"cannot write state dir {self.dir}: {e.strerror or e}; "
-                                        f"pass a writable --state-dir") from e
+            check_writable(self.dir)
+        except StateDirUnwritable as e:
+            raise JournalError(e.errno, e.strerror) from e.__cause__
 
     def has_state(self) -> bool:
         """Whether this dir holds a snapshot to resume from."""

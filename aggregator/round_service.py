@@ -93,6 +93,9 @@ class RoundService:
                                    Path(state_dir) if state_dir else None)
         self._run_stop: threading.Event | None = None
         """run()'s stop event: set when another aggregator serves the fleet (`sole`)."""
+        self.finished = False
+        """The run is over (catafed.rounds done, or the target reached): the status published at
+        stop() then carries counters["finished"] = 1, on which round agents stop (docs/catafed.md)."""
         self._inbox: queue.Queue[Message] = queue.Queue()
         self.counters: Counter[str] = Counter()
         self.records: list[RoundRecord] = []
@@ -108,7 +111,8 @@ class RoundService:
         return protocol.encode(protocol.Status(
             agent="aggregator", msg_id=self.sole.status_id(), sent_at=protocol.now(), state=state,
             role="aggregator", algorithm=self.strategy.name, epoch=self.strategy.round,
-            counters=dict(self.counters), started_at=self.sole.started_wall))
+            counters={**self.counters, **({"finished": 1} if self.finished else {})},
+            started_at=self.sole.started_wall))
 
     # ---------------------------------------------------------------- lifecycle
 

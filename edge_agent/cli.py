@@ -7,7 +7,8 @@ examples:
   fedmq agent --id car-7 --update-now          # one upload as soon as enough samples are in
   fedmq agent --id car-8 --algorithm fedavg    # deadline rounds: answer the aggregator's invites
 
-State (model, tau, pending upload, detector, counters) lives in --state-dir; a restart
+State (model, tau, pending upload, detector, counters) lives in --state-dir (default
+state/agent-ID; one agent per dir, a second exits naming the first's pid); a restart
 resumes from it and first re-sends an upload that was never answered. SIGUSR1 asks for an
 update now; SIGTERM or Ctrl-C stops cleanly: training ends at the next epoch, an upload in
 flight stays pending on disk (sent after the next start), the status goes offline.
@@ -15,7 +16,8 @@ flight stays pending on disk (sent after the next start), the status goes offlin
 With --algorithm catafed, fedavg or fedprox the agent joins deadline rounds (an aggregator
 started with the same --algorithm): it holds n samples of the dataset's train split, n drawn
 in [data.min_samples, data.max_samples] from (seed, id), trains on each invite and prints one
-line per round. It keeps no state on disk (a round is only useful within its deadline).
+line per round. It keeps no state on disk (a round is only useful within its deadline), and
+exits 0 when the aggregator says its run is over (docs/catafed.md).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cdfl (default), fedsoft-async, local (never talks to a server), or the "
                         "deadline rounds catafed, fedavg, fedprox, tifl")
     p.add_argument("--profile", choices=("car", "phone", "device"), help="device profile (default device)")
-    p.add_argument("--state-dir", metavar="DIR", help="durable state (default state/agent)")
+    p.add_argument("--state-dir", metavar="DIR", help="durable state (default state/agent-ID); one agent per dir")
     p.add_argument("--clusters", type=int, metavar="K", help="rotation clusters of the dataset source (default 3)")
     p.add_argument("--source", choices=("dataset", "directory"), help="where labelled samples come from")
     p.add_argument("--source-dir", metavar="DIR", help="folder of the directory source")
@@ -69,6 +71,11 @@ def run(args: argparse.Namespace) -> int:
         return _run_rounds(cfg)
     from edge_agent.agent_loop import DeviceAgent, make_source
     from edge_agent.profiles import get_profile
+    from fedmq.state_dir import StateDirLock, check_writable
+
+    # Said now, not at the first save or at SIGTERM, minutes or hours into the run.
+    check_writable(cfg.agent.state_path())
+    StateDirLock(cfg.agent.state_path(), role="agent")  # held until this process exits
 
     profile = get_profile(cfg.agent.profile, seed=cfg.seed)
     device = DeviceAgent(cfg, make_source(cfg, profile), profile=profile)
@@ -122,8 +129,11 @@ def _run_rounds(cfg) -> int:
     try:
         print(f"agent {agent.agent_id} ({agent.algorithm}, rounds) on {mask_secrets(cfg.broker.url)} "
               f"fleet={cfg.fleet} samples={n}", flush=True)
-        while not stop.wait(1.0):
+        while not stop.wait(0.5) and not agent.finished.is_set():
             pass
+        if agent.finished.is_set():
+            print(f"agent {agent.agent_id}: the aggregator finished after {agent.finished_after} rounds; "
+                  f"stopping", flush=True)
     finally:
         agent.stop()
         event(log, "agent.stopped", agent=agent.agent_id, counters=agent.counters)

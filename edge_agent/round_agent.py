@@ -13,6 +13,10 @@ broker's PUBACK is its measured upload time, from which eps_i follows.
 An invite that is already past its deadline when the agent gets to it (it arrived while the
 agent was busy with an older one) is skipped: the server has closed that round anyway.
 
+When the aggregator's run is over it goes offline with counters["finished"] in its status:
+the agent sets `finished` (the CLI then says so and exits 0). A finished status retained from
+an earlier run, before this agent saw its aggregator online, is ignored.
+
 An Error reply (a join or report the aggregator refused: `wrong_algorithm`, `bad_report`,
 `codec_*`, ...) is an outcome, never a crash: it is counted, in total (`refused`) and by reason
 (`refused.<reason>`), in `counters` and the retained status, and the agent answers the next
@@ -34,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from edge_agent.agent_algorithms import agent_algorithm
 from edge_agent.deadline import DeadlineLearner, RealEpochRunner, RoundWork, TrainSettings, Watchdog
 from edge_agent.protocol_client import refusal_counter
 from fedmq import codecs, protocol
@@ -77,7 +82,8 @@ class RoundAgent:
                              f"(cdfl, fedsoft-async), not yet for {algorithm} rounds (docs/privacy.md)")
         self.model_name = resolve_model_name(cfg.model, cfg.data.dataset)
         self.spec = model_spec(self.model_name)
-        if algorithm == "catafed":
+        self.kind = kind = agent_algorithm(algorithm)
+        if kind.trains_with == "catafed":
             c = cfg.catafed
             self.learner = DeadlineLearner(x, y, c, algorithm=algorithm, seed=seed)
             self.train = TrainSettings(self.model_name, c.lr, c.batch_size, 0.0, seed)
@@ -86,7 +92,7 @@ class RoundAgent:
             self.learner = DeadlineLearner(x, y, cfg.catafed, algorithm=algorithm, seed=seed,
                                            epochs=f.epochs, model_name=self.model_name)
             self.train = TrainSettings(self.model_name, f.lr, f.batch_size,
-                                       f.prox_mu if algorithm == "fedprox" else 0.0, seed,
+                                       f.prox_mu if kind.proximal else 0.0, seed,
                                        f.momentum)
         self.extra_s_per_sample = extra_s_per_sample
         self.feedback = codecs.ErrorFeedback() if cfg.codec.uses_feedback() else None
@@ -98,6 +104,11 @@ class RoundAgent:
         self._invites: queue.Queue[tuple[protocol.RoundInvite, float]] = queue.Queue()
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
+        self._seen_online = False  # a finished status retained from an earlier run is not ours
+        self.finished = threading.Event()
+        """Set when the aggregator this agent served says its run is over (its last status
+        carries counters["finished"]); `finished_after` is then the rounds it ran."""
+        self.finished_after = 0
         self.transport = MqttTransport(
             f"fedmq-agent-{self.agent_id}", cfg.broker, clean_start=False,
             will=Will(protocol.agent_status(self.fleet, self.agent_id), self._status("offline")))
@@ -188,9 +199,14 @@ class RoundAgent:
         except Refused as r:
             self.errors.append(r.reason)
             return
-        if got is not None and isinstance(got.envelope, protocol.Status) \
-                and got.envelope.state == "online":
+        if got is None or not isinstance(got.envelope, protocol.Status):
+            return
+        if got.envelope.state == "online":
+            self._seen_online = True
             self.channel.send(protocol.uplink(self.fleet, self.agent_id), self._join())
+        elif got.envelope.counters.get("finished") and self._seen_online:
+            self.finished_after = got.envelope.epoch
+            self.finished.set()
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -85,11 +85,41 @@ def assert_one_line(done: subprocess.CompletedProcess, status: int, *names: str)
     (("fleet", "status", "--watch", "soon"), ("fedmq fleet status", "--watch", "soon")),
     (("creds", "--out", "OUT", "--agents", "bad/name"), ("bad/name",)),
     (("broker", "--port", "nope"), ("fedmq broker", "--port")),
+    # Every config value is checked at load: `--dry-run` fails where a start would.
+    (("aggregator", "--clusters", "0", "--dry-run"), ("fedmq aggregator", "--clusters (cdfl.clusters) must be >= 1, got 0")),
+    (("agent", "--id", "a", "--clusters", "0", "--dry-run"), ("fedmq agent", "--clusters (cdfl.clusters) must be >= 1")),
+    (("aggregator", "--set", "cdfl.clusters=0", "--dry-run"), ("cdfl.clusters must be >= 1",)),
+    (("aggregator", "--algorithm", "catafed", "--set", "catafed.rounds=0", "--dry-run"), ("catafed.rounds", ">= 1")),
+    (("aggregator", "--set", "catafed.pf_window=0.5", "--dry-run"), ("catafed.pf_window", ">= 1")),
+    (("aggregator", "--set", "codec.topk_ratio=1.5", "--dry-run"), ("codec.topk_ratio", "in (0, 1]")),
+    (("agent", "--id", "a", "--set", "agent.lr=0", "--dry-run"), ("agent.lr must be > 0",)),
+    (("agent", "--id", "a", "--set", "agent.reply_timeout_s=-1", "--dry-run"), ("agent.reply_timeout_s", "> 0")),
+    (("agent", "--id", "a", "--set", "data.max_samples=10", "--dry-run"), ("data.max_samples", "data.min_samples")),
+    (("agent", "--id", "a/b", "--dry-run"), ("fedmq agent", "--id (agent.id) must match", "a/b")),
+    # An unknown dataset is named as such, with the known ones, wherever it is given.
+    (("aggregator", "--dataset", "nosuchdata", "--state-dir", "OUT"), ("unknown dataset 'nosuchdata'", "digits, ")),
+    (("agent", "--id", "a", "--dataset", "nosuchdata", "--state-dir", "OUT"), ("unknown dataset 'nosuchdata'", "digits, ")),
+    (("sim", "run", "--set", "data.dataset=nosuchdata", "--out", "OUT"), ("fedmq sim run", "unknown dataset 'nosuchdata'")),
+    (("sim", "rounds", "--dataset", "nosuchdata", "--out", "OUT"), ("fedmq sim rounds", "unknown dataset 'nosuchdata'")),
 ])
 def test_usage_errors_are_one_line_and_exit_2(argv, names, tmp_path) -> None:
     argv = tuple(str(tmp_path / "out") if a == "OUT" else a for a in argv)
     line = assert_one_line(run(*argv), 2, *names)
     assert "secret" not in line  # a password in a broker URL is never echoed
+
+
+@pytest.mark.parametrize("argv", [
+    ("aggregator", "--clusters", "0"),
+    ("aggregator", "--algorithm", "catafed", "--set", "catafed.deadline_s=0"),
+    ("agent", "--id", "a", "--clusters", "0"),
+    ("agent", "--id", "a", "--algorithm", "catafed", "--set", "catafed.epochs=0"),
+])
+def test_an_out_of_range_start_is_refused_before_it_touches_anything(argv, tmp_path) -> None:
+    """Without --dry-run the same one line and exit 2, and the state dir is never made."""
+    state = tmp_path / "state"
+    done = run(*argv, "--state-dir", str(state), "--broker", f"mqtt://127.0.0.1:{free_port()}")
+    assert_one_line(done, 2, "must be")
+    assert not state.exists()
 
 
 def test_config_file_with_a_typo_is_one_line_and_exit_2(tmp_path) -> None:
@@ -247,7 +277,7 @@ def test_snapshot_of_another_shape_and_a_damaged_journal_are_one_line_and_kept(t
 
 def test_second_aggregator_on_one_state_dir_is_one_line(tmp_path) -> None:
     """Two aggregators on one state dir would interleave their journals: the second stops."""
-    from aggregator.journal import StateDirLock
+    from fedmq.state_dir import StateDirLock
 
     state = tmp_path / "agg"
     state.mkdir()
@@ -267,6 +297,15 @@ def test_unwritable_state_dir_is_one_line(tmp_path) -> None:
     # The agent too: it used to print two tracebacks and hang.
     argv = ("agent", "--id", "a1", "--state-dir", str(blocker / "a1"), "--broker", f"mqtt://127.0.0.1:{free_port()}")
     assert_one_line(run(*argv), 1, str(blocker / "a1"))
+
+
+def test_agent_state_dir_that_is_a_file_is_one_line_at_start(tmp_path) -> None:
+    """Said at start, not at the first save or at SIGTERM minutes later; the file is kept."""
+    blocker = tmp_path / "state"
+    blocker.write_text("keep")
+    argv = ("agent", "--id", "a1", "--state-dir", str(blocker), "--broker", f"mqtt://127.0.0.1:{free_port()}")
+    assert_one_line(run(*argv), 1, "fedmq agent", str(blocker), "not a directory", "--state-dir")
+    assert blocker.read_text() == "keep"
 
 
 def test_missing_dataset_files_are_one_line(tmp_path) -> None:
