@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from edge_agent.agent_algorithms import agent_algorithm
 from edge_agent.drift import DriftMonitor, make_detector
 from edge_agent.inference import OnnxPredictor, TorchPredictor, make_predictor
 from edge_agent.profiles import DeviceProfile, get_profile
@@ -173,12 +174,14 @@ class DeviceAgent:
         if s.algorithm not in ALGORITHMS:
             raise ValueError(f"agent.algorithm must be one of {', '.join(ALGORITHMS)}, got {s.algorithm!r}")
         self.algorithm = s.algorithm
+        self.kind = agent_algorithm(s.algorithm)
+        """What this algorithm's agent sends and where it trains from (edge_agent/agent_algorithms.py)."""
         self.model_name = resolve_model_name(cfg.model, cfg.data.dataset)
         self.spec = model_spec(self.model_name)
         self.profile = profile or get_profile(s.profile, seed=cfg.seed)
         self.source = source
         self.clock = clock
-        self.state_dir = Path(s.state_dir)
+        self.state_dir = Path(s.state_path())
         self.buffer = LocalBuffer(s.buffer_size)
         self.monitor = DriftMonitor(make_detector(s.detector, **parse_knobs(s.detector_knobs)),
                                     s.min_update_interval_s)
@@ -222,7 +225,7 @@ class DeviceAgent:
                 self.monitor.min_interval_s = self.settings.min_update_interval_s
             self.counters.update(saved.counters)
         self._count("starts")
-        if self.algorithm != "local":
+        if self.kind.connects:
             self.agent = EdgeAgent(self.cfg, self.agent_id, algorithm=self.algorithm,
                                    profile=self.profile.name,
                                    reply_timeout_s=self.settings.reply_timeout_s, retries=2)
@@ -354,7 +357,7 @@ class DeviceAgent:
         n = min(len(self.buffer), s.train_on_newest or len(self.buffer))
         privacy = self.agent.privacy
         return privacy.upload_releases(max(n, 1), privacy.batch(s.batch_size), s.epochs,
-                                       sketch=self.agent.sends_sketch(n), alpha=self.algorithm == "fedsoft-async")
+                                       sketch=self.agent.sends_sketch(n), alpha=self.kind.sends_alpha)
 
     def update(self) -> Cycle:
         """One update cycle now (train, persist the upload, send it, install the reply)."""
@@ -362,7 +365,7 @@ class DeviceAgent:
         trigger = "manual" if self.monitor.trigger_pending else "drift"
         self.monitor.update_started(self.clock())
         self._drift_seen_at = None
-        if self.algorithm == "fedsoft-async" and self.agent is not None and (
+        if self.kind.trains_from == "cluster_mixture" and self.agent is not None and (
                 self.agent.installed is None or not self.agent.installed.clusters):
             self._join()  # the K cluster models are not kept on disk: fetch them again
         held = self.state.vector
@@ -376,7 +379,7 @@ class DeviceAgent:
                      max_seconds=s.max_train_seconds or None,
                      on_epoch=lambda _epoch, _loss: not self._stop.is_set())
         event(log, "train.started", agent=self.agent_id, trigger=trigger, samples=len(y), tau=self.state.tau)
-        clusters = (self.agent.installed.clusters if self.algorithm == "fedsoft-async" and self.agent is not None
+        clusters = (self.agent.installed.clusters if self.kind.trains_from == "cluster_mixture" and self.agent is not None
                     and self.agent.installed is not None else None)
         # DP-SGD's noise must not be predictable from the state: fresh entropy
         result, alpha = train_cycle(self.model_name, self.algorithm, held, clusters, x, y, privacy=privacy,
