@@ -62,7 +62,8 @@ KINDS = ("random_bytes", "random_msgpack", "field", "tensor", "flip", "huge", "w
 
 
 class Fuzzer:
-    """A raw paho client: publishes what it is given, counts every downlink it gets."""
+    """A raw paho client: publishes what it is given, counts every downlink answer it gets
+    (receipts, which only announce an answer, are not counted)."""
 
     def __init__(self, port: int, fleet: str, agent: str = "fuzzer") -> None:
         self.fleet, self.agent = fleet, agent
@@ -87,6 +88,8 @@ class Fuzzer:
             env: protocol.Envelope | None = protocol.decode(msg.payload, max_bytes=1 << 24)
         except protocol.ProtocolError:
             env = None
+        if isinstance(env, protocol.Receipt):
+            return  # "taken, reply on the way": not an answer (docs/protocol.md)
         self.replies.put((agent, env))
 
     def publish(self, payload: bytes, topic: str | None = None) -> mqtt.MQTTMessageInfo:
