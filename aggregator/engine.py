@@ -390,7 +390,6 @@ class Engine:
             self.counters[f"applied.{rec['op']}"] += 1
             if rec.get("dist") is not None:
                 self.accepted_norms.add(rec["agent"], rec["dist"])
-        for rec in records:
             self._count_bounds(rec)
         for (agent, msg_id), step in steps.items():
             if step is not None and step.bounded_by:
