@@ -275,7 +275,7 @@ def test_a_sign_flipped_trained_update_moves_its_clusters_far_less(pretrained, t
         engine = make_engine(pretrained, tmp_path / str(guard), **{"cdfl.direction_guard": guard})
         c = Client(engine, "car-5")
 
-        def trained(seed: int) -> np.ndarray:
+        def trained(seed: int, c: Client = c) -> np.ndarray:
             base = torch.from_numpy(c.base.copy())
             return fit("digits-cnn", base, ds.x[:200], ds.y[:200], epochs=1, lr=0.05, seed=seed).vector.numpy()
 
