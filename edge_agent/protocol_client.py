@@ -9,12 +9,16 @@ once and answers a replay with the reply it already sent).
 Deltas on the wire are taken against the model both sides know the agent holds: the agent
 installs exactly what it decodes, and the aggregator tracks that same vector.
 
-A reply is re-sent for at once (not after the timeout) when the connection comes back,
-since the broker may have lost it. A downlink that cannot be installed (malformed, wrong
-spec or shape, a delta against another base, NaN) is logged (`downlink.rejected` with its
-reason) and ignored: the current model stays installed and the request keeps waiting for a
-good reply (a re-send makes the aggregator repeat its real one). Replies to requests no
-longer waited for (a second answer to a re-sent upload) are dropped.
+While the aggregator works on a reply it sends `receipt`s (docs/protocol.md): each one
+moves the re-send to `reply_timeout_s` plus RECEIPT_MARGIN times the reply time it expects,
+so a slow reply is waited for, not re-sent for; the agent re-sends only when receipts stop
+(the aggregator is down). A reply is re-sent for at once (not after the timeout) when the
+connection comes back, since the broker may have lost it. A downlink that cannot be
+installed (malformed, wrong spec or shape, a delta against another base, NaN) is logged
+(`downlink.rejected` with its reason) and ignored: the current model stays installed and
+the request keeps waiting for a good reply (a re-send makes the aggregator repeat its real
+one). Replies to requests no longer waited for (a second answer to a re-sent upload) and
+receipts that come after the reply are dropped.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from edge_agent.agent_algorithms import agent_algorithm
 from fedmq import codecs, protocol, sketch
 from fedmq.channel import Channel, Received, Refused
 from fedmq.config import Config
@@ -42,6 +47,10 @@ REJOIN_REASONS = frozenset({"unknown_agent", "no_base", "codec_no_base", "codec_
 RESYNC_REASONS = REJOIN_REASONS | {"bad_tau"}
 """Refusals after which a sender drops its upload and joins again (the device agent, the
 simulator, the soak drivers): the aggregator no longer knows the model the upload started from."""
+
+RECEIPT_MARGIN = 2.0
+"""After a receipt, wait reply_timeout_s plus this many times its `expect_s` before re-sending:
+an estimate from recent reply times may be short, and renewed receipts keep the wait going."""
 
 INVALID_DOWNLINK = frozenset({"unexpected_reply", "wrong_model", "wrong_shape"})
 """Agent-side reasons (besides codec_*) for refusing a reply; the request keeps waiting."""
@@ -86,6 +95,8 @@ class EdgeAgent:
         self.cfg = cfg
         self.agent_id = protocol.validate_id(agent_id, "agent id")
         self.algorithm = algorithm
+        self.kind = agent_algorithm(algorithm)
+        """What this algorithm's agent sends (edge_agent/agent_algorithms.py)."""
         self.profile = profile
         self.model_name = resolve_model_name(cfg.model, cfg.data.dataset)
         self.spec: ModelSpec = model_spec(self.model_name)
@@ -94,6 +105,8 @@ class EdgeAgent:
         self.fleet = cfg.fleet
         self.installed: Installed | None = None
         self._replies: dict[str, tuple[Received, int]] = {}
+        self._receipts: dict[str, protocol.Receipt] = {}
+        """msg_id waited for -> the latest receipt naming it, not yet seen by the wait."""
         self._waiting: set[str] = set()
         self._connects = 0
         self._interrupted = False
@@ -114,9 +127,9 @@ class EdgeAgent:
         self.privacy = cfg.privacy.mechanisms(plan=dict(
             n=a.min_samples_to_train, batch_size=a.batch_size, epochs=a.epochs,
             sketch=self.sends_sketch(a.min_samples_to_train),
-            alpha=algorithm == "fedsoft-async"))
+            alpha=self.kind.sends_alpha))
         """DP of what this agent sends, and the epsilon it has spent (privacy.epsilon; off by default)."""
-        if self.privacy.enabled and algorithm not in ("cdfl", "fedsoft-async"):
+        if self.privacy.enabled and not self.kind.private:
             raise UsageError(f"privacy.epsilon: differential privacy is built for cdfl and fedsoft-async "
                              f"agents, not for {algorithm} (docs/privacy.md)")
         if self.privacy.enabled:
@@ -201,6 +214,12 @@ class EdgeAgent:
             return
         if got is None:
             return
+        if isinstance(got.envelope, protocol.Receipt):
+            with self._cond:
+                if got.envelope.of in self._waiting:  # a late one (after the reply) is no news
+                    self._receipts[got.envelope.of] = got.envelope
+                    self._cond.notify_all()
+            return
         key = getattr(got.envelope, "in_reply_to", "")
         size = sum(len(m.payload) for m in got.messages)
         with self._cond:
@@ -215,7 +234,9 @@ class EdgeAgent:
         """Send `env` until a reply that can be installed arrives; install it: (installed, bytes up).
 
         Re-sends after `reply_timeout_s` (up to `retries` times) and at once after a reconnect
-        (not counted against `retries`). An Error reply raises AgentError with its reason (a
+        (not counted against `retries`); each receipt moves the re-send to `reply_timeout_s`
+        plus RECEIPT_MARGIN times the reply time it announces. An Error reply raises
+        AgentError with its reason (a
         first `duplicate` only makes it ask once more, see below); a reply that cannot be
         installed is logged and ignored, and the wait goes on.
         """
@@ -242,13 +263,23 @@ class EdgeAgent:
                     with self._cond:
                         connects = self._connects
                         while (env.msg_id not in self._replies and not self._interrupted
-                               and self._connects == connects):
+                               and self._connects == connects and env.msg_id not in self._receipts):
                             left = deadline - time.monotonic()
                             if left <= 0:
                                 break
                             self._cond.wait(left)
                         got = self._replies.pop(env.msg_id, None)
+                        receipt = self._receipts.pop(env.msg_id, None)
                         reconnected = self._connects != connects
+                    if got is None and receipt is not None and not reconnected:
+                        # Taken: the reply is being made. Wait for it, not re-send.
+                        deadline = max(deadline, time.monotonic() + self.reply_timeout_s
+                                       + RECEIPT_MARGIN * receipt.expect_s)
+                        self.counters["receipts"] = self.counters.get("receipts", 0) + 1
+                        event(log, "reply.expected", agent=self.agent_id, msg_id=env.msg_id,
+                              expect_s=receipt.expect_s, ahead=receipt.ahead,
+                              wait_s=round(deadline - time.monotonic(), 1))
+                        continue
                     if got is None:
                         break
                     reply = got[0].envelope
@@ -295,6 +326,7 @@ class EdgeAgent:
             with self._cond:
                 self._waiting.discard(env.msg_id)
                 self._replies.pop(env.msg_id, None)
+                self._receipts.pop(env.msg_id, None)
 
     def _install(self, reply: protocol.Envelope, bytes_down: int) -> Installed:
         if isinstance(reply, protocol.Error):
@@ -372,7 +404,7 @@ class EdgeAgent:
         """Whether an upload with n training inputs carries their sketch (never of fewer than
         agent.sketch_min_samples: the sketch of a few samples reveals them)."""
         a = self.cfg.agent
-        return a.send_sketch and self.algorithm == "cdfl" and n >= a.sketch_min_samples
+        return a.send_sketch and self.kind.sends_sketch and n >= a.sketch_min_samples
 
     def upload(self, env: protocol.Update, *, resend: bool = False) -> tuple[Installed, int]:
         """Send an update until answered; install the reply. Returns (installed, bytes up).
