@@ -529,7 +529,7 @@ class AgentSettings:
     poll_batch: int = 20
     """Most samples taken per poll. Must be >= 1."""
     reply_timeout_s: float = 20.0
-    """An unanswered request is re-sent (same msg_id) after this many seconds. Must be > 0."""
+    """An unanswered request is re-sent (same msg_id) after this many seconds, plus twice the reply time the aggregator's latest receipt announced (docs/protocol.md). Must be > 0."""
     save_every_s: float = 10.0
     """Longest time between state saves while nothing else changes (detector state, counters). Must be >= 0."""
 
