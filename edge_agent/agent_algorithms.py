@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from fedmq.algorithms import ASYNC_AGENT, ROUNDS
+from fedmq.algorithms import ASYNC_AGENT, ASYNC_SERVER, ROUNDS
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,8 @@ AGENT_ALGORITHMS: dict[str, AgentAlgorithm] = {a.name: a for a in (
     AgentAlgorithm("cdfl", sends_sketch=True, private=True),
     AgentAlgorithm("fedsoft-async", trains_from="cluster_mixture", sends_alpha=True, private=True),
     AgentAlgorithm("local", connects=False),
+    AgentAlgorithm("fedasync"),  # the simulator's agents of the one-global-model baselines
+    AgentAlgorithm("fedbuff"),
     AgentAlgorithm("catafed", rounds=True, trains_from="invite", trains_with="catafed",
                    deadline_mode="catafed", shards=True),
     AgentAlgorithm("fedavg", rounds=True, trains_from="invite", trains_with="fedavg", deadline_mode="fedavg"),
@@ -58,7 +60,8 @@ AGENT_ALGORITHMS: dict[str, AgentAlgorithm] = {a.name: a for a in (
     AgentAlgorithm("tifl", rounds=True, trains_from="invite", trains_with="fedavg", deadline_mode="fedavg",
                    scores_start=True),
 )}
-"""Every algorithm an agent runs (fedmq.algorithms ASYNC_AGENT and ROUNDS), by name."""
+"""Every algorithm an agent runs (fedmq.algorithms ASYNC_AGENT, the simulator's ASYNC_SERVER
+baselines, and ROUNDS), by name."""
 
 
 def agent_algorithm(name: str) -> AgentAlgorithm:
@@ -69,4 +72,4 @@ def agent_algorithm(name: str) -> AgentAlgorithm:
         raise ValueError(f"agent.algorithm must be one of {', '.join(AGENT_ALGORITHMS)}, got {name!r}") from None
 
 
-assert set(AGENT_ALGORITHMS) == set(ASYNC_AGENT + ROUNDS), "every agent algorithm has one entry"
+assert set(AGENT_ALGORITHMS) == set(ASYNC_AGENT + ASYNC_SERVER + ROUNDS), "every agent algorithm has one entry"

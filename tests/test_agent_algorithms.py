@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_every_agent_algorithm_has_one_entry_and_rounds_match_the_server() -> None:
-    assert list(AGENT_ALGORITHMS) == [*ASYNC_AGENT, *ROUNDS]
+    assert list(AGENT_ALGORITHMS) == list(dict.fromkeys([*ASYNC_AGENT, *ASYNC_SERVER, *ROUNDS]))
     for name, kind in AGENT_ALGORITHMS.items():
         assert kind.name == name
         assert kind.rounds == (name in ROUNDS)
