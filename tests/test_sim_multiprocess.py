@@ -104,6 +104,29 @@ def test_aggregator_and_two_agent_processes_merge_into_one_run(mosquitto, tmp_pa
 
 
 @pytest.mark.slow
+
+def split_in_threads(spec: RunSpec, cfg: Config, out: Path) -> Path:
+    """A split run's aggregator part (a thread) and its 4 agents, merged: the run dir."""
+    ready = threading.Event()
+    failures: list[BaseException] = []
+
+    def aggregator() -> None:
+        try:
+            run_aggregator_part(spec, cfg, out, ready=ready)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            failures.append(e)
+            ready.set()
+
+    t = threading.Thread(target=aggregator)
+    t.start()
+    assert ready.wait(120) and not failures
+    run_agents_part(spec, cfg, out, first=0, count=4, wait_s=30)
+    t.join(120)
+    assert not t.is_alive() and not failures
+    (run,) = merge_parts(out)
+    return run
+
+
 def test_one_agents_process_reproduces_the_in_process_run(mosquitto, tmp_path):
     """Arrival order is all that differs: with one agents process and one worker, nothing does."""
     spec = RunSpec(clusters=2, agents=4, seed=3, updates_per_agent=2, test_samples=60, local_epochs=1)
@@ -116,23 +139,7 @@ def test_one_agents_process_reproduces_the_in_process_run(mosquitto, tmp_path):
     whole = run_fleet(spec, cfg, broker_url=mosquitto.url)
 
     cfg.fleet = "split"
-    ready = threading.Event()
-    failures: list[BaseException] = []
-
-    def aggregator() -> None:
-        try:
-            run_aggregator_part(spec, cfg, tmp_path, ready=ready)
-        except BaseException as e:  # noqa: BLE001 (reported below)
-            failures.append(e)
-            ready.set()
-
-    t = threading.Thread(target=aggregator)
-    t.start()
-    assert ready.wait(120) and not failures
-    run_agents_part(spec, cfg, tmp_path, first=0, count=4, wait_s=30)
-    t.join(120)
-    assert not t.is_alive() and not failures
-    (run,) = merge_parts(tmp_path)
+    run = split_in_threads(spec, cfg, tmp_path)
     merged = json.loads((run / "summary.json").read_text())
     rows = list(csv.DictReader((run / "updates.csv").read_text().splitlines()))
 
@@ -159,23 +166,7 @@ def test_split_run_with_refused_uploads_completes_and_merges_their_counts(mosqui
     # A descent test with no margin: the aggregator refuses the honest uploads that raise its
     # best proxy loss at all, and applies the rest.
     cfg.aggregator.loss_margin = 1e-9
-    ready = threading.Event()
-    failures: list[BaseException] = []
-
-    def aggregator() -> None:
-        try:
-            run_aggregator_part(spec, cfg, tmp_path, ready=ready)
-        except BaseException as e:  # noqa: BLE001 (reported below)
-            failures.append(e)
-            ready.set()
-
-    t = threading.Thread(target=aggregator)
-    t.start()
-    assert ready.wait(120) and not failures
-    run_agents_part(spec, cfg, tmp_path, first=0, count=4, wait_s=30)
-    t.join(120)
-    assert not t.is_alive() and not failures
-    (run,) = merge_parts(tmp_path)
+    run = split_in_threads(spec, cfg, tmp_path)
     merged = json.loads((run / "summary.json").read_text())
     counters = merged["aggregator_counters"]
     assert merged["aggregator_complete"] is True
