@@ -256,6 +256,20 @@ def test_drift_upload_personalized_model_beats_held_model(mosquitto, aggregator,
         device.close()
 
 
+def upload_with_no_aggregator(agg, device: DeviceAgent) -> tuple[Worker, str]:
+    """Stop the aggregator, then trigger an update: (its worker, the pending upload's msg_id),
+    once the upload is on disk and sent, awaiting a reply that only the test can forge (a
+    reply before the send would be unexpected)."""
+    agg.stop()
+    device.trigger()
+    worker = Worker(device)
+    worker.start()
+    wait_for(lambda: device.state.pending is not None, 120, "the pending upload")
+    pending_id = device.state.pending.msg_id
+    wait_for(lambda: device.agent.awaiting(pending_id), 120, "the upload awaiting its reply")
+    return worker, pending_id
+
+
 def test_malformed_downlink_is_refused_and_model_kept(mosquitto, aggregator, tmp_path) -> None:
     cfg = make_cfg(mosquitto.url, tmp_path)
     agg = aggregator(cfg)
@@ -279,14 +293,7 @@ def test_malformed_downlink_is_refused_and_model_kept(mosquitto, aggregator, tmp
         forger.publish(down, b"\x93not msgpack", qos=1).wait_for_publish(5)
         wait_for(lambda: device.agent.counters["errors"] >= 1, 120, "the refusal of garbage")
         # 2. A well-formed Model answering the pending upload, but a delta against another base.
-        agg.stop()
-        device.trigger()
-        worker = Worker(device)
-        worker.start()
-        wait_for(lambda: device.state.pending is not None, 120, "the pending upload")
-        pending_id = device.state.pending.msg_id
-        # The pending upload is on disk before it is sent; a reply before the send is unexpected.
-        wait_for(lambda: device.agent.awaiting(pending_id), 120, "the upload awaiting its reply")
+        worker, pending_id = upload_with_no_aggregator(agg, device)
         other_base = np.random.default_rng(0).normal(size=SPEC.numel).astype(np.float32)
         forged = protocol.Model(agent=device.agent_id, msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
                                 epoch=7, model=SPEC.hash, in_reply_to=pending_id,
@@ -325,13 +332,7 @@ def test_refused_upload_is_counted_by_reason_and_the_model_kept(mosquitto, aggre
     forger.loop_start()
     try:
         before = device.state.vector.clone()
-        agg.stop()
-        device.trigger()
-        worker = Worker(device)
-        worker.start()
-        wait_for(lambda: device.state.pending is not None, 120, "the pending upload")
-        pending_id = device.state.pending.msg_id
-        wait_for(lambda: device.agent.awaiting(pending_id), 120, "the upload awaiting its reply")
+        worker, pending_id = upload_with_no_aggregator(agg, device)
         refusal = protocol.Error(agent=device.agent_id, msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
                                  reason="loss_outlier", detail="update raises the best proxy loss",
                                  in_reply_to=pending_id)
