@@ -105,6 +105,17 @@ def test_aggregator_and_two_agent_processes_merge_into_one_run(mosquitto, tmp_pa
 
 @pytest.mark.slow
 
+def split_config(broker_url: str, fleet: str) -> Config:
+    """Small draws and a short pre-training (speed only), quiet logs, on the test's broker."""
+    cfg = Config()
+    cfg.data.min_samples, cfg.data.max_samples = 60, 120
+    cfg.aggregator.pretrain_epochs = 2
+    cfg.log.level = "error"
+    cfg.broker.url = broker_url
+    cfg.fleet = fleet
+    return cfg
+
+
 def split_in_threads(spec: RunSpec, cfg: Config, out: Path) -> Path:
     """A split run's aggregator part (a thread) and its 4 agents, merged: the run dir."""
     ready = threading.Event()
@@ -130,12 +141,7 @@ def split_in_threads(spec: RunSpec, cfg: Config, out: Path) -> Path:
 def test_one_agents_process_reproduces_the_in_process_run(mosquitto, tmp_path):
     """Arrival order is all that differs: with one agents process and one worker, nothing does."""
     spec = RunSpec(clusters=2, agents=4, seed=3, updates_per_agent=2, test_samples=60, local_epochs=1)
-    cfg = Config()
-    cfg.data.min_samples, cfg.data.max_samples = 60, 120
-    cfg.aggregator.pretrain_epochs = 2
-    cfg.log.level = "error"
-    cfg.broker.url = mosquitto.url
-    cfg.fleet = "whole"
+    cfg = split_config(mosquitto.url, "whole")
     whole = run_fleet(spec, cfg, broker_url=mosquitto.url)
 
     cfg.fleet = "split"
@@ -157,12 +163,7 @@ def test_split_run_with_refused_uploads_completes_and_merges_their_counts(mosqui
     """The aggregator part stops once every scheduled upload is answered, refused ones included,
     and the merged run counts the refusals by reason."""
     spec = RunSpec(clusters=2, agents=4, seed=0, updates_per_agent=2, test_samples=60, local_epochs=1)
-    cfg = Config()
-    cfg.data.min_samples, cfg.data.max_samples = 60, 120
-    cfg.aggregator.pretrain_epochs = 2
-    cfg.log.level = "error"
-    cfg.broker.url = mosquitto.url
-    cfg.fleet = "refusing"
+    cfg = split_config(mosquitto.url, "refusing")
     # A descent test with no margin: the aggregator refuses the honest uploads that raise its
     # best proxy loss at all, and applies the rest.
     cfg.aggregator.loss_margin = 1e-9
