@@ -153,6 +153,66 @@ class ColorCNN(nn.Module):
         return self.fc2(torch.relu(self.fc1(x.flatten(1))))
 
 
+class BasicBlock(nn.Module):
+    """Two 3x3 convolutions with a shortcut; a strided block's shortcut subsamples and pads
+    channels with zeros (He et al.'s option A: the CIFAR ResNets' shortcuts hold no weights)."""
+
+    def __init__(self, cin: int, cout: int, stride: int, norm: Callable[[int], nn.Module]) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = norm(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.bn2 = norm(cout)
+        self.stride, self.pad = stride, cout - cin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        shortcut = x
+        if self.stride != 1 or self.pad:
+            shortcut = nn.functional.pad(x[:, :, ::self.stride, ::self.stride],
+                                         (0, 0, 0, 0, self.pad // 2, self.pad - self.pad // 2))
+        return torch.relu(out + shortcut)
+
+
+GROUPNORM_GROUPS = 4
+"""Groups of resnet20-gn's GroupNorm layers: 4, 8 and 16 channels a group in the three stages."""
+
+
+class ResNet20(nn.Module):
+    """He et al.'s ResNet-20 for 32x32 colour images: a 3x3 stem, 3 stages of 3 basic blocks
+    (16, 32, 64 channels), global average pooling and one linear layer (about 0.27 M
+    parameters). `norm="group"` swaps batch norm for GroupNorm, which keeps no running
+    statistics: nothing per device to average or keep local (Hsieh et al., 2020)."""
+
+    def __init__(self, num_classes: int = 10, norm: str = "batch") -> None:
+        super().__init__()
+        if norm == "batch":
+            make_norm: Callable[[int], nn.Module] = nn.BatchNorm2d
+        elif norm == "group":
+            make_norm = lambda c: nn.GroupNorm(GROUPNORM_GROUPS, c)  # noqa: E731
+        else:
+            raise ValueError(f"norm must be batch or group, got {norm!r}")
+        self.conv1 = nn.Conv2d(3, 16, 3, padding=1, bias=False)
+        self.bn1 = make_norm(16)
+        blocks: list[nn.Module] = []
+        cin = 16
+        for cout, stride in ((16, 1), (32, 2), (64, 2)):
+            for i in range(3):
+                blocks.append(BasicBlock(cin, cout, stride if i == 0 else 1, make_norm))
+                cin = cout
+        self.layers = nn.Sequential(*blocks)
+        self.fc = nn.Linear(64, num_classes)  # last: ModelSpec.head is its weight and bias
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn1(self.conv1(x)))
+        x = self.layers(x)
+        return self.fc(x.mean(dim=(2, 3)))
+
+
 @dataclass(frozen=True)
 class ZooEntry:
     factory: Callable[[int], nn.Module]
@@ -165,6 +225,8 @@ ZOO: dict[str, ZooEntry] = {
     "cnn28": ZooEntry(ReferenceCNN, (1, 28, 28), 10),
     "cnn32": ZooEntry(ColorCNN, (3, 32, 32), 100),
     "cnn32-10": ZooEntry(ColorCNN, (3, 32, 32), 10),
+    "resnet20": ZooEntry(ResNet20, (3, 32, 32), 10),
+    "resnet20-gn": ZooEntry(lambda n: ResNet20(n, norm="group"), (3, 32, 32), 10),
 }
 
 DEFAULT_MODEL_FOR_DATASET = {
