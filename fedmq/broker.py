@@ -1,7 +1,8 @@
 """Start and stop a real Mosquitto for development, the demo, the simulator and the tests.
 
 `MosquittoBroker` runs the `mosquitto` binary on a loopback port with a config derived from
-one of the files in broker_config/: listeners are moved to the chosen ports, persistence and
+one of the files in broker_config/: listeners (MQTT and MQTT over WebSockets alike) are moved
+to the chosen ports, persistence and
 logs go to the broker's own work dir, and container paths (`/mosquitto/config/...`) are
 mapped to local ones. The broker is stopped by pid, never by name, so tests can run many.
 """
@@ -55,6 +56,23 @@ def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen |
 
 
 _LISTENER = re.compile(r"^(\s*listener\s+)(\d+)(.*)$")
+_PROTOCOL = re.compile(r"^\s*protocol\s+(\S+)")
+_CERTFILE = re.compile(r"^\s*certfile\s")
+
+
+def listener_kinds(text: str) -> list[tuple[str, bool]]:
+    """(protocol, tls) of each listener of a Mosquitto config, in order: protocol is `mqtt` or
+    `websockets` (a `protocol` line below the listener), tls whether a `certfile` follows it
+    before the next listener. The browser agent needs the WebSocket one's port and scheme."""
+    kinds: list[list] = []
+    for line in text.splitlines():
+        if _LISTENER.match(line):
+            kinds.append(["mqtt", False])
+        elif kinds and (m := _PROTOCOL.match(line)):
+            kinds[-1][0] = m.group(1)
+        elif kinds and _CERTFILE.match(line):
+            kinds[-1][1] = True
+    return [(k, tls) for k, tls in kinds]
 _DROPPED = ("persistence_location", "log_dest", "pid_file", "user", "log_type")
 
 
@@ -131,6 +149,7 @@ class MosquittoBroker:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.config_path = self.workdir / "mosquitto.conf"
         self.config_path.write_text(rewrite_config(config_text, self.ports, self.workdir, path_map))
+        self.kinds = listener_kinds(config_text)
         self.proc: subprocess.Popen | None = None
 
     @classmethod
@@ -152,6 +171,22 @@ class MosquittoBroker:
     @property
     def url(self) -> str:
         return f"mqtt://{self.host}:{self.port}"
+
+    @property
+    def ws_port(self) -> int | None:
+        """The port of the first MQTT-over-WebSockets listener, None if the config has none."""
+        for port, (proto, _) in zip(self.ports, self.kinds, strict=False):
+            if proto == "websockets":
+                return port
+        return None
+
+    @property
+    def ws_url(self) -> str | None:
+        """ws://127.0.0.1:PORT (wss:// when that listener has TLS), None without one."""
+        for port, (proto, tls) in zip(self.ports, self.kinds, strict=False):
+            if proto == "websockets":
+                return f"{'wss' if tls else 'ws'}://{self.host}:{port}"
+        return None
 
     @property
     def log_path(self) -> Path:

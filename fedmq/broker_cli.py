@@ -3,7 +3,10 @@
 Mosquitto (with broker_config/dev.conf unless --config says otherwise) when the binary is
 installed, else the embedded pure-Python broker (amqtt, MQTT 3.1.1, anonymous, loopback).
 The listener is moved to --port on 127.0.0.1 (0: a free port); the URL to give agents and
-the aggregator is printed on the first line starting with `url: `.
+the aggregator is printed on the first line starting with `url: `. The config's MQTT over
+WebSockets listener (for the browser agent, docs/browser.md) keeps its port (9001 in
+dev.conf, 9883 in prod.conf) unless --ws-port says otherwise, or --port 0 asks for free
+ports; its URL is printed on a line starting with `ws_url: `.
 
     fedmq broker                                  # mosquitto, dev.conf, mqtt://127.0.0.1:1883
     fedmq broker --embedded --port 0              # no mosquitto needed
@@ -38,6 +41,7 @@ from fedmq.broker import (
     MosquittoBroker,
     find_mosquitto,
     free_port,
+    listener_kinds,
     rewrite_config,
 )
 from fedmq.signals import SignalRelay
@@ -55,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Mosquitto config (default: broker_config/dev.conf)")
     parser.add_argument("--port", type=int, default=1883,
                         help="port of the (first) listener on 127.0.0.1; 0 picks a free one")
+    parser.add_argument("--ws-port", type=int, default=None,
+                        help="port of the MQTT over WebSockets listener (default: the config's, or a free "
+                             "one with --port 0; 0 picks a free one)")
     parser.add_argument("--embedded", action="store_true",
                         help="use the embedded amqtt broker even if mosquitto is installed")
     parser.add_argument("--creds", type=Path, default=None,
@@ -85,9 +92,26 @@ def _path_map(args: argparse.Namespace) -> dict[str, str] | None:
     return {CONTAINER_CONFIG_DIR: f"{args.creds.resolve() / 'mosquitto'}/"}
 
 
-def _ports(config_text: str, first: int) -> list[int]:
-    n = max(1, sum(1 for ln in config_text.splitlines() if _LISTENER_LINE.match(ln)))
-    return [first or free_port()] + [free_port() for _ in range(n - 1)]
+def _ports(config_text: str, first: int, ws: int | None = None) -> list[int]:
+    """A port per listener: the first is `first`, a WebSockets one `ws` (None: the config's
+    own port, or a free one when `first` is 0), any other a free one; 0 means a free one."""
+    own = [int(ln.split()[1]) for ln in config_text.splitlines() if _LISTENER_LINE.match(ln)]
+    kinds = listener_kinds(config_text)
+    ports = [first or free_port()]
+    for i in range(1, max(1, len(own))):
+        if kinds[i][0] == "websockets":
+            wanted = ws if ws is not None else (own[i] if first else 0)
+            ports.append(wanted or free_port())
+        else:
+            ports.append(free_port())
+    return ports
+
+
+def _ws_url(config_text: str, ports: list[int]) -> str | None:
+    for port, (proto, tls) in zip(ports, listener_kinds(config_text), strict=False):
+        if proto == "websockets":
+            return f"{'wss' if tls else 'ws'}://127.0.0.1:{port}"
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -136,13 +160,16 @@ def _run_embedded(args: argparse.Namespace) -> int:
 
 
 def _run_mosquitto(args: argparse.Namespace, binary: str, config_text: str) -> int:
-    ports = _ports(config_text, args.port)
+    ports = _ports(config_text, args.port, args.ws_port)
     scheme = _scheme(config_text)
+    ws_url = _ws_url(config_text, ports)
     if args.dry_run:
         workdir = args.workdir or Path(tempfile.gettempdir()) / "fedmq-mosquitto-XXXXXX"
         rendered = rewrite_config(config_text, ports, Path(workdir), _path_map(args))
         print(f"would run: {shlex.join([binary, '-c', str(Path(workdir) / 'mosquitto.conf')])}")
         print(f"url: {scheme}://127.0.0.1:{ports[0]}")
+        if ws_url:
+            print(f"ws_url: {ws_url}")
         print(f"# --- rendered from {args.config} ---")
         print(rendered, end="")
         return 0
@@ -155,6 +182,8 @@ def _run_mosquitto(args: argparse.Namespace, binary: str, config_text: str) -> i
         with _StopSignals() as stop:
             broker.start()
             print(f"url: {scheme}://{broker.host}:{broker.port}", flush=True)
+            if broker.ws_url:
+                print(f"ws_url: {broker.ws_url}", flush=True)
             print(f"mosquitto pid {broker.proc.pid if broker.proc else '?'}, config {broker.config_path}, "
                   f"log {broker.log_path}; Ctrl-C stops it", flush=True)
             assert broker.proc is not None

@@ -103,9 +103,9 @@ def mounts(service: dict[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
-def listener_port(conf: Path) -> int:
-    (port,) = re.findall(r"^\s*listener\s+(\d+)", conf.read_text(), re.M)
-    return int(port)
+def listener_ports(conf: Path) -> list[int]:
+    """Every listener's port, in order: MQTT first, then MQTT over WebSockets."""
+    return [int(p) for p in re.findall(r"^\s*listener\s+(\d+)", conf.read_text(), re.M)]
 
 
 # ---------------------------------------------------------------------------- running
@@ -239,12 +239,12 @@ def test_services_reference_what_exists(files: tuple[str, ...], tmp_path) -> Non
 def test_ports_and_health_checks_agree_with_configs(files: tuple[str, ...], conf: str) -> None:
     doc = compose(*files)
     mq = doc["services"]["mosquitto"]
-    port = listener_port(ROOT / "broker_config" / conf)
+    port, *others = listener_ports(ROOT / "broker_config" / conf)
     command = " ".join(mq["command"])
     assert f"/fedmq/broker_config/{conf}" in command
     assert any(t == "/fedmq/broker_config" and s == "./broker_config" for s, t in mounts(mq))
     published = [p.rsplit(":", 1)[-1] for p in mq["ports"]]
-    assert published == [str(port)], (published, port)
+    assert published == [str(p) for p in (port, *others)], (published, port, others)
     health = " ".join(mq["healthcheck"]["test"])
     assert f"-p {port}" in health
     if conf == "prod.conf":
@@ -338,7 +338,7 @@ def test_dev_stack_runs_against_mosquitto_from_dev_conf(tmp_path) -> None:
     subprocess.run(m.argv(), env={**os.environ, "PATH": f"{shim}:{os.environ['PATH']}"}, check=True)
     rendered = (tmp_path / "rendered.conf").read_text()
     dev = (ROOT / "broker_config" / "dev.conf").read_text()
-    assert rendered == dev.replace("listener 1883 127.0.0.1", "listener 1883")
+    assert rendered == re.sub(r"^(listener \d+) 127\.0\.0\.1$", r"\1", dev, flags=re.M)
     with MosquittoBroker.from_file(tmp_path / "rendered.conf", workdir=tmp_path / "broker") as broker:
         # The health check's subscription: $SYS/broker/version arrives (retained).
         got = threading.Event()
