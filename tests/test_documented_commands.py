@@ -25,6 +25,7 @@ PLACEHOLDERS are substituted (a path the docs leave to the reader), nothing else
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -379,12 +380,26 @@ def test_every_documented_command_has_a_rule() -> None:
     print(summary())
 
 
+def assert_no_honest_refusals(scratch: Path, steps: list[str]) -> None:
+    """Every simulated agent is honest, so a documented sim run that refused an upload has
+    thrown honest work away."""
+    summaries = list(scratch.rglob("summary.json"))
+    if any(s.startswith(("fedmq sim run ", "fedmq demo")) for s in steps):
+        assert summaries, f"{steps[-1]!r} wrote no summary.json under {scratch}"
+    for path in summaries:
+        summary = json.loads(path.read_text())
+        assert not summary.get("refused"), f"{path.parent.name}: honest uploads refused {summary['refused']}"
+        assert summary.get("updates", 1) > 0, f"{path.parent.name}: no update applied"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("command", _by_mode("run"), ids=str)
 def test_run_commands_as_written(command: Command, scratch: Path, request) -> None:
     rule = command.rule
     assert rule is not None
-    env = cli_env()
+    # Its own TMPDIR: `fedmq demo` writes under it, where the refusal check below reads.
+    (scratch / "tmp").mkdir(exist_ok=True)
+    env = cli_env(TMPDIR=str(scratch / "tmp"))
     values = write_needs(rule.needs, scratch, env)
     text = substitute(command.text, values)
     steps = _preceding(command) + [text]
@@ -403,6 +418,7 @@ def test_run_commands_as_written(command: Command, scratch: Path, request) -> No
             assert "Traceback" not in proc.output, f"{step!r}:\n{proc.output[-4000:]}"
         assert rule.proof in proc.output, f"{text!r} printed no {rule.proof!r}:\n{proc.output[-4000:]}"
         assert "Traceback" not in proc.output, proc.output[-4000:]
+        assert_no_honest_refusals(scratch, steps)
     finally:
         if broker is not None:
             broker.stop()
