@@ -3,6 +3,8 @@
 Cluster models are pre-trained on a few thousand samples per cluster (`data.pretrain_per_
 cluster`) starting from one shared initialization, so that their parameter-space mixtures
 are meaningful; when the state dir already holds a snapshot they are loaded from it instead.
+A user's own weights (`aggregator.init`, `--init FILE`) are that shared start: the shared
+pre-training is skipped and each cluster specializes from them.
 Proxy sets are drawn from the dataset with the config's seed, so a restarted aggregator
 evaluates on exactly the same samples. Pre-trained zoo and torchvision models are kept in the
 disk cache (fedmq/disk_cache.py): an aggregator on a fresh state dir with the same data, seed
@@ -34,7 +36,14 @@ from fedmq.algorithms import ASYNC_SERVER
 from fedmq.config import Config
 from fedmq.data import RotatedClusters, clusters_from_settings
 from fedmq.logs import PROGRESS, event, get_logger
-from fedmq.models import ModelSpec, build_model, model_spec, resolve_model_name, to_vector
+from fedmq.models import (
+    ModelSpec,
+    build_model,
+    load_init_vector,
+    model_spec,
+    resolve_model_name,
+    to_vector,
+)
 from fedmq.training import fit
 
 log = get_logger("aggregator")
@@ -99,18 +108,19 @@ def pretrain_clusters(cfg: Config, clusters: RotatedClusters, model_name: str) -
     pre-trained model stay linearly connected, so sum_k alpha_k w_k is itself a model.
     """
     pools = [clusters.pretrain(k, cfg.data.pretrain_per_cluster or None) for k in range(clusters.num_clusters)]
-    name = _pretrain_cache_name(cfg, model_name, pools)
+    init = load_init_vector(cfg.aggregator.init, model_name) if cfg.aggregator.init else None
+    name = _pretrain_cache_name(cfg, model_name, pools, init)
     kept = _cached_pretraining(name, len(pools), model_spec(model_name).numel) if name else None
     if kept is not None:
         event(log, "cluster.pretrained", cluster="all", samples=sum(len(p) for p in pools), cached=name)
         return kept
-    vectors = _pretrain(cfg, pools, model_name)
+    vectors = _pretrain(cfg, pools, model_name, init)
     if name:
         disk_cache.write("pretrain", name, torch.stack(vectors).numpy().tobytes())
     return vectors
 
 
-def _pretrain_cache_name(cfg: Config, model_name: str, pools: list) -> str | None:
+def _pretrain_cache_name(cfg: Config, model_name: str, pools: list, init: torch.Tensor | None = None) -> str | None:
     """Pre-training is a pure function of these (on the CPU, at a given thread count); a
     zoo model or a torchvision one (its version fixes the code: a MobileNetV3's pre-training
     takes many minutes on 2 cores), not a factory's, whose code may change under the same
@@ -126,6 +136,8 @@ def _pretrain_cache_name(cfg: Config, model_name: str, pools: list) -> str | Non
     elif model_name not in models.ZOO:
         return None
     data = [t.contiguous().numpy().tobytes() for p in pools for t in (p.x, p.y)]
+    if init is not None:
+        data.append(init.numpy().tobytes())
     made_by = disk_cache.digest(model_name, *code, torch.__version__, str(torch.get_num_threads()),
                                 str(cfg.seed), str(cfg.aggregator.pretrain_shared),
                                 str(cfg.aggregator.pretrain_epochs), *data)
@@ -143,11 +155,17 @@ def _cached_pretraining(name: str, k: int, numel: int) -> list[torch.Tensor] | N
     return list(torch.from_numpy(np.frombuffer(payload, np.float32).copy()).view(k, numel))
 
 
-def _pretrain(cfg: Config, pools: list, model_name: str) -> list[torch.Tensor]:
-    start = to_vector(build_model(model_name, seed=cfg.seed))
-    lr = 0.05
-    progress = PretrainProgress(len(pools) + bool(cfg.aggregator.pretrain_shared))
-    if cfg.aggregator.pretrain_shared:
+def _pretrain(cfg: Config, pools: list, model_name: str, init: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Each cluster's model from the shared start: `init` (a user's weights, which stand for
+    the shared pre-training), else a seeded init, trained on all pools first with
+    `aggregator.pretrain_shared`."""
+    start = to_vector(build_model(model_name, seed=cfg.seed)) if init is None else init
+    lr = 0.05 if init is None else 0.01
+    train_shared = cfg.aggregator.pretrain_shared and init is None
+    if init is not None:
+        event(log, "cluster.init", path=cfg.aggregator.init, values=init.numel())
+    progress = PretrainProgress(len(pools) + train_shared)
+    if train_shared:
         t0 = time.perf_counter()
         x = torch.cat([p.x for p in pools])
         y = torch.cat([p.y for p in pools])
@@ -226,6 +244,9 @@ def build_engine(cfg: Config, *, clusters: RotatedClusters | None = None) -> Eng
     journal = Journal(cfg.aggregator.state_dir, accept_loss=cfg.aggregator.accept_journal_loss)
     journal.check_writable()  # before pre-training, which takes minutes
     if journal.has_state():
+        if cfg.aggregator.init:
+            event(log, "init.ignored", logging.WARNING, path=cfg.aggregator.init, state_dir=cfg.aggregator.state_dir,
+                  reason="the state dir holds a snapshot: the fleet resumes from it")
         vectors = [to_vector(build_model(model_name, seed=cfg.seed)) for _ in range(K)]
     else:
         vectors = pretrain_clusters(cfg, clusters, model_name)

@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, metavar="N",
                    help="CDFL: start N reply worker processes on this machine that train the replies "
                         "(aggregator.reply_workers; default 0: trained here). `fedmq worker` adds more elsewhere")
+    p.add_argument("--init", metavar="FILE",
+                   help="start the fleet from your own weights: the model's torch state dict (.pt) or raw "
+                        "float32 vector (.f32), checked against the model (aggregator.init; a new state dir only)")
     p.add_argument("--dry-run", action="store_true",
                    help="resolve the config, print it and exit without connecting")
 
@@ -59,10 +62,14 @@ def run(args: argparse.Namespace) -> int:
                                   "state_dir": "aggregator.state_dir",
                                   "accept_journal_loss": "aggregator.accept_journal_loss",
                                   "metrics_port": "metrics.port", "metrics_host": "metrics.host",
-                                  "workers": "aggregator.reply_workers"})
+                                  "workers": "aggregator.reply_workers", "init": "aggregator.init"})
     setup_logging(cfg.log.level, cfg.log.json, auto="progress")
     _check_reply_workers(cfg)
     cfg.cdfl.check()
+    if cfg.aggregator.init:  # a file that does not fit the model: one line now, not after the set-up
+        from fedmq.models import load_init_vector, resolve_model_name
+
+        load_init_vector(cfg.aggregator.init, resolve_model_name(cfg.model, cfg.data.dataset))
     if args.dry_run:
         print(dry_run_json(cfg))
         return 0
@@ -158,7 +165,7 @@ def _run_rounds(cfg, stop: threading.Event) -> int:
     from aggregator.round_service import RoundRecord, RoundService
     from fedmq.config import CataFedSettings
     from fedmq.data import load_dataset
-    from fedmq.models import build_model, resolve_model_name, to_vector
+    from fedmq.models import build_model, load_init_vector, resolve_model_name, to_vector
     from fedmq.training import evaluate
     from fedmq.transport import check_reachable
 
@@ -173,9 +180,10 @@ def _run_rounds(cfg, stop: threading.Event) -> int:
     model_name = resolve_model_name(cfg.model, cfg.data.dataset)
     test = load_dataset(cfg.data.dataset, data_dir=cfg.data.data_dir, train=False,
                         download=cfg.data.download)
-    strategy = make_round_strategy(algorithm, cfg.catafed,
-                             to_vector(build_model(model_name, seed=cfg.seed)), seed=cfg.seed,
-                             fedavg=cfg.fedavg, tifl=cfg.tifl)
+    start = (load_init_vector(cfg.aggregator.init, model_name) if cfg.aggregator.init
+             else to_vector(build_model(model_name, seed=cfg.seed)))
+    strategy = make_round_strategy(algorithm, cfg.catafed, start, seed=cfg.seed,
+                                   fedavg=cfg.fedavg, tifl=cfg.tifl)
     check_reachable(cfg.broker.url)  # after every settings check (those are usage errors)
 
     def report(r: RoundRecord) -> None:

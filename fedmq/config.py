@@ -440,6 +440,8 @@ class AggregatorSettings:
     """Pre-train one model on every cluster's pool, then specialize each cluster from it, so the clusters share a basin and their mixtures (the CDFL reply's start) are models too. false: each cluster from the same seeded init on its own pool. docs/results_cdfl.md#the-reply."""
     pretrain_epochs: int = 0
     """Epochs of server-side pre-training of each cluster model on its pretrain pool. 0 = auto: enough epochs to see about 10,000 samples, at least 5 (5 for the paper's 2000 per cluster; 24 for digits' 418 at K = 3). Must be >= 0."""
+    init: str = ""
+    """A starting checkpoint (`--init FILE`): the model's torch state dict (.pt) or its raw float32 vector (.f32); the cluster models specialize from it on their pools in place of a random init and the shared pre-training (rounds: the first global model). A new state dir only; empty = random init. docs/models.md#start-from-your-own-weights."""
     accuracy_every: int = 10
     """Epochs between refreshes of the per-cluster proxy accuracy metric (0 = after every batch that applied an upload). Must be >= 0."""
     snapshot_every: int = 200
@@ -613,7 +615,7 @@ class Config:
     fleet: str = "default"
     """Fleet name: the second topic level, fedmq/{fleet}/..."""
     model: str = "auto"
-    """Model zoo name (digits-cnn, cnn28, cnn32, cnn32-10), auto (chosen from the dataset), torchvision:NAME[?key=value&...] (e.g. torchvision:mobilenet_v3_small) or module.path:factory[?key=value&...] (your nn.Module; input=CxHxW where the dataset does not say). Agent and aggregator must name the same model: the spec hash refuses a mismatch. docs/models.md."""
+    """Model zoo name (digits-cnn, cnn28, cnn32, cnn32-10, resnet20, resnet20-gn), auto (chosen from the dataset), torchvision:NAME[?key=value&...] (e.g. torchvision:mobilenet_v3_small) or module.path:factory[?key=value&...] (your nn.Module; input=CxHxW where the dataset does not say). Agent and aggregator must name the same model: the spec hash refuses a mismatch. docs/models.md."""
     device: str = "auto"
     """auto, cpu or cuda for torch work."""
     seed: int = 0

@@ -498,3 +498,56 @@ def load_vector(model: nn.Module, vector: torch.Tensor) -> nn.Module:
                 t.clamp_(min=0.0)  # as ModelSpec.unflatten: a lossy codec may leave one below 0
             offset += n
     return model
+
+
+INIT_VECTOR_SUFFIX = ".f32"
+"""A starting checkpoint with this suffix is the model's vector itself: its values as raw
+little-endian float32, parameters then statistics (`to_vector(model).numpy().tofile(path)`)."""
+
+
+def load_init_vector(path: str | os.PathLike[str], name: str) -> torch.Tensor:
+    """A user's pre-trained weights for model `name`, as its vector: a torch state dict
+    (`torch.save(model.state_dict(), "w.pt")`; a checkpoint holding one under "state_dict"
+    too) or the raw vector (INIT_VECTOR_SUFFIX). Read with `weights_only=True`: a file
+    runs no code. UsageError naming the file and the first key that does not fit: a
+    missing, unexpected or misshapen tensor, or one holding NaN or inf."""
+    import numpy as np
+
+    spec = model_spec(name)
+    where = f"init weights {os.fspath(path)}"
+    if not os.path.isfile(path):
+        raise UsageError(f"{where}: no such file")
+    if os.fspath(path).endswith(INIT_VECTOR_SUFFIX):
+        size = os.path.getsize(path)
+        if size != 4 * spec.numel:
+            raise UsageError(f"{where}: {size} bytes, not the {spec.numel} float32 values of model {name}")
+        vector = torch.from_numpy(np.fromfile(path, dtype="<f4").astype(np.float32))
+        if not torch.isfinite(vector).all():
+            raise UsageError(f"{where}: value {int((~torch.isfinite(vector)).nonzero()[0])} is NaN or inf")
+        return vector
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # any unreadable file is the user's to fix, said in one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"{where}: not a torch state dict ({first}); save one with "
+                         f"torch.save(model.state_dict(), PATH), or the vector as {INIT_VECTOR_SUFFIX}") from None
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict):
+        raise UsageError(f"{where}: holds a {type(state).__name__}, not a state dict (name -> tensor)")
+    local = set(build_model(name).state_dict()) - set(spec.names)  # integer buffers: num_batches_tracked
+    for key in state:
+        if key not in spec.names and key not in local:
+            raise UsageError(f"{where}: unexpected key {key!r}: model {name} has no such tensor")
+    parts = []
+    for key, shape in zip(spec.names, spec.shapes, strict=True):
+        if key not in state:
+            raise UsageError(f"{where}: missing key {key!r} of model {name}")
+        value = state[key]
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise UsageError(f"{where}: key {key!r} is {got}, model {name} needs {shape}")
+        if not torch.isfinite(value).all():
+            raise UsageError(f"{where}: key {key!r} holds NaN or inf")
+        parts.append(value.detach().reshape(-1).float())
+    return torch.cat(parts)

@@ -20,18 +20,23 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from fedmq.config import add_config_arguments, config_from_args
+from fedmq.config import Config, add_config_arguments, config_from_args
 from fedmq.logs import mask_secrets, setup_logging
 from fedmq.signals import SignalRelay
 from sim.seeds import int_list, seed_list
+
+if TYPE_CHECKING:
+    from sim.scenarios import Scenario
 
 
 def _add_part_arguments(p: argparse.ArgumentParser) -> None:
     """The flags that decide one run; every process of a split run gets the same ones."""
     add_config_arguments(p, ("broker", "fleet", "log_level", "data_dir", "seed"))
+    _add_init_argument(p)
     p.add_argument("--dry-run", action="store_true",
                    help="check the scenario, dataset and flags, print the plan and exit")
     p.add_argument("--scenario", help="as in `fedmq sim run` (default rotated-digits, or the dataset under --data-dir)")
@@ -46,6 +51,27 @@ def _add_part_arguments(p: argparse.ArgumentParser) -> None:
                    help="output dir; the part goes to OUT/parts/LABEL/ (merge with `fedmq sim merge OUT`)")
 
 
+def _add_init_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--init", metavar="FILE",
+                   help="start every run from your own weights (aggregator.init): the model's torch state dict "
+                        "(.pt) or float32 vector (.f32); the server's clusters and Local agents start from them")
+
+
+def check_init(cfg: Config, scenario: Scenario) -> None:
+    """aggregator.init against the model the scenario runs: a file that does not fit is one
+    line (exit 2) before any run starts, and in a dry run."""
+    if not cfg.aggregator.init:
+        return
+    import copy
+
+    from fedmq.models import load_init_vector, resolve_model_name
+    from sim.scenarios import apply_defaults
+
+    resolved = copy.deepcopy(cfg)
+    apply_defaults(scenario, resolved)
+    load_init_vector(resolved.aggregator.init, resolve_model_name(resolved.model, resolved.data.dataset))
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="sim_command", metavar="{run,report,rounds,ablation,aggregator,agents,merge}")
     r = sub.add_parser("run", help="run scenarios x methods x K x seeds and write CSV/JSON + report")
@@ -53,6 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--scenario",
                    help="rotated-digits (default; with --data-dir: the rotated scenario of the dataset there), rotated-mnist, rotated-fashionmnist, rotated-cifar100, "
                         "rotated-shapes, digits-domains, or rotated (the dataset --set data.dataset=NAME names)")
+    _add_init_argument(r)
     r.add_argument("--methods", default="cdfl,fedsoft-async,local",
                    help="comma list of cdfl, fedsoft-async, fedasync, fedbuff, local (default cdfl,fedsoft-async,local)")
     r.add_argument("--clusters", default="3", help="K, or a comma list (default 3)")
@@ -147,7 +174,8 @@ def run_part(args: argparse.Namespace) -> int:
     from sim.scenarios import resolve_scenario
     from sim.split import run_agents_part, run_aggregator_part
 
-    cfg = config_from_args(args, {"min_samples": "data.min_samples", "max_samples": "data.max_samples"})
+    cfg = config_from_args(args, {"min_samples": "data.min_samples", "max_samples": "data.max_samples",
+                                  "init": "aggregator.init"})
     if args.fleet is None:
         cfg.fleet = "sim"
     setup_logging(cfg.log.level, cfg.log.json)
@@ -156,6 +184,7 @@ def run_part(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     scenario = resolve_scenario(args.scenario, cfg, args.data_dir)
+    check_init(cfg, scenario)
     spec = RunSpec(scenario=scenario.name, method=args.method, clusters=args.clusters, agents=args.agents,
                    seed=cfg.seed, updates_per_agent=args.updates_per_agent,
                    workers=getattr(args, "workers", 1), test_samples=args.test_samples)
@@ -195,11 +224,13 @@ def run_experiments(args: argparse.Namespace) -> int:
     from sim.report import write_report
     from sim.scenarios import resolve_scenario
 
-    cfg = config_from_args(args, {"min_samples": "data.min_samples", "max_samples": "data.max_samples"})
+    cfg = config_from_args(args, {"min_samples": "data.min_samples", "max_samples": "data.max_samples",
+                                  "init": "aggregator.init"})
     if args.fleet is None:
         cfg.fleet = "sim"
     setup_logging(cfg.log.level, cfg.log.json)
     scenario = resolve_scenario(args.scenario, cfg, args.data_dir)
+    check_init(cfg, scenario)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         if m not in METHODS:
