@@ -237,7 +237,7 @@ class DeviceAgent:
                 self.agent.counters["epsilon"] = round(self.agent.privacy.spent(), 4)
             self.agent.start()
             if self.state.vector is not None:
-                self.agent.restore(max(self.state.tau, 0), self.state.vector)
+                self.agent.restore(max(self.state.tau, 0), self.state.vector, wire=self.state.wire)
         event(log, "agent.started", agent=self.agent_id, algorithm=self.algorithm, tau=self.state.tau,
               pending=self.state.pending.msg_id if self.state.pending else None,
               resumed=saved is not None)
@@ -495,6 +495,7 @@ class DeviceAgent:
     # ------------------------------------------------------------------ installing
 
     def _installed(self, installed: Installed, *, via: str, **extra: Any) -> None:
+        self.state.wire = None if installed.wire is None else installed.wire.clone()  # saved with the vector
         self._install_vector(installed.vector, installed.epoch, installed.alpha, via=via,
                              **extra, downloaded=installed.bytes_down)
 

@@ -19,10 +19,18 @@ installed (malformed, wrong spec or shape, a delta against another base, NaN) is
 the request keeps waiting for a good reply (a re-send makes the aggregator repeat its real
 one). Replies to requests no longer waited for (a second answer to a re-sent upload) and
 receipts that come after the reply are dropped.
+
+With `agent.keep_local_bn` (FedBN, Li et al. 2021) the agent keeps its own batch-norm
+weights, biases and running statistics when it installs a reply after its first: the
+model it runs and trains (`Installed.vector`) is the reply with those entries its own,
+while deltas both ways stay against what it decoded (`Installed.wire`), the model the
+aggregator knows it holds. Its uploads still carry its statistics, which the server
+averages into the cluster models as before.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,7 +44,7 @@ from fedmq.channel import Channel, Received, Refused
 from fedmq.config import Config
 from fedmq.errors import UsageError
 from fedmq.logs import event, get_logger
-from fedmq.models import ModelSpec, model_spec, resolve_model_name
+from fedmq.models import ModelSpec, batch_norm_index, model_spec, resolve_model_name
 from fedmq.transport import Message, MqttTransport, Will
 
 log = get_logger("agent")
@@ -85,6 +93,14 @@ class Installed:
     clusters: list[torch.Tensor] = field(default_factory=list)
     """FedSoft-Async: all K cluster models (vector is then their alpha-mixture)."""
     bytes_down: int = 0
+    wire: torch.Tensor | None = None
+    """What the reply decoded to, where the agent kept its own batch norm (agent.keep_local_bn):
+    the model the aggregator tracks for it, the base of the deltas both ways. None: `vector`."""
+
+    @property
+    def base(self) -> torch.Tensor:
+        """The vector deltas on the wire are taken against."""
+        return self.vector if self.wire is None else self.wire
 
 
 class EdgeAgent:
@@ -112,6 +128,14 @@ class EdgeAgent:
         self._interrupted = False
         self.last_rejection: str | None = None
         """Reason the last refused downlink was refused (for operators and tests)."""
+        self.local_index = batch_norm_index(self.model_name) if cfg.agent.keep_local_bn else None
+        """Positions of the vector this agent keeps its own on install (agent.keep_local_bn); None: off."""
+        self.trained: torch.Tensor | None = None
+        """With keep_local_bn: the model of the upload waiting for its reply, whose batch norm the
+        reply's install keeps (None: the installed model's)."""
+        if self.local_index is not None and not len(self.local_index):
+            event(log, "keep_local_bn.unused", logging.WARNING, agent=self.agent_id, model=self.model_name,
+                  reason="the model has no batch norm: every reply is installed whole")
         self.feedback = codecs.ErrorFeedback() if cfg.codec.uses_feedback() else None
         """What top-k left out of earlier uploads, added to the next (codec.error_feedback);
         kept in memory only: a restarted agent starts with none."""
@@ -189,12 +213,17 @@ class EdgeAgent:
             self._connects += 1
             self._cond.notify_all()
 
-    def restore(self, epoch: int, vector: torch.Tensor, alpha: list[float] | None = None) -> Installed:
+    def restore(self, epoch: int, vector: torch.Tensor, alpha: list[float] | None = None,
+                wire: torch.Tensor | None = None) -> Installed:
         """Hold a model saved before a restart (the aggregator still tracks it as our base)."""
         if vector.shape != (self.spec.numel,):
             raise AgentError("wrong_shape", f"saved vector has shape {tuple(vector.shape)}, "
                                             f"{self.model_name} has {self.spec.numel} parameters")
-        self.installed = Installed(epoch, vector.detach().float().cpu(), alpha, "personalized")
+        if wire is not None and wire.shape != vector.shape:
+            raise AgentError("wrong_shape", f"saved wire vector has shape {tuple(wire.shape)}, "
+                                            f"the model {tuple(vector.shape)}")
+        self.installed = Installed(epoch, vector.detach().float().cpu(), alpha, "personalized",
+                                   wire=None if wire is None else wire.detach().float().cpu())
         return self.installed
 
     def __enter__(self) -> EdgeAgent:
@@ -336,7 +365,7 @@ class EdgeAgent:
             raise AgentError("unexpected_reply", f"a {reply.TYPE} answered a request")
         if reply.model != self.spec.hash:
             raise AgentError("wrong_model", f"received spec {reply.model}, running {self.spec.hash}")
-        base = self.installed.vector.numpy() if self.installed is not None else None
+        base = self.installed.base.numpy() if self.installed is not None else None
         try:
             decoded = [codecs.decode(w, base=base if w["delta"] else None, max_n=self.spec.numel)
                        for w in reply.tensors]
@@ -352,7 +381,14 @@ class EdgeAgent:
             installed = Installed(reply.epoch, mixed, reply.alpha, reply.kind, vectors, bytes_down)
         else:
             installed = Installed(reply.epoch, vectors[0], reply.alpha, reply.kind, [], bytes_down)
+        own = self.local_index
+        if own is not None and len(own) and self.installed is not None:  # the first model has nothing of ours yet
+            mine = self.trained if self.trained is not None else self.installed.vector
+            installed.wire = installed.vector
+            installed.vector = installed.vector.clone()
+            installed.vector[own] = mine[own]
         self.installed = installed
+        self.trained = None
         return installed
 
     # ------------------------------------------------------------------ requests
@@ -362,6 +398,7 @@ class EdgeAgent:
                             model=self.spec.hash, algorithm=self.algorithm, profile=self.profile,
                             n_samples=n_samples)
         self.counters["joins"] += 1
+        self.trained = None  # a join answers no upload: the installed model's batch norm is kept
         installed, _ = self._exchange(env)
         return installed
 
@@ -390,9 +427,11 @@ class EdgeAgent:
             if alpha is not None and alpha != self.privacy.released_alpha:
                 alpha = None  # never a noiseless estimate
         c = self.cfg.codec
-        base = self.installed.vector.numpy() if (c.delta and self.installed.kind != "clusters") else None
+        base = self.installed.base.numpy() if (c.delta and self.installed.kind != "clusters") else None
         wire = codecs.encode(vector.detach().cpu().numpy(), c.name, base=base, zstd=c.zstd,
                              feedback=self.feedback, **c.encoder_params())
+        if self.local_index is not None:
+            self.trained = vector.detach().float().cpu().clone()
         return protocol.Update(agent=self.agent_id, msg_id=protocol.new_msg_id(),
                                sent_at=protocol.now(), model=self.spec.hash,
                                tau=self.installed.epoch, tensor=wire, n_samples=n_samples,
@@ -423,4 +462,11 @@ class EdgeAgent:
         env = protocol.decode(payload, max_bytes=self.cfg.protocol.max_message_bytes)
         if not isinstance(env, protocol.Update) or env.agent != self.agent_id:
             raise AgentError("bad_pending", f"stored pending upload is a {env.TYPE} of {env.agent}")
+        if self.local_index is not None and self.installed is not None:  # its batch norm, as it was sent
+            with_base = env.tensor.get("delta")
+            try:
+                self.trained = torch.from_numpy(np.ascontiguousarray(codecs.decode(
+                    env.tensor, base=self.installed.base.numpy() if with_base else None, max_n=self.spec.numel)))
+            except codecs.CodecError:
+                self.trained = None  # the install then keeps the held model's batch norm
         return env

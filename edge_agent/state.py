@@ -75,6 +75,9 @@ class AgentState:
     saved_at: float = 0.0
     privacy: list[list[float]] = field(default_factory=list)
     """UplinkPrivacy.state_dict(): every DP release so far (the epsilon spent survives restarts)."""
+    wire: torch.Tensor | None = None
+    """With agent.keep_local_bn: the model as the aggregator's last reply decoded, which `vector`
+    differs from in the agent's own batch norm; the base of the next deltas (None: `vector`)."""
     msg_id_floor: str = ""
     """protocol.msg_id_floor() when saved: after a restart the agent's msg_ids sort above
     every one it sent before, even if the clock went back (the aggregator needs them rising)."""
@@ -90,9 +93,8 @@ class AgentState:
     # --- serialization -------------------------------------------------------------------
 
     def _body(self) -> bytes:
-        vector = None
-        if self.vector is not None:
-            vector = self.vector.detach().to("cpu", torch.float32).contiguous().numpy().astype("<f4").tobytes()
+        vector, wire = (None if v is None else v.detach().to("cpu", torch.float32).contiguous().numpy()
+                        .astype("<f4").tobytes() for v in (self.vector, self.wire))
         pending = None
         if self.pending is not None:
             pending = {"msg_id": self.pending.msg_id, "payload": bytes(self.pending.payload),
@@ -101,6 +103,8 @@ class AgentState:
                "vector": vector, "tau": self.tau, "pending": pending, "monitor": self.monitor,
                "counters": self.counters, "reference_accuracy": self.reference_accuracy,
                "saved_at": self.saved_at, "msg_id_floor": self.msg_id_floor, "privacy": self.privacy}
+        if wire is not None:  # only with agent.keep_local_bn: other agents' files stay as they were
+            doc["wire"] = wire
         return msgpack.packb(doc, use_bin_type=True)
 
     @classmethod
@@ -108,19 +112,16 @@ class AgentState:
         doc = msgpack.unpackb(body, raw=False, strict_map_key=False)
         if not isinstance(doc, dict):
             raise ValueError("body is not a map")
-        vector = None
-        if doc["vector"] is not None:
-            raw = doc["vector"]
-            if not isinstance(raw, bytes) or len(raw) % 4:
-                raise ValueError("vector is not float32 bytes")
-            vector = torch.from_numpy(np.frombuffer(raw, dtype="<f4").astype(np.float32))
+        vector, wire = (_float32(doc.get(key), key) for key in ("vector", "wire"))
+        if wire is not None and (vector is None or wire.shape != vector.shape):
+            raise ValueError("wire does not fit vector")
         pending = None
         if doc["pending"] is not None:
             p = doc["pending"]
             pending = PendingUpload(str(p["msg_id"]), bytes(p["payload"]), float(p["created_at"]))
         ref = doc["reference_accuracy"]
         return cls(agent_id=str(doc["agent_id"]), model_name=str(doc["model_name"]),
-                   spec_hash=str(doc["spec_hash"]), vector=vector, tau=int(doc["tau"]), pending=pending,
+                   spec_hash=str(doc["spec_hash"]), vector=vector, wire=wire, tau=int(doc["tau"]), pending=pending,
                    monitor=dict(doc["monitor"]), counters={str(k): int(v) for k, v in doc["counters"].items()},
                    reference_accuracy=None if ref is None else float(ref), saved_at=float(doc["saved_at"]),
                    msg_id_floor=str(doc.get("msg_id_floor", "")),
@@ -211,3 +212,12 @@ def _keep_previous(current: Path, previous: Path) -> None:
         with open(staging, "rb+") as f:
             os.fsync(f.fileno())
     os.replace(staging, previous)
+
+
+def _float32(raw: object, key: str) -> torch.Tensor | None:
+    """A vector field of the body: raw little-endian float32 bytes, or None."""
+    if raw is None:
+        return None
+    if not isinstance(raw, bytes) or len(raw) % 4:
+        raise ValueError(f"{key} is not float32 bytes")
+    return torch.from_numpy(np.frombuffer(raw, dtype="<f4").astype(np.float32))

@@ -506,6 +506,8 @@ class AgentSettings:
     """SGD momentum. Must be in [0, 1)."""
     weight_decay: float = 0.0
     """L2 weight decay of the local optimizer. Must be >= 0."""
+    keep_local_bn: bool = False
+    """FedBN: keep this device's own batch-norm weights, biases and running statistics when installing a reply (the first model is installed whole); uploads still carry them. No effect on a model without batch norm. docs/models.md#batch-norm-what-travels-what-is-averaged-what-stays-local."""
     rho: float = 0.1
     """Proximal weight: local loss + (rho/2)||v - u||^2 (FedSoft-Async: toward each cluster model, weighted by alpha). Must be >= 0."""
     send_sketch: bool = True

@@ -551,3 +551,26 @@ def load_init_vector(path: str | os.PathLike[str], name: str) -> torch.Tensor:
             raise UsageError(f"{where}: key {key!r} holds NaN or inf")
         parts.append(value.detach().reshape(-1).float())
     return torch.cat(parts)
+
+
+def batch_norm_index(name: str) -> torch.Tensor:
+    """Positions in model `name`'s vector of its batch-norm layers' weights, biases and
+    running statistics: what a FedBN device keeps as its own (agent.keep_local_bn). Empty
+    for a model without batch norm (GroupNorm keeps nothing per device)."""
+    if name not in _BN_INDEX:
+        spec = model_spec(name)
+        own = {f"{module}.{field}" for module, m in build_model(name).named_modules()
+               if isinstance(m, nn.modules.batchnorm._BatchNorm)
+               for field in ("weight", "bias", "running_mean", "running_var")}
+        positions: list[torch.Tensor] = []
+        offset = 0
+        for key, shape in zip(spec.names, spec.shapes, strict=True):
+            n = math.prod(shape)
+            if key in own:
+                positions.append(torch.arange(offset, offset + n))
+            offset += n
+        _BN_INDEX[name] = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long)
+    return _BN_INDEX[name]
+
+
+_BN_INDEX: dict[str, torch.Tensor] = {}
