@@ -9,14 +9,33 @@ dependencies) against a real Mosquitto from prod.conf and a real `fedmq aggregat
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import json
+import os
 import queue
+import re
+import shutil
 import ssl
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
+import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
+import torch
 
+from aggregator.journal import scan_journal
+from edge_agent.drift import ThresholdDetector
 from fedmq.broker import REPO_BROKER_CONFIG, MosquittoBroker, find_mosquitto, listener_kinds
 from fedmq.creds import make_credentials
+from fedmq.models import model_spec
+from soak.fleet_setup import SMALL, pretrained_state, small_config
+from tests.cli_process import CliProcess, cli_env
 
 pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
 
@@ -120,3 +139,278 @@ def test_prod_conf_wss_has_the_same_tls_passwords_and_acl(tmp_path) -> None:
         finally:
             for c in clients:
                 c.close()
+
+
+# ------------------------------------------------------------------ in a real browser
+
+ROOT = Path(__file__).resolve().parent.parent
+WEB = ROOT / "web"
+FLEET = "web"
+PHONE, CAR = "phone-1", "car-1"
+CYCLES = 3
+BROWSER_WAIT_S = 300.0
+"""Generous: the machine may be shared."""
+
+
+def browser_missing() -> str | None:
+    """Why the browser tests cannot run here, or None. scripts/ensure_test_tools.py installs
+    Chromium and web/'s npm dependencies (as root), so under `make test` they run."""
+    if shutil.which("node") is None:
+        return "node not found (apt-get install nodejs npm)"
+    if find_chromium() is None:
+        return "chromium not found (apt-get install chromium, as root; scripts/ensure_test_tools.py does it)"
+    if not (WEB / "node_modules" / "playwright-core").is_dir():
+        return "web/node_modules missing (npm ci --prefix web; scripts/ensure_test_tools.py does it)"
+    return None
+
+
+def find_chromium() -> str | None:
+    for name in ("chromium", "/usr/bin/chromium", "chromium-browser"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+class WebRoot(SimpleHTTPRequestHandler):
+    """web/ as a static site, its generated assets/ from the test's own directory."""
+
+    assets: Path = WEB / "assets"
+    extensions_map = {**SimpleHTTPRequestHandler.extensions_map, ".js": "text/javascript",
+                      ".mjs": "text/javascript", ".wasm": "application/wasm", ".json": "application/json"}
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, directory=str(WEB), **kwargs)
+
+    def translate_path(self, path: str) -> str:
+        clean = path.split("?", 1)[0].split("#", 1)[0]
+        if clean.startswith("/assets/"):
+            return str(self.assets / Path(clean).name)
+        return super().translate_path(path)
+
+    def log_message(self, *args) -> None:  # quiet: the driver reports what failed
+        pass
+
+
+@pytest.fixture(scope="module")
+def web_server(tmp_path_factory) -> Iterator[str]:
+    """http://127.0.0.1:PORT serving web/ (a loopback origin is a secure context, as crypto.subtle needs)."""
+    why = browser_missing()
+    if why is not None:
+        pytest.skip(why)
+    assets = tmp_path_factory.mktemp("web-assets")
+    made = subprocess.run([sys.executable, str(WEB / "make_assets.py"), "--out", str(assets)], cwd=ROOT,
+                          env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    handler = type("TestWebRoot", (WebRoot,), {"assets": assets})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def spki_pin(cert_path: Path) -> str:
+    """base64(SHA-256(SubjectPublicKeyInfo)) of a certificate: Chromium's form for trusting one key."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+    cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+    spki = cert.public_key().public_bytes(Encoding.DER, PublicFormat.SubjectPublicKeyInfo)
+    return base64.b64encode(hashlib.sha256(spki).digest()).decode()
+
+
+def drive(plan: dict, out: Path) -> dict:
+    """Run web/drive.mjs on `plan`; what the pages showed."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(json.dumps(plan))
+    proc = subprocess.run(["node", str(WEB / "drive.mjs"), str(out / "plan.json"), str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=BROWSER_WAIT_S + 120)
+    result = json.loads((out / "driver.json").read_text()) if (out / "driver.json").exists() else {}
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:], result.get("error"),
+                                  result.get("console", [])[-30:])
+    return result
+
+
+def journal_records(state: Path) -> list[dict]:
+    """Every record of every journal generation still on disk, in order."""
+    gens = sorted(int(p.stem.split("-")[1]) for p in state.glob("journal-*.log"))
+    return [r for g in gens for r in scan_journal(state / f"journal-{g}.log").records]
+
+
+@pytest.mark.slow
+def test_browser_agent_three_cycles_over_wss_and_the_fleet_page(tmp_path, web_server) -> None:
+    creds = make_credentials(tmp_path / "creds", [PHONE, CAR], monitor_user="monitor")
+    users = creds.users()
+    pristine = pretrained_state(tmp_path / "pristine")
+    state = tmp_path / "state"
+    shutil.copytree(pristine, state)
+    shots = Path(os.environ.get("FEDMQ_BROWSER_SCREENSHOTS", tmp_path / "shots"))
+    shots.mkdir(parents=True, exist_ok=True)
+    procs: list[CliProcess] = []
+    with MosquittoBroker.from_file(REPO_BROKER_CONFIG / "prod.conf", path_map=creds.path_map(),
+                                   workdir=tmp_path / "broker") as broker:
+        try:
+            argv = ["fedmq", "aggregator", "--broker", f"mqtts://aggregator@127.0.0.1:{broker.port}",
+                    "--ca-file", str(creds.ca_cert), "--fleet", FLEET, "--state-dir", str(state),
+                    "--log-level", "info", "--set", "codec.name=int8", "--set", "aggregator.status_every_s=1"]
+            for key, value in SMALL.items():
+                argv += ["--set", f"{key}={value}"]
+            agg = CliProcess(argv, cwd=ROOT, env=cli_env(OMP_NUM_THREADS="1", FEDMQ_BROKER_PASSWORD=users["aggregator"]))
+            procs.append(agg)
+            agg.wait_for(r"aggregator\.started", BROWSER_WAIT_S)
+            # A Python agent of the same fleet: one upload, then it exits (offline, its counters kept).
+            car = CliProcess(["fedmq", "agent", "--broker", f"mqtts://{CAR}@127.0.0.1:{broker.port}",
+                              "--ca-file", str(creds.ca_cert), "--fleet", FLEET, "--id", CAR,
+                              "--dataset", "digits", "--state-dir", str(tmp_path / CAR), "--update-now",
+                              "--max-steps", "40", "--set", "agent.poll_interval_s=0.1"],
+                             cwd=ROOT, env=cli_env(OMP_NUM_THREADS="1", FEDMQ_BROKER_PASSWORD=users[CAR]))
+            procs.append(car)
+            wss = f"wss://localhost:{broker.ws_port}"
+            plan = {"base": web_server, "chromium": find_chromium(), "spki": spki_pin(creds.config_dir / "certs" / "server.crt"),
+                    "timeout_s": BROWSER_WAIT_S, "cycles": CYCLES, "python_agent": CAR, "screenshots": str(shots),
+                    "agent": {"url": wss, "fleet": FLEET, "agent": PHONE, "password": users[PHONE]},
+                    "monitor": {"url": wss, "fleet": FLEET, "user": "monitor", "password": users["monitor"]},
+                    "bad_login": {"url": wss, "fleet": FLEET, "agent": "phone-2", "password": "not-its-password"},
+                    "drift_bits": drift_case()}
+            shown = drive(plan, tmp_path / "driver")
+            assert car.wait(BROWSER_WAIT_S) == 0, car.output[-3000:]
+        finally:
+            for p in procs:
+                p.stop()
+        agg_log = agg.output
+
+    steps = shown["steps"]
+    # Joined over wss with its own login; the graph's inference equals Python's onnxruntime.
+    assert steps["join"]["ok"] and steps["join"]["via"] == "join", steps["join"]
+    check_inference_parity(steps["parity"])
+    assert re.fullmatch(r"prediction: \d \(p = [01]\.\d\d\)", steps["drawn"]), steps["drawn"]
+    check_drift_rule(plan["drift_bits"], steps["drift"])
+
+    # Three update cycles, each answered with a model (none refused), msg_ids rising.
+    cycles = steps["cycles"]
+    assert [c.get("refused") for c in cycles] == [None] * CYCLES, cycles
+    ids = [c["msgId"] for c in cycles]
+    assert ids == sorted(ids) and len(set(ids)) == CYCLES
+    assert all(c["sketch"] and c["featureError"] < 1e-4 for c in cycles), cycles
+    assert all(0.0 <= c["accuracy"] <= 1.0 for c in cycles)
+    assert [c["tau"] for c in cycles] == [steps["join"]["epoch"], *[c["epoch"] for c in cycles[:-1]]]
+
+    # The aggregator applied all three, as it applies any upload: the journal holds each, with
+    # the vector the browser meant to send bit for bit, and its sketch.
+    applied = re.findall(rf"update\.applied .*agent={PHONE}\b", agg_log)
+    assert len(applied) == CYCLES, agg_log[-3000:]
+    records = journal_records(state)
+    mine = [r for r in records if r["op"] == "update" and r["agent"] == PHONE]
+    assert [r["msg_id"] for r in mine] == ids
+    for rec, cycle in zip(mine, cycles, strict=True):
+        sent = np.frombuffer(base64.b64decode(cycle["uploaded"]), dtype="<f4")
+        assert np.array_equal(np.asarray(rec["vector"], dtype=np.float32), sent)
+        assert rec["sketch"] is not None and len(rec["sketch"]) == 2048
+    check_clusters_moved(pristine, records, tmp_path / "replay")
+
+    # The fleet page showed both agents' received accuracy, side by side.
+    rows = {r["agent"]: r for r in steps["fleetRows"]}
+    assert rows[PHONE]["accuracy"] == pytest.approx(cycles[-1]["accuracy"], abs=1e-4)
+    assert rows[PHONE]["epoch"] == cycles[-1]["epoch"] and rows[PHONE]["uploads"] == CYCLES
+    assert rows[CAR]["accuracy"] is not None and PHONE in steps["fleetText"] and CAR in steps["fleetText"]
+    assert "cdfl" in steps["aggregatorText"]
+    # ... following the fleet live: every epoch the browser installed showed up as it happened,
+    # and the aggregator's own status with its counters.
+    seen = {h["epoch"] for h in steps["fleetHistory"] if h["agent"] == PHONE}
+    assert {c["epoch"] for c in cycles} <= seen, (seen, cycles)
+    assert steps["aggregatorStatus"]["epoch"] >= cycles[-1]["epoch"] and steps["aggregatorStatus"]["counters"]
+    # A refused login is shown on the page, not thrown.
+    bad = steps["badLogin"]
+    assert bad["refused"] == "connect_failed" and "join.refused" in bad["log"] and bad["buttonsDisabled"], bad
+    assert (shots / "browser-agent.png").stat().st_size > 0 and (shots / "browser-fleet.png").stat().st_size > 0
+    write_figures(shown, cycles)
+
+
+def drift_case() -> dict:
+    """Outcomes (1 = correct) at 95 % then at 50 %: the drift rule must fire in the second half."""
+    rng = np.random.default_rng(7)
+    bits = [int(b) for b in np.concatenate([rng.random(80) < 0.95, rng.random(80) < 0.5])]
+    return {"bits": bits, "window": 20, "delta": 0.1, "reference": 0.9}
+
+
+def check_drift_rule(case: dict, browser: list[bool]) -> None:
+    """The browser's detector fires on exactly the same outcomes as the Python agent's."""
+    detector = ThresholdDetector(window=case["window"], delta=case["delta"], reference=case["reference"])
+    python = []
+    for bit in case["bits"]:
+        detector.update(0.0 if bit else 1.0)
+        python.append(detector.drift_detected)
+    assert browser == python
+    assert any(python[80:]) and not any(python[:80])
+
+
+def check_inference_parity(shown: dict) -> None:
+    """Python's onnxruntime on the same graph, weights and inputs gives the browser's logits."""
+    import onnxruntime as ort
+
+    graph = base64.b64decode(shown["graph"])
+    assert hashlib.sha256(graph).hexdigest() == shown["graphSha256"]
+    vector = np.frombuffer(base64.b64decode(shown["vector"]), dtype="<f4")
+    spec = model_spec("digits-cnn")
+    assert vector.size == spec.numel
+    pixels = np.asarray(shown["pixels"], dtype=np.float32)
+    x = ((pixels / np.float32(16)) - np.float32(0.30555450916290283)) / np.float32(0.37612447142601013)
+    feeds = {"x": x.reshape(-1, *spec.input_shape).astype(np.float32)}
+    at = 0
+    for name, shape in zip(spec.names, spec.shapes, strict=True):
+        size = int(np.prod(shape))
+        feeds[name] = vector[at:at + size].reshape(shape)
+        at += size
+    session = ort.InferenceSession(graph, providers=["CPUExecutionProvider"])
+    (python,) = session.run(["logits"], feeds)
+    browser = np.asarray(shown["logits"], dtype=np.float32).reshape(python.shape)
+    diff = float(np.abs(browser - python).max())
+    print(f"inference parity: {python.shape[0]} samples, max |browser - python| = {diff:.3g}")
+    assert diff <= 1e-4, diff
+    assert (browser.argmax(1) == python.argmax(1)).all()
+
+
+def check_clusters_moved(pristine: Path, records: list[dict], workdir: Path) -> None:
+    """Replayed from the first snapshot, each browser upload moves the cluster it is most
+    assigned to (the largest weight of its mixture alpha), as any agent's upload does."""
+    from aggregator.bootstrap import build_engine
+
+    shutil.copytree(pristine, workdir)
+    engine = build_engine(small_config("mqtt://127.0.0.1:1", workdir, FLEET, **{"codec.name": "int8"}))
+    snapshot, _ = engine.journal.load()
+    engine.load_state_dict(snapshot)
+    moved = 0
+    for rec in records:
+        before = engine.strategy.clusters.clone()
+        engine._replay(rec)
+        if rec["op"] == "update" and rec["agent"] == PHONE:
+            k = int(np.argmax(rec["alpha"]))
+            assert not torch.equal(before[k], engine.strategy.clusters[k]), (k, rec["alpha"])
+            moved += 1
+    engine.journal.close()
+    assert moved == CYCLES
+
+
+def write_figures(shown: dict, cycles: list[dict]) -> None:
+    """Load time and bundle size of both pages, printed, and with FEDMQ_BROWSER_SCREENSHOTS
+    written there as browser-figures.json beside the screenshots (figures, not assertions:
+    docs/browser.md quotes them)."""
+    steps = shown["steps"]
+
+    def page(load: dict) -> dict:
+        biggest = sorted(load["files"], key=lambda f: -f["bytes"])[:6]
+        return {"dom_content_loaded_ms": round(load["domContentLoadedMs"]), "load_ms": round(load["loadMs"]),
+                "bytes": load["bytes"], "files": len(load["files"]), "largest": biggest}
+
+    figures = {"agent_page": {**page(steps["agentLoad"]), "joined_ms": steps["join"]["readyMs"]},
+               "fleet_page": {**page(steps["fleetLoad"]), "watching_ms": steps["fleetLoad"]["watchingMs"]},
+               "cycles": [{k: c[k] for k in ("epoch", "accuracy", "accHeld", "accTrained", "bytes", "seconds")}
+                          for c in cycles]}
+    if os.environ.get("FEDMQ_BROWSER_SCREENSHOTS"):  # a documentation run keeps its figures
+        out = Path(os.environ["FEDMQ_BROWSER_SCREENSHOTS"]) / "browser-figures.json"
+        out.write_text(json.dumps(figures, indent=1) + "\n")
+    print(json.dumps(figures)[:2000])

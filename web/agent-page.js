@@ -1,0 +1,202 @@
+// The browser agent's page: a login form, the model's state, a drawing pad, the event log.
+// window.fedmqAgentPage exposes the same actions to scripts (tests/test_browser.py drives it).
+
+import { BrowserAgent, argmax, loadFeatureMap, loadSamples } from "./agent.js";
+import * as P from "./fedmq.js";
+
+const $ = (id) => document.getElementById(id);
+const logLines = [];
+const page = { agent: null, samples: null, featureMap: null, results: [], ready: null };
+window.fedmqAgentPage = page;
+
+function log(line) {
+  const stamp = new Date().toISOString().slice(11, 23);
+  logLines.push(`${stamp} ${line}`);
+  $("log").textContent = logLines.slice(-200).join("\n");
+  $("log").scrollTop = 1e9;
+}
+
+function show(agent) {
+  const s = agent.aggregator;
+  const rows = [
+    ["aggregator", s ? `${s.state} (${s.algorithm}, epoch ${s.epoch})` : "-"],
+    ["model", s ? `${s.model_name} ${s.model} (${agent.spec ? agent.spec.numel : "?"} values)` : "-"],
+    ["codec", s && s.codec ? Object.entries(s.codec).map(([k, v]) => `${k}=${v}`).join(" ") : "-"],
+    ["my epoch", agent.base ? String(agent.epoch) : "not joined"],
+    ["accuracy", agent.counters.last_accuracy !== undefined ? agent.counters.last_accuracy.toFixed(4) : "-"],
+    ["uploads", `${agent.counters.uploads} (${agent.counters.refused} refused${agent.counters.last_refusal ? ", last: " + agent.counters.last_refusal : ""})`],
+    ["drift", `${agent.counters.drifts} detected; window ${agent.detector.bits.length}/${agent.detector.window}, reference ${agent.detector.reference === null ? "-" : agent.detector.reference.toFixed(3)}`],
+    ["local data", `${page.samples ? page.samples.n : 0} samples`],
+  ];
+  $("model").innerHTML = rows.map(([k, v]) => `<dt>${k}</dt><dd${/refused/.test(v) && agent.counters.refused ? ' class="refused"' : ""}>${escape(v)}</dd>`).join("");
+  const online = agent.client && agent.client.connected;
+  $("state").textContent = online ? `${agent.agent} online` : "offline";
+  $("state").className = "pill " + (online ? "online" : "offline");
+}
+
+function escape(s) {
+  return String(s).replace(/[&<>]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;" })[c]);
+}
+
+/** Join with these settings; the result of the join (or the refusal) comes back. */
+page.connect = async ({ url, fleet, agent, password, settings }) => {
+  page.samples = page.samples || (await loadSamples());
+  page.featureMap = page.featureMap || (await loadFeatureMap());
+  const a = new BrowserAgent({ url, fleet, agent, password, settings }, log);
+  a.samples = page.samples;
+  a.featureMap = page.featureMap;
+  a.onChange(show);
+  page.agent = a;
+  let joined;
+  try {
+    const connected = await a.connect();
+    joined = connected.refused ? connected : await a.join();
+  } catch (e) {
+    joined = { refused: "connect_failed", detail: String(e.message || e) };
+  }
+  if (joined.refused) log(`join.refused reason=${joined.refused} detail=${JSON.stringify(joined.detail || "")}`);
+  show(a);
+  for (const id of ["cycle", "stream", "predict", "add"]) $(id).disabled = !!joined.refused;
+  return joined;
+};
+
+page.cycle = async () => {
+  const r = await page.agent.cycle();
+  page.results.push(r);
+  show(page.agent);
+  return { ...r, uploaded: undefined };
+};
+
+/** Test-then-train over the sample set (in order, or relabelled by `relabel`): each prediction
+ *  feeds the drift rule; a pending drift that the interval allows starts a cycle. */
+page.stream = async (relabel = null) => {
+  const a = page.agent;
+  const { n, x, y, d } = page.samples;
+  let cycles = 0;
+  for (let s = 0; s < n; s++) {
+    await a.observe(x.subarray(s * d, (s + 1) * d), relabel ? relabel[y[s]] : y[s]);
+    if (a.shouldUpdate()) {
+      await page.cycle();
+      cycles++;
+    }
+  }
+  show(a);
+  return { observed: a.counters.observed, drifts: a.counters.drifts, cycles };
+};
+
+/** The held model's logits on every bundled sample, and what they were computed from. */
+page.parity = async () => {
+  const a = page.agent;
+  const logits = await a.logits(page.samples.x);
+  return {
+    logits: Array.from(logits), classes: a.spec.num_classes, pixels: page.samples.raw,
+    vector: b64(new Uint8Array(a.base.buffer)), graph: b64(a.graph), graphSha256: a.aggregator.graph.sha256,
+  };
+};
+
+function b64(bytes) {
+  let s = "";
+  for (let i = 0; i < bytes.length; i += 0x8000) s += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
+  return btoa(s);
+}
+
+// ------------------------------------------------------------------ drawing pad
+
+const pad = $("pad");
+const ctx = pad.getContext("2d");
+function clearPad() {
+  ctx.fillStyle = "#000";
+  ctx.fillRect(0, 0, pad.width, pad.height);
+}
+clearPad();
+let drawing = false;
+pad.addEventListener("pointerdown", (e) => {
+  drawing = true;
+  ctx.beginPath();
+  ctx.moveTo(e.offsetX, e.offsetY);
+});
+pad.addEventListener("pointermove", (e) => {
+  if (!drawing) return;
+  ctx.strokeStyle = "#fff";
+  ctx.lineWidth = 16;
+  ctx.lineCap = "round";
+  ctx.lineTo(e.offsetX, e.offsetY);
+  ctx.stroke();
+});
+for (const ev of ["pointerup", "pointerleave"]) pad.addEventListener(ev, () => (drawing = false));
+
+/** The pad as an 8x8 digit: the mean brightness of each 20x20 block, scaled to 0..16. */
+function padPixels() {
+  const img = ctx.getImageData(0, 0, pad.width, pad.height).data;
+  const cell = pad.width / 8;
+  const out = new Float32Array(64);
+  for (let r = 0; r < 8; r++) {
+    for (let c = 0; c < 8; c++) {
+      let sum = 0;
+      for (let y = r * cell; y < (r + 1) * cell; y++) for (let x = c * cell; x < (c + 1) * cell; x++) sum += img[4 * (y * pad.width + x)];
+      out[r * 8 + c] = (sum / (cell * cell) / 255) * 16;
+    }
+  }
+  return out;
+}
+
+page.predictPad = async () => {
+  const a = page.agent;
+  const logits = await a.logits(P.normalize(padPixels()));
+  const k = argmax(logits, 0, a.spec.num_classes);
+  const max = Math.max(...logits);
+  const exps = Array.from(logits, (z) => Math.exp(z - max));
+  const p = exps[k] / exps.reduce((s, v) => s + v, 0);
+  $("prediction").textContent = `prediction: ${k} (p = ${p.toFixed(2)})`;
+  return { label: k, p };
+};
+
+$("predict").onclick = () => page.predictPad();
+$("clear").onclick = () => {
+  clearPad();
+  $("prediction").textContent = "-";
+};
+$("file").onchange = async () => {
+  const file = $("file").files[0];
+  if (!file) return;
+  const bitmap = await createImageBitmap(file);
+  ctx.drawImage(bitmap, 0, 0, pad.width, pad.height);
+  const img = ctx.getImageData(0, 0, pad.width, pad.height);
+  let mean = 0;
+  for (let i = 0; i < img.data.length; i += 4) {
+    const g = (img.data[i] + img.data[i + 1] + img.data[i + 2]) / 3;
+    img.data[i] = img.data[i + 1] = img.data[i + 2] = g;
+    mean += g;
+  }
+  if (mean / (img.data.length / 4) > 128) for (let i = 0; i < img.data.length; i += 4) img.data[i] = img.data[i + 1] = img.data[i + 2] = 255 - img.data[i];
+  ctx.putImageData(img, 0, 0);
+  await page.predictPad();
+};
+$("add").onclick = () => {
+  const label = Number($("label").value);
+  if (!Number.isInteger(label) || label < 0 || label > 9) return log("sample.refused reason=bad_label detail=\"a label 0..9\"");
+  const s = page.samples;
+  const x = new Float32Array(s.x.length + 64);
+  x.set(s.x);
+  x.set(P.normalize(padPixels()), s.x.length);
+  const y = new Int32Array(s.n + 1);
+  y.set(s.y);
+  y[s.n] = label;
+  page.samples = { ...s, n: s.n + 1, x, y, raw: [...s.raw, Array.from(padPixels())] };
+  page.agent.samples = page.samples;
+  log(`sample.added label=${label} samples=${page.samples.n}`);
+  show(page.agent);
+};
+
+// ------------------------------------------------------------------ the form
+
+const params = new URLSearchParams(location.search);
+for (const key of ["url", "fleet", "agent"]) if (params.get(key)) $("login").elements[key].value = params.get(key);
+$("login").onsubmit = (e) => {
+  e.preventDefault();
+  const f = $("login").elements;
+  page.ready = page.connect({ url: f.url.value, fleet: f.fleet.value, agent: f.agent.value, password: f.password.value });
+};
+$("cycle").onclick = () => page.cycle();
+$("stream").onclick = () => page.stream();
+page.loaded = true;

@@ -1,0 +1,387 @@
+// The browser agent: joins a fedmq fleet over MQTT over WebSockets with an agent's login,
+// runs the fleet's published ONNX graph in ONNX Runtime Web, watches its accuracy for
+// drift, trains the output layer and uploads it (int8 delta + CDFL sketch), installs its
+// personalized model. What a device must do is docs/protocol.md ("Joining"); this is that
+// list in JavaScript. Refusals come back as values ({refused: reason}), never as throws.
+
+import mqtt from "mqtt";
+import * as ort from "onnxruntime-web";
+import * as P from "./fedmq.js";
+
+ort.env.wasm.wasmPaths = new URL("./node_modules/onnxruntime-web/dist/", import.meta.url).href;
+ort.env.wasm.numThreads = 1; // threads need cross-origin isolation, which a plain static server does not give
+
+export const DEFAULTS = {
+  replyTimeoutS: 20, // agent.reply_timeout_s
+  sends: 3, // a request is sent this often (same msg_id) before the wait is given up
+  sketchMinSamples: 100, // agent.sketch_min_samples: no sketch of fewer inputs (it would reveal them)
+  window: 200, // drift rule: agent.detector threshold's window and delta
+  delta: 0.1,
+  minUpdateIntervalS: 60, // agent.min_update_interval_s
+  train: { epochs: 2, batchSize: 32, lr: 0.01, momentum: 0.9, rho: 0.1 },
+};
+
+export class BrowserAgent {
+  /** opts: url (ws:// or wss://), fleet, agent, password, profile; log(line) gets one line per event. */
+  constructor(opts, log = () => {}) {
+    this.url = opts.url;
+    this.fleet = P.checkId(opts.fleet, "fleet");
+    this.agent = P.checkId(opts.agent, "agent");
+    this.password = opts.password || undefined;
+    this.profile = opts.profile || "browser";
+    this.settings = { ...DEFAULTS, ...(opts.settings || {}) };
+    this.log = log;
+    this.ids = new P.MsgIds(`fedmq.msg_id.${this.fleet}.${this.agent}`);
+    this.reassembler = new P.Reassembler();
+    this.waiters = new Map(); // msg_id -> {settle, receipt}
+    this.aggregator = null; // its latest status
+    this.graph = null; // bytes of the published ONNX graph
+    this.session = null;
+    this.spec = null;
+    this.base = null; // Float32Array: the model held (the aggregator's base for our deltas)
+    this.epoch = 0;
+    this.algorithm = "cdfl";
+    this.detector = new P.ThresholdDetector(this.settings.window, this.settings.delta);
+    this.driftPending = false;
+    this.lastUpdateAt = null;
+    this.counters = { uploads: 0, installs: 0, refused: 0, drifts: 0, observed: 0, correct: 0 };
+    this.listeners = new Set();
+    this._statusReady = null;
+  }
+
+  onChange(fn) {
+    this.listeners.add(fn);
+  }
+
+  _changed() {
+    for (const fn of this.listeners) fn(this);
+  }
+
+  _event(name, fields = {}) {
+    const kv = Object.entries(fields).map(([k, v]) => `${k}=${typeof v === "number" ? +v.toFixed(4) : v}`);
+    this.log(`${name} agent=${this.agent} ${kv.join(" ")}`);
+  }
+
+  // ---------------------------------------------------------------- connection
+
+  /** Connect, subscribe (QoS 1), wait for the aggregator's online status and the graph. */
+  async connect(timeoutS = 60) {
+    let resolveReady;
+    this._statusReady = new Promise((r) => (resolveReady = r));
+    this._resolveReady = resolveReady;
+    const will = P.envelope("status", this.agent, this.ids.next(), { state: "offline", role: "agent", algorithm: this.algorithm });
+    this.client = await mqtt.connectAsync(this.url, {
+      clientId: this.agent, // prod.conf makes the username the client id anyway
+      username: this.agent,
+      password: this.password,
+      protocolVersion: 4,
+      clean: false, // a reply sent while the page was away is kept by the broker
+      reconnectPeriod: 2000,
+      connectTimeout: timeoutS * 1000,
+      will: { topic: P.topics.agentStatus(this.fleet, this.agent), payload: will, qos: 1, retain: true },
+    });
+    this.client.on("message", (topic, payload) => this._onMessage(topic, new Uint8Array(payload)));
+    this.client.on("connect", () => {
+      this._event("transport.reconnected");
+      this.publishStatus();
+    });
+    this.client.on("error", (e) => this._event("transport.error", { error: JSON.stringify(String(e.message || e)) }));
+    await this.client.subscribeAsync(
+      [P.topics.aggregatorStatus(this.fleet), `fedmq/${this.fleet}/model/onnx`, P.topics.down(this.fleet, this.agent)],
+      { qos: 1 },
+    );
+    this._event("transport.connected", { url: this.url });
+    const ready = await Promise.race([this._statusReady, sleep(timeoutS * 1000).then(() => null)]);
+    if (!ready) return { refused: "no_aggregator", detail: `no online aggregator status with its graph in ${timeoutS} s` };
+    await this.publishStatus();
+    return { ok: true };
+  }
+
+  async close() {
+    if (!this.client) return;
+    await this.client.publishAsync(P.topics.agentStatus(this.fleet, this.agent), this._status("offline"), { qos: 1, retain: true });
+    await this.client.endAsync();
+  }
+
+  async _onMessage(topic, payload) {
+    if (topic === `fedmq/${this.fleet}/model/onnx`) {
+      this.graph = payload;
+      await this._checkReady();
+      return;
+    }
+    let env = P.readEnvelope(payload);
+    if (env instanceof P.ProtocolRefusal) return this._event("downlink.refused", { reason: env.reason });
+    if (topic === P.topics.aggregatorStatus(this.fleet)) {
+      this.aggregator = env;
+      this._changed();
+      await this._checkReady();
+      return;
+    }
+    if (env.type === "chunk") {
+      const whole = await this.reassembler.add(env);
+      if (whole === null) return;
+      if (whole instanceof P.ProtocolRefusal) return this._event("downlink.refused", { reason: whole.reason });
+      env = P.readEnvelope(whole);
+      if (env instanceof P.ProtocolRefusal) return this._event("downlink.refused", { reason: env.reason });
+    }
+    if (env.agent !== this.agent) return this._event("downlink.refused", { reason: "agent_mismatch" });
+    if (env.type === "receipt") {
+      const w = this.waiters.get(env.of);
+      if (w) w.receipt(env);
+      return;
+    }
+    const w = this.waiters.get(env.in_reply_to);
+    if (w) w.settle(env);
+    else this._event("downlink.unexpected", { type: env.type, in_reply_to: env.in_reply_to || "-" });
+  }
+
+  async _checkReady() {
+    const s = this.aggregator;
+    if (!s || s.state !== "online" || !this.graph || !s.graph || !s.graph.sha256) return;
+    const sha = P.hex(new Uint8Array(await crypto.subtle.digest("SHA-256", this.graph)));
+    if (sha !== s.graph.sha256 || this.graph.byteLength !== s.graph.bytes) {
+      this._event("graph.mismatch", { sha256: sha, advertised: s.graph.sha256 });
+      return;
+    }
+    if (!this.spec || this.spec.hash !== s.model) {
+      this.spec = await P.readSpec(s);
+      this.spec.hash = s.model;
+      this.algorithm = s.algorithm || "cdfl";
+      this.session = await ort.InferenceSession.create(this.graph, { executionProviders: ["wasm"] });
+      this._event("graph.loaded", { model: s.model_name, bytes: this.graph.byteLength, params: this.spec.numel });
+    }
+    this._resolveReady(true);
+  }
+
+  // ---------------------------------------------------------------- requests
+
+  /** Publish an envelope (chunked when large) and wait for the reply naming it: the reply
+   *  envelope, or {refused: "no_reply"} after `sends` tries. Receipts stretch the wait. */
+  async _request(msgId, payload) {
+    const pieces = await P.chunked(payload, this.agent, msgId, this.ids);
+    const topic = P.topics.up(this.fleet, this.agent);
+    for (let attempt = 0; attempt < this.settings.sends; attempt++) {
+      const reply = await new Promise((resolve) => {
+        let timer;
+        const arm = (seconds) => {
+          clearTimeout(timer);
+          timer = setTimeout(() => resolve(null), seconds * 1000);
+        };
+        this.waiters.set(msgId, {
+          settle: (env) => {
+            clearTimeout(timer);
+            resolve(env);
+          },
+          receipt: (r) => {
+            this._event("upload.receipt", { of: msgId, expect_s: r.expect_s, ahead: r.ahead ?? 0 });
+            arm(this.settings.replyTimeoutS + 2 * r.expect_s);
+          },
+        });
+        arm(this.settings.replyTimeoutS);
+        (async () => {
+          for (const piece of pieces) await this.client.publishAsync(topic, piece, { qos: 1 });
+        })().catch((e) => this._event("uplink.failed", { error: JSON.stringify(String(e.message || e)) }));
+      });
+      this.waiters.delete(msgId);
+      if (reply) return reply;
+      this._event("upload.resend", { msg_id: msgId, attempt: attempt + 1 });
+    }
+    return { type: "error", reason: "no_reply", detail: `no reply to ${msgId} after ${this.settings.sends} sends` };
+  }
+
+  _refusal(env, what) {
+    this.counters.refused++;
+    this.counters.last_refusal = env.reason;
+    this._event(`${what}.refused`, { reason: env.reason, detail: JSON.stringify(env.detail || "") });
+    this._changed();
+    return { refused: env.reason, detail: env.detail || "" };
+  }
+
+  /** Join: the reply holds the whole model, our base from now on. */
+  async join() {
+    const msgId = this.ids.next();
+    const payload = P.envelope("join", this.agent, msgId, {
+      model: this.spec.hash, algorithm: this.algorithm, profile: this.profile, n_samples: this.samples ? this.samples.n : 0,
+    });
+    const reply = await this._request(msgId, payload);
+    if (reply.type !== "model") return this._refusal(reply, "join");
+    return this._install(reply, "join", msgId);
+  }
+
+  async _install(reply, via, msgId) {
+    let vector;
+    try {
+      vector = P.decodeTensor(reply.tensors[0], this.base);
+    } catch (e) {
+      return this._refusal({ reason: e.reason || "codec_error", detail: e.message }, "model");
+    }
+    if (vector.length !== this.spec.numel) return this._refusal({ reason: "wrong_shape", detail: `${vector.length} values` }, "model");
+    this.base = vector;
+    this.epoch = reply.epoch;
+    this.counters.installs++;
+    const acc = this.samples ? await this.accuracy(this.samples) : null;
+    this.detector.setReference(acc);
+    this.driftPending = false;
+    if (acc !== null) this.counters.last_accuracy = Math.round(acc * 1e4) / 1e4;
+    this._event("model.installed", { via, epoch: this.epoch, accuracy: acc ?? "-", alpha: (reply.alpha || []).map((a) => a.toFixed(3)).join(",") });
+    await this.publishStatus();
+    this._changed();
+    return { ok: true, via, msgId, epoch: this.epoch, accuracy: acc, alpha: reply.alpha || null };
+  }
+
+  _status(state) {
+    const counters = {};
+    for (const [k, v] of Object.entries(this.counters)) if (v !== undefined && v !== null) counters[k] = v;
+    return P.envelope("status", this.agent, this.ids.next(), { state, role: "agent", algorithm: this.algorithm, epoch: this.epoch, counters });
+  }
+
+  /** The retained online status with the counters (last_accuracy, last_upload_at, ...): what
+   *  fleet pages and `fedmq fleet status` show. */
+  async publishStatus() {
+    if (this.client && this.client.connected) {
+      await this.client.publishAsync(P.topics.agentStatus(this.fleet, this.agent), this._status("online"), { qos: 1, retain: true });
+    }
+  }
+
+  // ---------------------------------------------------------------- inference
+
+  _params(vector) {
+    const feeds = {};
+    this.spec.names.forEach((name, i) => {
+      const off = this.spec.offsets[i];
+      feeds[name] = new ort.Tensor("float32", vector.slice(off, off + this.spec.sizes[i]), this.spec.shapes[i]);
+    });
+    return feeds;
+  }
+
+  /** Logits [n, classes] of normalized inputs (Float32Array, n * input size) under `vector`. */
+  async logits(inputs, vector = this.base) {
+    const d = this.spec.input_shape.reduce((a, b) => a * b, 1);
+    const n = inputs.length / d;
+    const feeds = this._params(vector);
+    feeds.x = new ort.Tensor("float32", inputs, [n, ...this.spec.input_shape]);
+    const out = await this.session.run(feeds);
+    return out[this.aggregator.graph.output || "logits"].data;
+  }
+
+  /** Features h [n, F] at the output layer's input, read from the published graph itself:
+   *  logits = W h + b is linear in the head, so feeding W = rows of the identity (b = 0)
+   *  makes the graph output C features per run. */
+  async features(inputs) {
+    const { features: F, num_classes: C } = this.spec;
+    const d = this.spec.input_shape.reduce((a, b) => a * b, 1);
+    const n = inputs.length / d;
+    const h = new Float32Array(n * F);
+    const probe = Float32Array.from(this.base);
+    const [w0] = [this.spec.offsets[this.spec.headWeight]];
+    const b0 = this.spec.offsets[this.spec.headBias];
+    for (let g = 0; g < F; g += C) {
+      probe.fill(0, w0, w0 + C * F);
+      probe.fill(0, b0, b0 + C);
+      for (let c = 0; c < C && g + c < F; c++) probe[w0 + c * F + g + c] = 1;
+      const out = await this.logits(inputs, probe);
+      for (let s = 0; s < n; s++) for (let c = 0; c < C && g + c < F; c++) h[s * F + g + c] = out[s * C + c];
+    }
+    return h;
+  }
+
+  async accuracy(samples, vector = this.base) {
+    const out = await this.logits(samples.x, vector);
+    let ok = 0;
+    for (let s = 0; s < samples.n; s++) ok += argmax(out, s, this.spec.num_classes) === samples.y[s];
+    return ok / samples.n;
+  }
+
+  /** Predict then learn (test-then-train): one labelled sample's outcome feeds the drift rule. */
+  async observe(x, label) {
+    const out = await this.logits(x);
+    const correct = argmax(out, 0, this.spec.num_classes) === label;
+    this.counters.observed++;
+    this.counters.correct += correct;
+    if (this.detector.update(correct)) {
+      this.counters.drifts++;
+      this.driftPending = true;
+      this._event("drift.detected", { window_accuracy: this.detector.windowAccuracy, reference: this.detector.reference });
+    }
+    return correct;
+  }
+
+  shouldUpdate(nowS = Date.now() / 1000) {
+    return this.driftPending && (this.lastUpdateAt === null || nowS - this.lastUpdateAt >= this.settings.minUpdateIntervalS);
+  }
+
+  // ---------------------------------------------------------------- an update cycle
+
+  /** Train the head on the local samples, upload it (int8 delta from the base, with the
+   *  sketch), install the reply. Returns what happened, a refusal included. */
+  async cycle(seed = this.counters.uploads) {
+    const t0 = performance.now();
+    this.driftPending = false;
+    this.lastUpdateAt = Date.now() / 1000;
+    const { x, y, n } = this.samples;
+    const { features: F, num_classes: C } = this.spec;
+    const h = await this.features(x);
+    // The features reproduce the graph's own logits (the head is W h + b): checked each time.
+    const logits = await this.logits(x);
+    const [w0, b0] = [this.spec.offsets[this.spec.headWeight], this.spec.offsets[this.spec.headBias]];
+    let featureError = 0;
+    for (let s = 0; s < n; s++) {
+      for (let c = 0; c < C; c++) {
+        let z = this.base[b0 + c];
+        for (let f = 0; f < F; f++) z += this.base[w0 + c * F + f] * h[s * F + f];
+        featureError = Math.max(featureError, Math.abs(z - logits[s * C + c]));
+      }
+    }
+    const accHeld = await this.accuracy(this.samples);
+    const trained = P.trainHead(h, y, this.base.subarray(w0, w0 + C * F), this.base.subarray(b0, b0 + C), F, C, { ...this.settings.train, seed });
+    const vector = Float32Array.from(this.base);
+    vector.set(trained.W, w0);
+    vector.set(trained.b, b0);
+    const accTrained = await this.accuracy(this.samples, vector);
+    const block = (this.aggregator.codec && this.aggregator.codec.int8_block) || 256;
+    const { wire, decoded } = P.encodeInt8(vector, this.base, block);
+    const d = this.spec.input_shape.reduce((a, b) => a * b, 1);
+    const fields = {
+      model: this.spec.hash, tau: this.epoch, tensor: wire, n_samples: n,
+      metrics: { loss: trained.loss, acc_held: accHeld, acc_trained: accTrained },
+    };
+    if (n >= this.settings.sketchMinSamples && this.featureMap) {
+      fields.sketch = P.dataSketch(x, d, this.featureMap);
+      fields.sketch_method = P.SKETCH_METHOD;
+    }
+    const msgId = this.ids.next();
+    const payload = P.envelope("update", this.agent, msgId, fields);
+    this.counters.uploads++;
+    this.counters.last_upload_at = Math.round(Date.now()) / 1000;
+    this._event("train.done", { samples: n, loss: trained.loss, acc_held: accHeld, acc_trained: accTrained, feature_error: featureError });
+    await this.publishStatus();
+    const reply = await this._request(msgId, payload);
+    const result = { msgId, tau: fields.tau, bytes: payload.byteLength, sketch: !!fields.sketch, featureError, accHeld, accTrained, loss: trained.loss, uploaded: decoded, seconds: 0 };
+    if (reply.type !== "model") return { ...result, ...this._refusal(reply, "upload") };
+    const installed = await this._install(reply, "update", msgId);
+    result.seconds = (performance.now() - t0) / 1000;
+    return { ...result, ...installed };
+  }
+}
+
+export function argmax(values, row, width) {
+  let best = 0;
+  for (let c = 1; c < width; c++) if (values[row * width + c] > values[row * width + best]) best = c;
+  return best;
+}
+
+function sleep(ms) {
+  return new Promise((r) => setTimeout(r, ms));
+}
+
+/** The bundled sample set (assets/digits.json, made by web/make_assets.py): raw 0..16 pixels. */
+export async function loadSamples(url = new URL("./assets/digits.json", import.meta.url)) {
+  const doc = await (await fetch(url)).json();
+  const raw = new Float32Array(doc.pixels.flat());
+  return { n: doc.labels.length, x: P.normalize(raw), y: Int32Array.from(doc.labels), raw: doc.pixels, d: doc.pixels[0].length };
+}
+
+/** The sketch's random feature map for 64-value inputs (assets/sketch-64.f32: W then b). */
+export async function loadFeatureMap(url = new URL("./assets/sketch-64.f32", import.meta.url)) {
+  return new Float32Array(await (await fetch(url)).arrayBuffer());
+}
