@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
@@ -31,6 +32,7 @@ import torch
 
 from aggregator.journal import scan_journal
 from edge_agent.drift import ThresholdDetector
+from fedmq import codecs
 from fedmq.broker import REPO_BROKER_CONFIG, MosquittoBroker, find_mosquitto, listener_kinds
 from fedmq.creds import make_credentials
 from fedmq.models import model_spec
@@ -40,6 +42,7 @@ from tests.cli_process import CliProcess, cli_env
 pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
 
 WAIT_S = 60.0
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class Client:
@@ -83,6 +86,22 @@ class Client:
 def test_both_configs_have_a_websocket_listener_after_the_mqtt_one() -> None:
     assert listener_kinds((REPO_BROKER_CONFIG / "dev.conf").read_text()) == [("mqtt", False), ("websockets", False)]
     assert listener_kinds((REPO_BROKER_CONFIG / "prod.conf").read_text()) == [("mqtt", True), ("websockets", True)]
+
+
+def test_fedmq_broker_prints_the_websocket_url() -> None:
+    """`fedmq broker` keeps the config's WebSocket port unless told otherwise, and says it."""
+    def dry(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "fedmq.cli", "broker", "--dry-run", *args], cwd=ROOT,
+                              env=cli_env(), capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert "ws_url: ws://127.0.0.1:9001\n" in dry()
+    assert "ws_url: ws://127.0.0.1:9555\n" in dry("--ws-port", "9555")
+    out = dry("--config", "broker_config/prod.conf", "--port", "8883")
+    assert "ws_url: wss://127.0.0.1:9883\n" in out and "listener 9883 127.0.0.1" in out
+    free = re.search(r"ws_url: ws://127\.0\.0\.1:(\d+)", dry("--port", "0"))
+    assert free and int(free.group(1)) != 9001
 
 
 def test_dev_conf_websockets_and_mqtt_clients_share_the_broker(tmp_path) -> None:
@@ -143,7 +162,6 @@ def test_prod_conf_wss_has_the_same_tls_passwords_and_acl(tmp_path) -> None:
 
 # ------------------------------------------------------------------ in a real browser
 
-ROOT = Path(__file__).resolve().parent.parent
 WEB = ROOT / "web"
 FLEET = "web"
 PHONE, CAR = "phone-1", "car-1"
@@ -414,3 +432,54 @@ def write_figures(shown: dict, cycles: list[dict]) -> None:
         out = Path(os.environ["FEDMQ_BROWSER_SCREENSHOTS"]) / "browser-figures.json"
         out.write_text(json.dumps(figures, indent=1) + "\n")
     print(json.dumps(figures)[:2000])
+
+
+def codec_cases() -> list[dict]:
+    """Every codec the aggregator may send, zstd on and off, whole and as a delta, plus maps a
+    receiver must refuse; each with the vector for the page's own int8 encoding."""
+    rng = np.random.default_rng(3)
+    base = rng.standard_normal(1000).astype(np.float32)
+    vector = (base + 0.01 * rng.standard_normal(1000)).astype(np.float32)
+    vector[5] = 0.0
+    cases = []
+    for codec in ("fp32", "fp16", "int8", "topk"):
+        for zstd in (False, True):
+            for delta in (False, True):
+                extra = {"topk_values": "fp16"} if codec == "topk" and zstd else {}
+                wire = codecs.encode(vector, codec, base=base if delta else None, zstd=zstd, block=100, **extra)
+                cases.append({"name": f"{codec} zstd={zstd} delta={delta}", "wire": wire, "base": base if delta else None})
+    good = codecs.encode(vector, "int8", base=base, zstd=False)
+    cases.append({"name": "another base", "wire": good, "base": base + 1, "refuse": "base_mismatch"})
+    cases.append({"name": "short payload", "wire": {**good, "data": good["data"][:-1]}, "base": base, "refuse": "bad_length"})
+    cases.append({"name": "no base", "wire": good, "base": None, "refuse": "needs_base"})
+    out = []
+    for c in cases:
+        out.append({"name": c["name"], "refuse": c.get("refuse"),
+                    "wire": base64.b64encode(msgpack.packb(c["wire"], use_bin_type=True)).decode(),
+                    "base": None if c["base"] is None else base64.b64encode(c["base"].astype("<f4").tobytes()).decode(),
+                    "vector": base64.b64encode(vector.tobytes()).decode(), "block": 100,
+                    "python": c["wire"], "np_base": c["base"]})
+    return out
+
+
+@pytest.mark.slow
+def test_browser_decodes_every_codec_and_encodes_int8_as_python_does(tmp_path, web_server) -> None:
+    cases = codec_cases()
+    plan = {"base": web_server, "chromium": find_chromium(), "timeout_s": BROWSER_WAIT_S,
+            "codec_cases": [{k: c[k] for k in ("wire", "base", "vector", "block")} for c in cases]}
+    shown = drive(plan, tmp_path / "driver")["steps"]["codecs"]
+    assert len(shown) == len(cases)
+    for case, got in zip(cases, shown, strict=True):
+        if case["refuse"]:
+            assert got["refused"] == case["refuse"] and got["decoded"] is None, (case["name"], got)
+            continue
+        assert got["refused"] is None, (case["name"], got)
+        python = codecs.decode(case["python"], base=case["np_base"])
+        browser = np.frombuffer(base64.b64decode(got["decoded"]), dtype="<f4")
+        assert browser.tobytes() == python.astype("<f4").tobytes(), case["name"]  # bit for bit
+        # The page's own int8 upload decodes in Python to exactly what the page says it sent.
+        mine = msgpack.unpackb(base64.b64decode(got["int8"]["wire"]), raw=False)
+        sent = codecs.decode(mine, base=case["np_base"] if mine["delta"] else None)
+        assert sent.tobytes() == base64.b64decode(got["int8"]["decoded"]), case["name"]
+        if case["np_base"] is not None:
+            assert mine["base"] == codecs.base_checksum(case["np_base"])

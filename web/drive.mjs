@@ -46,6 +46,38 @@ async function loadMetrics(page) {
 
 let status = 0;
 try {
+  // ---------------------------------------------------------------- codecs, no broker
+  // Each case: an encoded tensor map (msgpack, base64) and its base; the page's decoding and
+  // an int8 encoding of its own come back as float32 bytes.
+  if (plan.codec_cases) {
+    const page = await context.newPage();
+    watch(page, "codecs");
+    await page.goto(`${plan.base}/agent.html`);
+    await page.waitForFunction(() => window.fedmqAgentPage && window.fedmqAgentPage.loaded);
+    out.steps.codecs = await page.evaluate(async (cases) => {
+      const P = await import("./fedmq.js");
+      const { decode } = await import("@msgpack/msgpack");
+      const bytes = (s) => Uint8Array.from(atob(s), (c) => c.charCodeAt(0));
+      const b64 = (u8) => { let s = ""; for (let i = 0; i < u8.length; i += 0x8000) s += String.fromCharCode(...u8.subarray(i, i + 0x8000)); return btoa(s); };
+      const f32 = (s) => new Float32Array(bytes(s).buffer);
+      return cases.map((c) => {
+        const base = c.base ? f32(c.base) : null;
+        let decoded = null;
+        let refused = null;
+        try {
+          decoded = b64(new Uint8Array(P.decodeTensor(decode(bytes(c.wire)), base).buffer));
+        } catch (e) {
+          refused = e.reason || String(e);
+        }
+        const mine = c.vector ? P.encodeInt8(f32(c.vector), base, c.block || 256) : null;
+        return { decoded, refused, int8: mine && { wire: b64(P.packWire(mine.wire)), decoded: b64(new Uint8Array(mine.decoded.buffer)) } };
+      });
+    }, plan.codec_cases);
+    await page.close();
+    say("codecs", { cases: out.steps.codecs.length });
+  }
+  if (!plan.agent) throw Object.assign(new Error("done"), { done: true });
+
   // ---------------------------------------------------------------- the agent page
   const agentPage = await context.newPage();
   watch(agentPage, "agent");
@@ -159,9 +191,11 @@ try {
     say("bad_login", { refused: out.steps.badLogin.refused });
   }
 } catch (e) {
-  out.error = String(e.stack || e);
-  say("error", { error: out.error });
-  status = 1;
+  if (!e.done) {
+    out.error = String(e.stack || e);
+    say("error", { error: out.error });
+    status = 1;
+  }
 } finally {
   save();
   await context.close();

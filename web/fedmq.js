@@ -67,6 +67,11 @@ export function envelope(type, agent, msgId, fields) {
 
 const TYPES = new Set(["join", "update", "report", "chunk", "model", "round_invite", "error", "ack", "receipt", "status"]);
 
+/** An encoded tensor map as msgpack bytes (what an envelope's `tensor` field holds). */
+export function packWire(wire) {
+  return packb(wire);
+}
+
 /** A received envelope as an object, or an Error naming why it is refused (never thrown). */
 export function readEnvelope(payload, maxBytes = 64 * 1024 * 1024) {
   if (payload.byteLength > maxBytes) return new ProtocolRefusal("too_large", `${payload.byteLength} bytes`);
