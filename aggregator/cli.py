@@ -74,28 +74,26 @@ def run(args: argparse.Namespace) -> int:
         print(dry_run_json(cfg))
         return 0
     stop = threading.Event()
-    SignalRelay({signal.SIGTERM: stop.set, signal.SIGINT: stop.set})  # also when started with SIGINT ignored
+    stops = {signal.SIGTERM: stop.set, signal.SIGINT: stop.set}  # also when started with SIGINT ignored
     from aggregator.journal import Journal
     from fedmq.state_dir import StateDirLock
-    from fedmq.transport import check_reachable
 
     # Fail in a second, not after minutes of loading data and pre-training.
     Journal(cfg.aggregator.state_dir).check_writable()
     StateDirLock(cfg.aggregator.state_dir)  # held until this process exits
     if cfg.aggregator.algorithm in ROUNDS:
+        SignalRelay(stops)
         return _run_rounds(cfg, stop)
-    check_reachable(cfg.broker.url)
-    from aggregator.bootstrap import build_engine
-    from aggregator.service import AggregatorService
-
-    engine = build_engine(cfg)
-    service = AggregatorService(cfg, engine)
-    # Before the reply pool connects: its login is shared with the serving aggregator's pool.
-    service.sole.started()
-    if not service.sole.clear_to_serve(cfg.broker, derived_logins=cfg.aggregator.derived_logins,
-                                       network=service.transport.network):
-        raise RuntimeFailure(service.sole.failure)
-    pool, workers = _reply_pool(cfg, engine)
+    # Until it serves, a stop ends the start-up where it is (a real model pre-trains for
+    # minutes); nothing has been acknowledged yet, and the caches are written whole or not at all.
+    for sig in stops:
+        signal.signal(sig, _interrupt)
+    try:
+        engine, service, pool, workers = _start(cfg)
+        SignalRelay(stops)
+    except KeyboardInterrupt:
+        print("aggregator: stopped during start-up; nothing was served", flush=True)
+        return 0
     metrics = None
     if cfg.metrics.port:
         from aggregator.prometheus import AggregatorMetrics
@@ -120,6 +118,28 @@ def run(args: argparse.Namespace) -> int:
     if service.sole.failure:
         raise RuntimeFailure(service.sole.failure)
     return 0
+
+
+def _interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _start(cfg):
+    """Everything before serving: data, pre-training, the sole-aggregator check, the reply pool."""
+    from aggregator.bootstrap import build_engine
+    from aggregator.service import AggregatorService
+    from fedmq.transport import check_reachable
+
+    check_reachable(cfg.broker.url)
+    engine = build_engine(cfg)
+    service = AggregatorService(cfg, engine)
+    # Before the reply pool connects: its login is shared with the serving aggregator's pool.
+    service.sole.started()
+    if not service.sole.clear_to_serve(cfg.broker, derived_logins=cfg.aggregator.derived_logins,
+                                       network=service.transport.network):
+        raise RuntimeFailure(service.sole.failure)
+    pool, workers = _reply_pool(cfg, engine)
+    return engine, service, pool, workers
 
 
 def _check_reply_workers(cfg) -> None:

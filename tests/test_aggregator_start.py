@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import signal
 
 from aggregator.bootstrap import PROGRESS_EVERY_S, PretrainProgress
 from fedmq.logs import PROGRESS
+from tests.cli_process import BIN, CliProcess
 
 
 def test_pretraining_reports_an_epoch_at_the_default_level_every_so_often(caplog) -> None:
@@ -25,3 +27,18 @@ def test_pretraining_reports_an_epoch_at_the_default_level_every_so_often(caplog
     assert [(f["model"], f["epoch"], f["of_models"]) for f in shown] == [("shared", "3/4", "1/3"),
                                                                          ("shared", "4/4", "1/3")]
     assert shown[-1]["seconds"] == 42.0 and shown[-1]["loss"] == 1.2
+
+
+def test_sigterm_during_pretraining_stops_the_aggregator_with_one_line(mosquitto, tmp_path) -> None:
+    """A real model pre-trains for minutes; a service manager's stop must end that, not wait it out."""
+    # pretrain_epochs: far more than it trains before the signal, so it is still pre-training then.
+    argv = [str(BIN / "fedmq"), "aggregator", "--broker", mosquitto.url, "--fleet", "stop-early",
+            "--state-dir", str(tmp_path / "st"), "--log-level", "info",
+            "--set", "aggregator.pretrain_epochs=100000"]
+    with CliProcess(argv, cwd=tmp_path) as aggregator:
+        aggregator.wait_for(r"pretrain\.epoch", timeout=180)
+        code = aggregator.stop(signal.SIGTERM, timeout=120)
+    assert code == 0, aggregator.output[-3000:]
+    assert "stopped during start-up; nothing was served" in aggregator.output
+    assert "Traceback" not in aggregator.output
+    assert "fleet=stop-early" not in aggregator.output  # never served
