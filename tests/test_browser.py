@@ -293,7 +293,7 @@ def test_browser_agent_three_cycles_over_wss_and_the_fleet_page(tmp_path, web_se
                     "agent": {"url": wss, "fleet": FLEET, "agent": PHONE, "password": users[PHONE]},
                     "monitor": {"url": wss, "fleet": FLEET, "user": "monitor", "password": users["monitor"]},
                     "bad_login": {"url": wss, "fleet": FLEET, "agent": "phone-2", "password": "not-its-password"},
-                    "drift_bits": drift_case()}
+                    "drift_bits": drift_case(), "stream": {"window": 20, "samples_after_drift": 1000}}
             shown = drive(plan, tmp_path / "driver")
             assert car.wait(BROWSER_WAIT_S) == 0, car.output[-3000:]
         finally:
@@ -316,6 +316,11 @@ def test_browser_agent_three_cycles_over_wss_and_the_fleet_page(tmp_path, web_se
     assert all(c["sketch"] and c["featureError"] < 1e-4 for c in cycles), cycles
     assert all(0.0 <= c["accuracy"] <= 1.0 for c in cycles)
     assert [c["tau"] for c in cycles] == [steps["join"]["epoch"], *[c["epoch"] for c in cycles[:-1]]]
+
+    # Its own predictions on a drifted stream (labels permuted) fire the drift rule; the update
+    # waits for agent.samples_after_drift new samples, as the Python agent's does.
+    stream = steps["stream"]
+    assert stream["drifts"] == 1 and stream["cycles"] == 0 and stream["pending"], stream
 
     # The aggregator applied all three, as it applies any upload: the journal holds each, with
     # the vector the browser meant to send bit for bit, and its sketch.
@@ -429,8 +434,12 @@ def write_figures(shown: dict, cycles: list[dict]) -> None:
                "cycles": [{k: c[k] for k in ("epoch", "accuracy", "accHeld", "accTrained", "bytes", "seconds")}
                           for c in cycles]}
     if os.environ.get("FEDMQ_BROWSER_SCREENSHOTS"):  # a documentation run keeps its figures
-        out = Path(os.environ["FEDMQ_BROWSER_SCREENSHOTS"]) / "browser-figures.json"
-        out.write_text(json.dumps(figures, indent=1) + "\n")
+        where = Path(os.environ["FEDMQ_BROWSER_SCREENSHOTS"])
+        (where / "browser-figures.json").write_text(json.dumps(figures, indent=1) + "\n")
+        from PIL import Image
+
+        for shot in ("browser-agent.png", "browser-fleet.png"):  # 64 colours: a third of the bytes
+            Image.open(where / shot).convert("RGB").quantize(64).save(where / shot, optimize=True)
     print(json.dumps(figures)[:2000])
 
 

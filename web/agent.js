@@ -18,6 +18,7 @@ export const DEFAULTS = {
   window: 200, // drift rule: agent.detector threshold's window and delta
   delta: 0.1,
   minUpdateIntervalS: 60, // agent.min_update_interval_s
+  samplesAfterDrift: 100, // agent.samples_after_drift: new samples to see after a drift before training
   train: { epochs: 2, batchSize: 32, lr: 0.01, momentum: 0.9, rho: 0.1 },
 };
 
@@ -43,6 +44,7 @@ export class BrowserAgent {
     this.algorithm = "cdfl";
     this.detector = new P.ThresholdDetector(this.settings.window, this.settings.delta);
     this.driftPending = false;
+    this.driftSeenAt = 0;
     this.lastUpdateAt = null;
     this.counters = { uploads: 0, installs: 0, refused: 0, drifts: 0, observed: 0, correct: 0 };
     this.listeners = new Set();
@@ -298,16 +300,23 @@ export class BrowserAgent {
     const correct = argmax(out, 0, this.spec.num_classes) === label;
     this.counters.observed++;
     this.counters.correct += correct;
-    if (this.detector.update(correct)) {
+    // A drift counts once until the update it asks for (the detector fires again each
+    // window while the data stays drifted), as in the Python agent.
+    if (this.detector.update(correct) && !this.driftPending) {
       this.counters.drifts++;
+      this.driftSeenAt = this.counters.observed;
       this.driftPending = true;
       this._event("drift.detected", { window_accuracy: this.detector.windowAccuracy, reference: this.detector.reference });
     }
     return correct;
   }
 
+  /** As the Python agent decides (edge_agent/drift.py DriftMonitor, agent_loop.py): a drift
+   *  is pending, `samplesAfterDrift` samples came since (they describe the new data), and the
+   *  last update is at least `minUpdateIntervalS` old. */
   shouldUpdate(nowS = Date.now() / 1000) {
-    return this.driftPending && (this.lastUpdateAt === null || nowS - this.lastUpdateAt >= this.settings.minUpdateIntervalS);
+    return this.driftPending && this.counters.observed - this.driftSeenAt >= this.settings.samplesAfterDrift &&
+      (this.lastUpdateAt === null || nowS - this.lastUpdateAt >= this.settings.minUpdateIntervalS);
   }
 
   // ---------------------------------------------------------------- an update cycle

@@ -150,6 +150,20 @@ try {
     save();
   }
 
+  // The sample stream through the agent's own predictions and drift rule, its labels
+  // permuted (the data drifted): the rule fires; the update it asks for waits for more samples.
+  if (plan.stream) {
+    out.steps.stream = await agentPage.evaluate(async (s) => {
+      const p = window.fedmqAgentPage;
+      Object.assign(p.agent.settings, { samplesAfterDrift: s.samples_after_drift });
+      p.agent.detector.window = s.window;
+      const relabel = Array.from({ length: 10 }, (_, k) => (k + 1) % 10);
+      const r = await p.stream(relabel);
+      return { ...r, pending: p.agent.driftPending, reference: p.agent.detector.reference };
+    }, plan.stream);
+    say("stream", out.steps.stream);
+  }
+
   if (fleetPage) {
     // Both agents' received accuracy on the page: the browser's and the Python agent's.
     const want = { phone: a.agent, python: plan.python_agent, epoch: out.steps.cycles.at(-1)?.epoch ?? 0 };
