@@ -365,7 +365,9 @@ def cdfl_personalizer(settings: CDFLSettings, evaluator: ProxyEvaluator) -> Pers
                                  kd_weight=settings.personalize_kd_weight,
                                  temperature=settings.personalize_temperature,
                                  start=settings.personalize_start,
-                                 blend_grid=settings.personalize_blend_grid)
+                                 blend_grid=settings.personalize_blend_grid,
+                                 layers=settings.personalize_layers,
+                                 head_above=settings.personalize_head_above)
     except ValueError as exc:  # an unknown personalization or start, a blend grid out of [0, 1]
         raise ConfigError(f"[cdfl] reply: {exc}") from None
 

@@ -49,7 +49,8 @@ def reply_digest(personalizer: Personalizer, evaluator: ProxyEvaluator) -> str:
     settings = {"name": personalizer.name}
     if isinstance(personalizer, DistillPersonalizer):
         settings.update({k: getattr(personalizer, k) for k in (
-            "epochs", "lr", "momentum", "batch_size", "kd_weight", "temperature", "rho", "samples")})
+            "epochs", "lr", "momentum", "batch_size", "kd_weight", "temperature", "rho", "samples",
+            "min_steps", "tail_average", "layers")})
     h.update(repr(sorted(settings.items())).encode())
     for t in (evaluator.x, evaluator.y):
         h.update(t.detach().to("cpu").contiguous().numpy().tobytes())

@@ -230,6 +230,10 @@ class CDFLSettings:
     """finetune/distill: proximal weight pulling the reply's training toward its start, loss + (rho/2)||w - start||^2 (>= 0; 0 = none). docs/results_cdfl.md#the-reply."""
     personalize_samples: int = 0
     """finetune/distill: proxy samples per epoch, drawn with replacement in proportion to alpha (0 = every sample of the clusters with alpha > 0, weighted by alpha). Caps a reply's cost whatever K and the proxy sizes are. Must be >= 0."""
+    personalize_layers: str = "auto"
+    """finetune/distill: what the reply trains: all (every layer), head (the trailing linear layers, over features of the frozen lower part of its start, computed once per reply) or auto (head above personalize_head_above parameters). docs/results_realsize.md."""
+    personalize_head_above: int = 1_000_000
+    """personalize_layers = auto: models with more parameters than this train the head alone (integer >= 0). docs/results_realsize.md."""
     reply_batch: int = 0
     """finetune: queued uploads whose replies train together as one vmapped batch (integer >= 0; 0 = 8 on a GPU, 1 on a CPU; 1 = one at a time). Same replies up to float rounding. docs/results_cdfl.md#cost, `python -m bench replies`."""
     personalize_kd_weight: float = 0.5
@@ -270,6 +274,8 @@ class CDFLSettings:
         `--dry-run`, not as a traceback when the first reply is made."""
         check_section(self, "cdfl")
         resolve_trunk_share(self.trunk_share, self.clusters)
+        if self.personalize_layers not in ("all", "head", "auto"):
+            raise ConfigError(f"cdfl.personalize_layers must be all, head or auto, got {self.personalize_layers!r}")
 
 
 AUTO_TRUNK_SHARE = 0.5
@@ -655,6 +661,7 @@ RANGES: dict[str, str] = {
     "cdfl.personalize_epochs": ">= 0", "cdfl.personalize_lr": "> 0", "cdfl.personalize_batch_size": ">= 1",
     "cdfl.personalize_min_steps": ">= 0", "cdfl.personalize_tail_average": "in [0, 1]",
     "cdfl.personalize_rho": ">= 0", "cdfl.personalize_samples": ">= 0", "cdfl.reply_batch": ">= 0",
+    "cdfl.personalize_head_above": ">= 0",
     "cdfl.personalize_kd_weight": "in [0, 1]", "cdfl.personalize_temperature": "> 0",
     "cdfl.update_power": "> 0", "cdfl.server_lr": ">= 0", "cdfl.delta_hinge_a": ">= 0", "cdfl.delta_tau0": ">= 0",
     "cdfl.cluster_refresh_steps": ">= 0", "cdfl.cluster_refresh_lr": ">= 0",
