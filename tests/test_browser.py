@@ -33,7 +33,13 @@ import torch
 from aggregator.journal import scan_journal
 from edge_agent.drift import ThresholdDetector
 from fedmq import codecs
-from fedmq.broker import REPO_BROKER_CONFIG, MosquittoBroker, find_mosquitto, listener_kinds
+from fedmq.broker import (
+    REPO_BROKER_CONFIG,
+    MosquittoBroker,
+    find_mosquitto,
+    free_port,
+    listener_kinds,
+)
 from fedmq.creds import make_credentials
 from fedmq.models import model_spec
 from soak.fleet_setup import SMALL, pretrained_state, small_config
@@ -292,7 +298,9 @@ def test_browser_agent_three_cycles_over_wss_and_the_fleet_page(tmp_path, web_se
                     "timeout_s": BROWSER_WAIT_S, "cycles": CYCLES, "python_agent": CAR, "screenshots": str(shots),
                     "agent": {"url": wss, "fleet": FLEET, "agent": PHONE, "password": users[PHONE]},
                     "monitor": {"url": wss, "fleet": FLEET, "user": "monitor", "password": users["monitor"]},
-                    "bad_login": {"url": wss, "fleet": FLEET, "agent": "phone-2", "password": "not-its-password"},
+                    "refusals": [{"url": wss, "fleet": FLEET, "agent": "phone-2", "password": "not-its-password"},
+                                 {"url": f"wss://localhost:{free_port()}", "fleet": FLEET, "agent": PHONE,
+                                  "password": users[PHONE]}],
                     "drift_bits": drift_case(), "stream": {"window": 20, "samples_after_drift": 1000}}
             shown = drive(plan, tmp_path / "driver")
             assert car.wait(BROWSER_WAIT_S) == 0, car.output[-3000:]
@@ -346,9 +354,10 @@ def test_browser_agent_three_cycles_over_wss_and_the_fleet_page(tmp_path, web_se
     seen = {h["epoch"] for h in steps["fleetHistory"] if h["agent"] == PHONE}
     assert {c["epoch"] for c in cycles} <= seen, (seen, cycles)
     assert steps["aggregatorStatus"]["epoch"] >= cycles[-1]["epoch"] and steps["aggregatorStatus"]["counters"]
-    # A refused login is shown on the page, not thrown.
-    bad = steps["badLogin"]
-    assert bad["refused"] == "connect_failed" and "join.refused" in bad["log"] and bad["buttonsDisabled"], bad
+    # A refused login and an absent broker are shown on the page, not thrown.
+    assert len(steps["refusals"]) == 2
+    for bad in steps["refusals"]:
+        assert bad["refused"] == "connect_failed" and "join.refused" in bad["log"] and bad["buttonsDisabled"], bad
     assert (shots / "browser-agent.png").stat().st_size > 0 and (shots / "browser-fleet.png").stat().st_size > 0
     write_figures(shown, cycles)
 

@@ -81,7 +81,7 @@ export class BrowserAgent {
       reconnectPeriod: 2000,
       connectTimeout: timeoutS * 1000,
       will: { topic: P.topics.agentStatus(this.fleet, this.agent), payload: will, qos: 1, retain: true },
-    });
+    }, false); // a first connection that fails is a refusal (later drops reconnect by themselves)
     this.client.on("message", (topic, payload) => this._onMessage(topic, new Uint8Array(payload)));
     this.client.on("connect", () => {
       this._event("transport.reconnected");

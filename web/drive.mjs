@@ -190,19 +190,22 @@ try {
   }
   await agentPage.evaluate(() => window.fedmqAgentPage.agent.close());
 
-  // A wrong password: the page says it was refused (and throws nothing at the user).
-  if (plan.bad_login) {
+  // A wrong password, a broker that is not there: the page says it was refused (and throws
+  // nothing at the user).
+  out.steps.refusals = [];
+  for (const b of plan.refusals || []) {
     const bad = await context.newPage();
-    watch(bad, "bad-login");
-    const b = plan.bad_login;
+    watch(bad, "refusal");
     await bad.goto(`${plan.base}/agent.html?url=${encodeURIComponent(b.url)}&fleet=${b.fleet}&agent=${b.agent}`);
     await bad.waitForFunction(() => window.fedmqAgentPage && window.fedmqAgentPage.loaded);
     await bad.fill("input[name=password]", b.password);
     await bad.click("#login button");
     await bad.waitForFunction(() => window.fedmqAgentPage.ready);
-    out.steps.badLogin = { ...(await bad.evaluate(() => window.fedmqAgentPage.ready)), log: await bad.textContent("#log"),
+    const r = { ...(await bad.evaluate(() => window.fedmqAgentPage.ready)), log: await bad.textContent("#log"),
       buttonsDisabled: await bad.evaluate(() => document.getElementById("cycle").disabled) };
-    say("bad_login", { refused: out.steps.badLogin.refused });
+    out.steps.refusals.push(r);
+    say("refusal", { refused: r.refused });
+    await bad.close();
   }
 } catch (e) {
   if (!e.done) {

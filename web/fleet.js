@@ -56,7 +56,7 @@ function render() {
 page.watch = async ({ url, fleet, user, password }) => {
   P.checkId(fleet, "fleet");
   try {
-    page.client = await mqtt.connectAsync(url, { username: user || undefined, password: password || undefined, protocolVersion: 4, reconnectPeriod: 2000 });
+    page.client = await mqtt.connectAsync(url, { username: user || undefined, password: password || undefined, protocolVersion: 4, reconnectPeriod: 2000 }, false);
   } catch (e) {
     $("state").textContent = `refused: ${e.message || e}`;
     $("state").className = "pill offline";
