@@ -135,7 +135,7 @@ class DataSettings:
     """Datasets and how agents' local data is drawn."""
 
     dataset: str = "digits"
-    """digits (bundled with scikit-learn, offline), synthetic and shapes (generated, offline; shapes is 32x32 colour), mnist, fashionmnist, cifar10, cifar100, svhn, usps, folder:NAME (PNG files in <data_dir>/NAME/{train,test}/<class>/), or module.path:factory (your loader, called as factory(train=..., data_dir=...); docs/models.md)."""
+    """digits (scikit-learn's, offline), synthetic, shapes (generated; 32x32 colour), mnist, fashionmnist, cifar10, cifar100, svhn, usps (from data_dir), folder:NAME (PNGs in <data_dir>/NAME/{train,test}/<class>/) or module.path:factory (your loader; docs/data.md)."""
     data_dir: str = field(default_factory=default_data_dir)
     """Dataset root, in torchvision's own layout."""
     download: bool = False
@@ -149,7 +149,7 @@ class DataSettings:
     primary_max: float = 0.9
     """Largest share of an agent's data from its primary cluster. Must be in [0, 1] and >= primary_min."""
     proxy_per_cluster: int = 0
-    """Server-side proxy samples per cluster (CDFL's D_k). 0 = auto: the paper's 1000, or what fits in half the dataset's train split with the pre-training sets (digits at K = 3: 209, shared by the clusters under their own rotations). An explicit value that does not fit is refused with the largest one that does. Must be >= 0."""
+    """Server-side proxy samples per cluster (CDFL's D_k); integer >= 0. 0 = auto: the paper's 1000, or what fits in half the train split beside the pre-training sets (digits at K = 3: 209). A value that does not fit is refused, naming the largest that does."""
     pretrain_per_cluster: int = 0
     """Samples per cluster the server pre-trains its cluster models on. 0 = auto: the paper's 2000, or what fits (digits at K = 3: 418); see proxy_per_cluster. Must be >= 0."""
 
@@ -447,7 +447,7 @@ class AggregatorSettings:
     pretrain_epochs: int = 0
     """Epochs of server-side pre-training of each cluster model on its pretrain pool. 0 = auto: enough epochs to see about 10,000 samples, at least 5 (5 for the paper's 2000 per cluster; 24 for digits' 418 at K = 3). Must be >= 0."""
     init: str = ""
-    """A starting checkpoint (`--init FILE`): the model's torch state dict (.pt) or its raw float32 vector (.f32); the cluster models specialize from it on their pools in place of a random init and the shared pre-training (rounds: the first global model). A new state dir only; empty = random init. docs/models.md#start-from-your-own-weights."""
+    """A starting checkpoint (`--init FILE`): a torch state dict (.pt) or the raw float32 vector (.f32), used in place of the random init and shared pre-training. A new state dir only; empty = random init. docs/models.md#start-from-your-own-weights."""
     accuracy_every: int = 10
     """Epochs between refreshes of the per-cluster proxy accuracy metric (0 = after every batch that applied an upload). Must be >= 0."""
     snapshot_every: int = 200
@@ -519,7 +519,7 @@ class AgentSettings:
     send_sketch: bool = True
     """Send a 2 KB sketch of the training inputs with each CDFL upload (mean random Fourier features, fedmq/sketch.py): the aggregator's sketch estimator fits the mixture to it. It is an average of the inputs' features, no label; of few samples it reveals the samples themselves (sketch_min_samples)."""
     sketch_min_samples: int = 100
-    """Send no sketch of fewer training samples than this (the aggregator then estimates the mixture from the model). Measured on digits (docs/privacy.md): from the sketch of 10 images a pre-image search rebuilds all ten (SSIM 0.99); of 100 it does barely better than picking public images (+0.05). Must be >= 0."""
+    """Send no sketch of fewer training samples than this (integer >= 0); the aggregator then estimates the mixture from the model. A sketch of 10 images can be inverted, one of 100 barely (docs/privacy.md)."""
     max_train_seconds: float = 120.0
     """Local training stops at the first batch past this budget (0 = no limit). Must be >= 0."""
     inference: str = "onnx"
@@ -623,7 +623,7 @@ class Config:
     fleet: str = "default"
     """Fleet name: the second topic level, fedmq/{fleet}/..."""
     model: str = "auto"
-    """Model zoo name (digits-cnn, cnn28, cnn32, cnn32-10, resnet20, resnet20-gn), auto (chosen from the dataset), torchvision:NAME[?key=value&...] (e.g. torchvision:mobilenet_v3_small) or module.path:factory[?key=value&...] (your nn.Module; input=CxHxW where the dataset does not say). Agent and aggregator must name the same model: the spec hash refuses a mismatch. docs/models.md."""
+    """A zoo name (digits-cnn, cnn28, cnn32, cnn32-10, resnet20, resnet20-gn), auto (from the dataset), torchvision:NAME[?key=value&...] or module.path:factory[?key=value&...] (your nn.Module). Agent and aggregator must name the same model (spec hash). docs/models.md."""
     device: str = "auto"
     """auto, cpu or cuda for torch work."""
     seed: int = 0

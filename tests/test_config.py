@@ -87,6 +87,17 @@ def test_every_key_is_documented() -> None:
     assert not undocumented, "add a docstring under these keys in fedmq/config.py: " + str(undocumented)
 
 
+def test_every_key_says_what_it_does_in_at_most_three_lines() -> None:
+    """A key's entry says what it does, its unit and range, and points to a page for the rest:
+    at most 300 characters, three lines of the reference page."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from gen_config_docs import attribute_docs
+
+    long = {f"{cls}.{key}": len(doc) for (cls, key), doc in
+            attribute_docs((ROOT / "fedmq" / "config.py").read_text()).items() if len(doc) > 300}
+    assert not long, f"shorten these docstrings in fedmq/config.py (characters): {long}"
+
+
 @pytest.mark.parametrize("old, new", [("catafed.prox_mu", "fedavg.prox_mu"),
                                       ("cdfl.fedasync_alpha", "fedasync.mixing")])
 def test_a_moved_key_is_an_error_naming_its_new_place(old, new) -> None:
