@@ -41,12 +41,13 @@ def _add_part_arguments(p: argparse.ArgumentParser) -> None:
                    help="check the scenario, dataset and flags, print the plan and exit")
     p.add_argument("--scenario", help="as in `fedmq sim run` (default rotated-digits, or the dataset under --data-dir)")
     p.add_argument("--method", default="cdfl", help="cdfl (default), fedsoft-async, fedasync, fedbuff or local")
-    p.add_argument("--clusters", type=int, default=3, help="K (default 3)")
-    p.add_argument("--agents", type=int, default=0, help="agents in the whole fleet (default 20*K)")
-    p.add_argument("--updates-per-agent", type=float, default=25.0, help="mean updates per agent (default 25)")
+    p.add_argument("--clusters", type=int, help="K (default: the scenario's, 3 for most)")
+    p.add_argument("--agents", type=int, help="agents in the whole fleet (default: the scenario's, 20*K for most)")
+    p.add_argument("--updates-per-agent", type=float,
+                   help="mean updates per agent (default: the scenario's, 25 for most)")
     p.add_argument("--min-samples", type=int, help="fewest samples per agent (default data.min_samples, 500)")
     p.add_argument("--max-samples", type=int, help="most samples per agent (default data.max_samples, 2000)")
-    p.add_argument("--test-samples", type=int, default=300, help="test samples per agent and cycle (300)")
+    p.add_argument("--test-samples", type=int, help="test samples per agent and cycle (default: the scenario's, 300 for most)")
     p.add_argument("--out", required=True, type=Path,
                    help="output dir; the part goes to OUT/parts/LABEL/ (merge with `fedmq sim merge OUT`)")
 
@@ -72,27 +73,41 @@ def check_init(cfg: Config, scenario: Scenario) -> None:
     load_init_vector(resolved.aggregator.init, resolve_model_name(resolved.model, resolved.data.dataset))
 
 
+def fleet_defaults(args: argparse.Namespace, scenario: Scenario) -> None:
+    """--clusters, --agents, --updates-per-agent and --test-samples not given: the scenario's (the real-size
+    fleet's differ from the paper's 3 clusters, 20*K agents and 25 uploads each)."""
+    if args.clusters is None:
+        args.clusters = str(scenario.fixed_clusters or scenario.clusters)
+    if args.agents is None:
+        args.agents = scenario.agents
+    if args.updates_per_agent is None:
+        args.updates_per_agent = scenario.updates_per_agent
+    if args.test_samples is None:
+        args.test_samples = scenario.test_samples
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="sim_command", metavar="{run,report,rounds,ablation,aggregator,agents,merge}")
     r = sub.add_parser("run", help="run scenarios x methods x K x seeds and write CSV/JSON + report")
     add_config_arguments(r, ("broker", "fleet", "log_level", "data_dir", "seed"))
     r.add_argument("--scenario",
                    help="rotated-digits (default; with --data-dir: the rotated scenario of the dataset there), rotated-mnist, rotated-fashionmnist, rotated-cifar100, "
-                        "rotated-shapes, digits-domains, or rotated (the dataset --set data.dataset=NAME names)")
+                        "rotated-shapes, digits-domains, rotated (the dataset --set data.dataset=NAME names), "
+                        "realsize-shapes or realsize (resnet20-gn, K = 4, >= 400 uploads a run; docs/simulator.md)")
     _add_init_argument(r)
     r.add_argument("--methods", default="cdfl,fedsoft-async,local",
                    help="comma list of cdfl, fedsoft-async, fedasync, fedbuff, local (default cdfl,fedsoft-async,local)")
-    r.add_argument("--clusters", default="3", help="K, or a comma list (default 3)")
-    r.add_argument("--agents", type=int, default=0, help="agents per run (default 20*K)")
+    r.add_argument("--clusters", help="K, or a comma list (default: the scenario's, 3 for most)")
+    r.add_argument("--agents", type=int, help="agents per run (default: the scenario's, 20*K for most)")
     r.add_argument("--seeds", default="1",
                    help="number of seeds (N: seeds base..base+N-1, base from --seed) or a comma list")
-    r.add_argument("--updates-per-agent", type=float, default=25.0,
-                   help="mean updates per agent (default 25, the paper's)")
+    r.add_argument("--updates-per-agent", type=float,
+                   help="mean updates per agent (default: the scenario's, 25 for most: the paper's)")
     r.add_argument("--workers", type=int, default=1,
                    help="agent worker threads (default 1: the run is a pure function of the seed)")
     r.add_argument("--min-samples", type=int, help="fewest samples per agent (default data.min_samples, 500)")
     r.add_argument("--max-samples", type=int, help="most samples per agent (default data.max_samples, 2000)")
-    r.add_argument("--test-samples", type=int, default=300, help="test samples per agent and cycle (300)")
+    r.add_argument("--test-samples", type=int, help="test samples per agent and cycle (default: the scenario's, 300 for most)")
     r.add_argument("--out", required=True, type=Path, help="output dir")
     r.add_argument("--dry-run", action="store_true",
                    help="check the scenario, dataset, methods and flags, print the plan and exit")
@@ -185,7 +200,8 @@ def run_part(args: argparse.Namespace) -> int:
         return 2
     scenario = resolve_scenario(args.scenario, cfg, args.data_dir)
     check_init(cfg, scenario)
-    spec = RunSpec(scenario=scenario.name, method=args.method, clusters=args.clusters, agents=args.agents,
+    fleet_defaults(args, scenario)
+    spec = RunSpec(scenario=scenario.name, method=args.method, clusters=int(args.clusters), agents=args.agents,
                    seed=cfg.seed, updates_per_agent=args.updates_per_agent,
                    workers=getattr(args, "workers", 1), test_samples=args.test_samples)
     print(f"run {spec.label}: fleet {fleet_name(cfg.fleet, spec)} on {mask_secrets(cfg.broker.url)}", flush=True)
@@ -231,6 +247,7 @@ def run_experiments(args: argparse.Namespace) -> int:
     setup_logging(cfg.log.level, cfg.log.json)
     scenario = resolve_scenario(args.scenario, cfg, args.data_dir)
     check_init(cfg, scenario)
+    fleet_defaults(args, scenario)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         if m not in METHODS:

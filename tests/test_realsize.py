@@ -1,0 +1,90 @@
+"""The real-size scenario (docs/simulator.md): its fleet and settings, the command line's
+precedence over them, a folder dataset through --data-dir, and a short run of the batch-norm
+ResNet-20 with FedBN agents over a real broker."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from fedmq.config import Config
+from sim.fleet import RunSpec, configure, make_schedule
+from sim.scenarios import get_scenario
+from tests.cli_process import cli_env
+from tests.test_models import run_cli
+
+
+def test_the_scenario_is_k4_resnet20_with_at_least_400_uploads_a_run() -> None:
+    scenario = get_scenario("realsize-shapes")
+    assert (scenario.clusters, scenario.agents, scenario.dataset) == (4, 20, "shapes")
+    for seed in range(5):
+        assert len(make_schedule(seed, scenario.agents, scenario.updates_per_agent)) >= 400
+    _, cfg = configure(RunSpec(scenario="realsize-shapes", clusters=4, agents=20))
+    assert cfg.model == "resnet20-gn" and cfg.cdfl.clusters == 4
+    assert (cfg.data.min_samples, cfg.data.max_samples, cfg.cdfl.personalize_samples) == (150, 350, 128)
+    mine = Config(model="resnet20")  # what the command line set stays set
+    mine.cdfl.personalize_samples = 64
+    _, cfg = configure(RunSpec(scenario="realsize-shapes", clusters=4), mine)
+    assert (cfg.model, cfg.cdfl.personalize_samples, cfg.data.max_samples) == ("resnet20", 64, 350)
+
+
+def test_the_plan_takes_the_scenarios_fleet_unless_the_command_line_names_one(tmp_path, warm_python) -> None:
+    plan = ["sim", "run", "--scenario", "realsize-shapes", "--methods", "cdfl,fedsoft-async,local",
+            "--seeds", "1", "--out", "out", "--dry-run"]
+    done = run_cli(*plan, cwd=tmp_path, env=cli_env(), warm=warm_python)
+    assert done.returncode == 0, done.stderr
+    assert "K=4: 6000 train / 1500 test images, per cluster proxy 100, pretrain 300" in done.stdout
+    uploads = len(make_schedule(0, 20, 22.0))
+    assert f"3 runs (methods cdfl, fedsoft-async, local; K 4; seeds 0), {3 * uploads} updates in all" in done.stdout
+    done = run_cli(*plan, "--clusters", "2", "--agents", "4", "--updates-per-agent", "1",
+                   cwd=tmp_path, env=cli_env(), warm=warm_python)
+    assert done.returncode == 0, done.stderr
+    assert f"K 2; seeds 0), {3 * len(make_schedule(0, 4, 1.0))} updates in all" in done.stdout
+    done = run_cli("sim", "run", "--out", "out", "--dry-run", cwd=tmp_path, env=cli_env(), warm=warm_python)
+    assert "K=3:" in done.stdout and "3 runs" in done.stdout  # the paper's scenario keeps the paper's fleet
+
+
+def write_folder(root: Path, name: str, per_class: tuple[int, int]) -> None:
+    """`root/name/{train,test}/<class>/*.png`: 32x32 colour squares, one hue per class."""
+    rng = np.random.default_rng(0)
+    for split, n in zip(("train", "test"), per_class, strict=True):
+        for c in range(10):
+            folder = root / name / split / str(c)
+            folder.mkdir(parents=True)
+            for i in range(n):
+                pixels = rng.integers(0, 60, (32, 32, 3), dtype=np.uint8)
+                pixels[8:24, 8:24, c % 3] = 100 + 15 * c
+                Image.fromarray(pixels, mode="RGB").save(folder / f"{i}.png")
+
+
+def test_realsize_runs_on_a_folder_dataset_under_data_dir(tmp_path, warm_python) -> None:
+    write_folder(tmp_path / "data", "tiles", (30, 5))
+    plan = ["sim", "run", "--scenario", "realsize", "--set", "data.dataset=folder:tiles",
+            "--data-dir", str(tmp_path / "data"), "--methods", "cdfl,local", "--out", "out", "--dry-run"]
+    done = run_cli(*plan, cwd=tmp_path, env=cli_env(), warm=warm_python)
+    lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
+    assert done.returncode == 2 and len(lines) == 1 and "proxy_per_cluster" in lines[0], done.stderr
+    done = run_cli(*plan, "--set", "data.proxy_per_cluster=10", "--set", "data.pretrain_per_cluster=20",
+                   cwd=tmp_path, env=cli_env(), warm=warm_python)
+    assert done.returncode == 0, done.stderr
+    assert "dataset folder:tiles" in done.stdout and "K=4: 300 train / 50 test images" in done.stdout
+
+
+@pytest.mark.slow
+def test_a_short_run_of_the_batch_norm_resnet20_with_fedbn_agents(tmp_path, warm_python) -> None:
+    """The documented way to run the batch-norm variant: its proxy refresh off, FedBN on."""
+    out = tmp_path / "out"
+    done = run_cli("sim", "run", "--scenario", "realsize-shapes", "--methods", "cdfl", "--clusters", "2",
+                   "--agents", "3", "--updates-per-agent", "1", "--test-samples", "20",
+                   "--set", "model=resnet20", "--set", "cdfl.cluster_refresh_steps=0",
+                   "--set", "agent.keep_local_bn=true", "--set", "data.proxy_per_cluster=30",
+                   "--set", "data.pretrain_per_cluster=40", "--set", "data.min_samples=40",
+                   "--set", "data.max_samples=60", "--out", str(out), cwd=tmp_path, env=cli_env(), warm=warm_python)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    summary = json.loads((out / "runs" / "realsize-shapes_K2_cdfl_s0" / "summary.json").read_text())
+    assert summary["updates"] == len(make_schedule(0, 3, 1.0)) > 0 and not summary.get("refused"), summary
+    assert np.isfinite(summary["client_acc"]) and np.isfinite(summary["cluster_acc"])
