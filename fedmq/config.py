@@ -256,7 +256,7 @@ class CDFLSettings:
     """delta rule: share of an agent's step below the output layer that every cluster takes whatever its alpha (in [0, 1]; trunk beta_k = server_lr s(d) ((1 - share) alpha_k + share)). -1 = auto: 0.5 with K >= 3, 0 with K = 2. docs/results_cdfl.md#cluster-updates."""
     trunk_guard: bool = False
     """With trunk_share > 0: cluster k takes the shared part of an agent's trunk step only when that does not raise its loss on its own proxy set (compared with the alpha share alone); else the alpha share alone. Costs two proxy evaluations per cluster per upload."""
-    direction_guard: float = 0.2
+    direction_guard: float = 0.1
     """delta rule: a step pointing against its clusters' recent direction (cosine < 0) is taken scaled by 1 + cos / this, at least a tenth of it. Must be >= 0 (0 = off). Limits sign-flipped updates (docs/reliability.md#model-poisoning-guards-policy)."""
     cluster_refresh_steps: int = 1
     """SGD mini-batches (64 samples) a moved cluster takes on its own proxy set after each upload, keeping the clusters specialists (integer >= 0; 0 = off, the paper's rule; ~0.04 s per upload). docs/results_cdfl.md#cluster-updates."""

@@ -7,7 +7,9 @@ they train honestly, then send, with d = v - base,
 
 - `scaled`: base + 5 d (a boosted update),
 - `signflip`: base - d (the same size, the wrong way),
-- `signflip-scaled`: base - 5 d (the report's attack: all ten were accepted).
+- `signflip-scaled`: base - 5 d (the report's attack: all ten were accepted),
+- `silent`: base (no step at all): the control for what a perfect filter would leave, since
+  even a fleet whose attacker's work is dropped entirely differs from the no-attack fleet.
 
 After `--rounds` rounds, `--joiners` fresh agents join and score the model they receive on
 their own test data, and the honest agents score theirs. Each attack is run with the default
@@ -15,7 +17,8 @@ guards (the step bound, aggregator.norm_factor and norm_warmup, and the directio
 cdfl.direction_guard, as shipped), with the bound alone, and with both off (`--guards` adds
 `descent`: the opt-in test `aggregator.loss_margin` 1.0), each against the
 no-attack fleet under the same guard; seeds give the same data, order and newcomers for
-every setting. A row's `worst_seed_pp` is its worst seed against that seed's no-attack fleet.
+every setting. A row's `worst_seed_pp` is its worst seed against that seed's no-attack fleet;
+`per_seed_vs_silent_pp` compares with the `silent` fleet, the best any filter could leave.
 
     python -m soak.poisoning                 # -> soak/results/poisoning.json
 """
@@ -45,7 +48,8 @@ from soak.fleet_setup import SMALL, write_figures
 from tests.engine_client import EngineClient
 
 SPEC = model_spec("digits-cnn")
-ATTACKS: dict[str, float] = {"none": 1.0, "scaled": 5.0, "signflip": -1.0, "signflip-scaled": -5.0}
+ATTACKS: dict[str, float] = {"none": 1.0, "scaled": 5.0, "signflip": -1.0, "signflip-scaled": -5.0,
+                             "silent": 0.0}
 """Attack -> the factor on the attacker's own step d = v - base."""
 GUARDS: dict[str, dict[str, Any]] = {
     "default": {},
@@ -153,11 +157,17 @@ def main(argv: list[str] | None = None) -> int:
             if not mine:
                 continue
             diffs = [100 * (r["joined_accuracy"] - ref[r["seed"]]["joined_accuracy"]) for r in mine]
+            # Against the perfect filter's fleet (the attacker's work dropped), where it was run.
+            ceiling = {r["seed"]: r for r in runs if r["attack"] == "silent" and r["guard"] == guard}
+            vs_silent = [100 * (r["joined_accuracy"] - ceiling[r["seed"]]["joined_accuracy"])
+                         for r in mine if r["seed"] in ceiling]
             rows.append({"attack": attack, "guard": guard, "seeds": len(mine),
                          "joined_accuracy": statistics.fmean(r["joined_accuracy"] for r in mine),
                          "honest_accuracy": statistics.fmean(r["honest_accuracy"] for r in mine),
                          "joined_vs_no_attack_pp": statistics.fmean(diffs),
                          "worst_seed_pp": min(diffs),
+                         "per_seed_pp": [round(x, 2) for x in diffs],
+                         "per_seed_vs_silent_pp": [round(x, 2) for x in vs_silent],
                          "attacker_applied": sum(r["outcomes"].get("attacker.applied", 0) for r in mine),
                          "attacker_refused": sum(v for r in mine for k, v in r["outcomes"].items()
                                                  if k.startswith("attacker.") and k != "attacker.applied"),
@@ -166,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
                          "bounded": sum(sum(r["bounded"].values()) for r in mine)})
     for row in rows:
         print(f"{row['attack']:16s} {row['guard']:8s} joined {row['joined_accuracy']:.3f} "
-              f"({row['joined_vs_no_attack_pp']:+.2f} pp, worst {row['worst_seed_pp']:+.2f}), "
+              f"({row['joined_vs_no_attack_pp']:+.2f} pp, worst {row['worst_seed_pp']:+.2f}"
+              + (f"; vs silent worst {min(row['per_seed_vs_silent_pp']):+.2f}" if row["per_seed_vs_silent_pp"] else "")
+              + "), "
               f"attacker applied/refused {row['attacker_applied']}/{row['attacker_refused']}, "
               f"honest refused {row['honest_refused']}, steps bounded {row['bounded']}")
     defaults = AggregatorSettings()

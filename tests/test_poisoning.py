@@ -22,7 +22,7 @@ import torch
 from aggregator.bootstrap import build_engine
 from aggregator.engine import Engine
 from fedmq import codecs, protocol
-from fedmq.config import load_config
+from fedmq.config import CDFLSettings, load_config
 from fedmq.models import model_spec
 from tests.engine_client import EngineClient
 
@@ -271,7 +271,8 @@ def test_a_sign_flipped_trained_update_moves_its_clusters_far_less(pretrained, t
 
     ds = load_dataset("digits")
     along = {}
-    for guard in (0.2, 0.0):
+    shipped = CDFLSettings().direction_guard
+    for guard in (shipped, 0.0):
         engine = make_engine(pretrained, tmp_path / str(guard), **{"cdfl.direction_guard": guard})
         c = Client(engine, "car-5")
 
@@ -290,4 +291,4 @@ def test_a_sign_flipped_trained_update_moves_its_clusters_far_less(pretrained, t
         along[guard] = float((moved @ unit).sum())
         assert engine.counters.get("bounded.direction", 0) == (1 if guard else 0)
         engine.journal.close()
-    assert along[0.0] > 0 and along[0.2] < along[0.0] / 3, along
+    assert shipped > 0 and along[0.0] > 0 and along[shipped] < along[0.0] / 3, along
