@@ -5,7 +5,9 @@ norm) on the generated 32x32 colour `shapes` set, as docs/models.md brings it.
    and one reply (another model, as a delta against the one the agent holds), per codec, as
    msgpack wire maps (what the protocol carries).
 2. Aggregator seconds per upload for each CDFL reply variant (`CDFL.update`: estimate,
-   cluster update, reply), K = 2, 1,000 proxy samples per cluster, this CPU or CUDA.
+   cluster update, reply), K = 2, 1,000 proxy samples per cluster, this CPU or CUDA: every
+   layer trained (the reply before cdfl.personalize_layers) against the default, which trains
+   the classifier alone over the frozen lower part's features.
 3. Agent: ONNX export and ONNX Runtime against torch inference (bench_agent's measurement).
 4. The deployment as a user runs it: `fedmq aggregator` and `fedmq agent` processes with
    their defaults on a real Mosquitto: the aggregator's start (pre-training), the agent's
@@ -20,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgpack
@@ -27,7 +30,7 @@ import torch
 
 from bench.bench_agent import onnx_cost
 from bench.bench_aggregator import random_world
-from bench.bench_replies import DEFAULT, VARIANTS, time_uploads
+from bench.bench_replies import VARIANTS, interleaved
 from fedmq import codecs
 from fedmq.broker import MosquittoBroker
 from fedmq.data import load_dataset
@@ -37,7 +40,15 @@ from fedmq.training import fit
 
 MODEL = "torchvision:mobilenet_v3_small"
 DATASET = "shapes"
-REPLY_VARIANTS = ("paper (mixture, no refresh)", DEFAULT, "finetune-ep2", "samples256")
+BEFORE = "every layer (personalize_layers=all, before)"
+REPLY_VARIANTS: dict[str, dict] = {
+    "paper (mixture, no refresh)": VARIANTS["paper (mixture, no refresh)"],
+    BEFORE: {"personalize_layers": "all"},
+    "default (personalize_layers=auto: the head)": {},
+    "head, samples256": {"personalize_samples": 256},
+}
+"""Name -> CDFLSettings fields; the default trains the classifier alone on this 1.5 M-parameter
+model (cdfl.personalize_layers = auto), the row before it every layer."""
 
 
 def wire_bytes(name: str) -> dict:
@@ -56,21 +67,29 @@ def wire_bytes(name: str) -> dict:
 
 
 def reply_costs(name: str, quick: bool) -> dict:
+    """Seconds per upload of each reply row, the rows taking turns (bench_replies.interleaved),
+    so `x_default` (time over the every-layer reply's in the same round) holds on a busy machine."""
     from aggregator.cdfl import CDFL
+    from aggregator.strategy import Upload
     from fedmq.config import CDFLSettings
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     n_proxy = 200 if quick else 1000
     proxies, clusters = random_world(n_proxy, arch=name, k=2)
     sketch = data_sketch(torch.cat([proxies[0][0][:300], proxies[1][0][:100]]))
-    g = torch.Generator().manual_seed(1)
-    out: dict = {"device": device, "K": 2, "proxy_per_cluster": n_proxy, "variants": {}}
-    for variant in REPLY_VARIANTS:
-        settings = CDFLSettings(clusters=2, tau0=1000, **VARIANTS[variant])
+    out: dict = {"device": device, "torch_threads": torch.get_num_threads(), "K": 2, "proxy_per_cluster": n_proxy,
+                 "variants": {}}
+    rows = {}
+    for variant, fields in REPLY_VARIANTS.items():
+        settings = CDFLSettings(clusters=2, tau0=1000, **fields)
         strategy = CDFL.from_settings(model_spec(name), clusters, proxies, settings, device=device)
         strategy.join("warm-up")
-        out["variants"][variant] = time_uploads(strategy, clusters, sketch, 1 if quick else 2, device, g)
-        print(f"reply {variant:34s} {out['variants'][variant]['s_per_upload']:8.2f} s/upload", flush=True)
+        strategy.update(Upload("warm-up", clusters[0] + 0.01, tau=0, sketch=sketch))
+        rows[variant] = (strategy, clusters, sketch)
+        out["variants"][variant] = {"settings": fields, "layers": getattr(strategy.personalizer, "layers", "-")}
+    for variant, figures in interleaved(rows, 1 if quick else 3, device, BEFORE).items():
+        out["variants"][variant].update(figures)
+        print(f"reply {variant:44s} {figures['s_per_upload']:8.2f} s/upload x{figures['x_default']:.3f}", flush=True)
     return out
 
 
@@ -97,10 +116,13 @@ def _wait(proc: subprocess.Popen, lines: list[str], pattern: str, timeout: float
     raise RuntimeError(f"no {pattern!r} in {timeout:.0f} s:\n" + "".join(lines[-20:]))
 
 
-def deployment(quick: bool) -> dict:
-    """`fedmq aggregator` + one `fedmq agent` with MobileNetV3-small, defaults, over Mosquitto."""
+def deployment(quick: bool, settings: Sequence[str] = ()) -> dict:
+    """`fedmq aggregator` + one `fedmq agent` with MobileNetV3-small, defaults (and the
+    aggregator's `settings`, KEY=VALUE), over Mosquitto."""
     fedmq = str(Path(sys.executable).parent / "fedmq")
     extra = ["--set", "data.pretrain_per_cluster=200", "--set", "aggregator.pretrain_epochs=1"] if quick else []
+    for setting in settings:
+        extra += ["--set", setting]
     with MosquittoBroker.dev() as broker, tempfile.TemporaryDirectory() as tmp:
         common = ["--broker", broker.url, "--fleet", "bench-models", "--dataset", DATASET, "--model", MODEL]
         popen = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, "cwd": tmp}
@@ -122,7 +144,9 @@ def deployment(quick: bool) -> dict:
             done = _wait(agent, agent_lines, r"model\.installed .*via=update .*accuracy=([0-9.]+) .*"
                          r"uploaded=(\d+) waited_s=([0-9.]+) downloaded=(\d+)", 1200)
             applied = _wait(agg, agg_lines, r"update\.applied .* apply_s=([0-9.]+)", 60)
-            return {"aggregator_start_s": round(started, 1), "agent_training_s": float(trained.group(1)),
+            return {"aggregator_settings": list(settings), "aggregator_start_s": round(started, 1),
+                    "agent_resends": sum("upload.waiting" in line for line in agent_lines),
+                    "agent_training_s": float(trained.group(1)),
                     "agent_accuracy_held_trained_received": [float(trained.group(2)), float(trained.group(3)),
                                                              float(done.group(1))],
                     "upload_bytes": int(done.group(2)), "reply_bytes": int(done.group(4)),
@@ -148,3 +172,24 @@ def run(quick: bool = False) -> dict:
     out["deployment"] = deployment(quick)
     print(f"deployment {out['deployment']}", flush=True)
     return out
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+    import os
+
+    from fedmq.host import describe_host
+
+    parser = argparse.ArgumentParser(description="the deployment part alone (aggregator + agent --update-now), "
+                                                 "merged into the results file as figures.deployment_rerun")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="aggregator setting")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "models.json")
+    args = parser.parse_args()
+    load = round(os.getloadavg()[0], 1)
+    figures = deployment(False, args.set)
+    print(json.dumps(figures, indent=2), flush=True)
+    doc = json.loads(args.out.read_text())
+    doc["figures"]["deployment_rerun"] = {**figures, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                         "load_before": load, "machine": describe_host()}
+    args.out.write_text(json.dumps(doc, indent=2) + "\n")

@@ -14,8 +14,13 @@ range it spanned. The ratios within one run are the figures to compare across ma
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import statistics
 import time
+from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -40,6 +45,7 @@ VARIANTS: dict[str, dict] = {
     "samples512": {"personalize_samples": 512},
     "samples256": {"personalize_samples": 256},
     "distill-ep8": {"personalization": "distill"},
+    "head (personalize_layers=head)": {"personalize_layers": "head"},
 }
 """Name -> CDFLSettings fields that differ from the defaults."""
 SMALL_SERVER = 100
@@ -48,7 +54,10 @@ there a reply's epochs hold few SGD steps, and cdfl.personalize_min_steps sets i
 SMALL = {f"{SMALL_SERVER} proxy/cluster, min-steps 0, rho 0": {"personalize_min_steps": 0, "personalize_rho": 0.0},
          f"{SMALL_SERVER} proxy/cluster, min-steps 64, rho 0": {"personalize_min_steps": 64, "personalize_rho": 0.0},
          f"{SMALL_SERVER} proxy/cluster, min-steps 128, rho 0 (before)": {"personalize_rho": 0.0},
-         f"{SMALL_SERVER} proxy/cluster, min-steps 128, rho 0.1 (default)": {}}
+         f"{SMALL_SERVER} proxy/cluster, min-steps 128, rho 0.1 (default)": {},
+         f"{SMALL_SERVER} proxy/cluster, head": {"personalize_layers": "head"},
+         f"{SMALL_SERVER} proxy/cluster, head, min-steps 64": {"personalize_layers": "head",
+                                                              "personalize_min_steps": 64}}
 """Name -> settings for replies over small proxy sets (the same cnn28, K and uploads)."""
 QUEUED = {"default, 8 queued, one by one": ("cnn28", 1), "default, 8 queued, trained together": ("cnn28", 8),
           "digits-cnn, 8 queued, one by one": ("digits-cnn", 1),
@@ -101,7 +110,8 @@ def interleaved(rows: dict[str, tuple[CDFL, torch.Tensor, torch.Tensor]], rounds
     return out
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False, rows: Sequence[str] | None = None) -> dict:
+    """Every row (or only `rows`, with the default as their reference)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     n_proxy = 250 if quick else 1000
     rounds = 2 if quick else 8
@@ -116,6 +126,11 @@ def run(quick: bool = False) -> dict:
     runs = [(name, fields, 0, ARCH, n_proxy) for name, fields in VARIANTS.items()]
     runs += [(name, fields, 0, ARCH, SMALL_SERVER) for name, fields in SMALL.items()]
     runs += [(name, {"reply_batch": batch}, 8, arch, n_proxy) for name, (arch, batch) in QUEUED.items()]
+    if rows is not None:
+        unknown = sorted(set(rows) - {r[0] for r in runs})
+        if unknown:
+            raise ValueError(f"unknown rows {unknown}; known: {[r[0] for r in runs]}")
+        runs = [r for r in runs if r[0] in rows or r[0] == DEFAULT]
     worlds = {(ARCH, n_proxy): (spec, proxies, clusters, sketch)}
     timed: dict[str, tuple[CDFL, torch.Tensor, torch.Tensor]] = {}
     for name, fields, queued, arch, size in runs:
@@ -150,7 +165,37 @@ def run(quick: bool = False) -> dict:
         row.setdefault("x_default", round(row["s_per_upload"] / base, 3))  # queued rows: one timing each
     v = out["variants"]
     for prefix in ("default", "digits-cnn"):
+        if f"{prefix}, 8 queued, trained together" not in v or f"{prefix}, 8 queued, one by one" not in v:
+            continue
         v[f"{prefix}, 8 queued, trained together"]["speedup_vs_one_by_one"] = round(
             v[f"{prefix}, 8 queued, one by one"]["s_per_upload"]
             / v[f"{prefix}, 8 queued, trained together"]["s_per_upload"], 2)
     return out
+
+
+def merge_rows(rows: Sequence[str], path: Path, quick: bool = False) -> dict:
+    """Time `rows` (and the default, their reference) and write them into `path` (the figures
+    of `python -m bench replies`), each with when and how it was measured; the other rows stay."""
+    from fedmq.host import describe_host
+
+    t0 = time.perf_counter()
+    figures = run(quick, rows)
+    doc = json.loads(path.read_text()) if path.exists() else {"benchmark": "replies", "figures": {"variants": {}}}
+    stamp = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "wall_s": round(time.perf_counter() - t0, 1),
+             "load_before": round(os.getloadavg()[0], 1), "rounds": figures["rounds"],
+             "torch_threads": figures["torch_threads"], "machine": describe_host()}
+    for name, row in figures["variants"].items():
+        doc["figures"]["variants"][name] = {**row, "measured": stamp}
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    return figures
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="time some rows of `python -m bench replies` against the "
+                                                 "default, interleaved, and merge them into the results file")
+    parser.add_argument("--rows", required=True, help="comma-separated row names")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "replies.json")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    for name, row in merge_rows(args.rows.split(","), args.out, args.quick)["variants"].items():
+        print(f"{name:60s} {row['s_per_upload']:8.3f} s/upload  x{row.get('x_default', 1.0):.3f}", flush=True)
