@@ -66,7 +66,7 @@ def wire_bytes(name: str) -> dict:
     return out
 
 
-def reply_costs(name: str, quick: bool) -> dict:
+def reply_costs(name: str, quick: bool, rounds: int | None = None) -> dict:
     """Seconds per upload of each reply row, the rows taking turns (bench_replies.interleaved),
     so `x_default` (time over the every-layer reply's in the same round) holds on a busy machine."""
     from aggregator.cdfl import CDFL
@@ -87,7 +87,7 @@ def reply_costs(name: str, quick: bool) -> dict:
         strategy.update(Upload("warm-up", clusters[0] + 0.01, tau=0, sketch=sketch))
         rows[variant] = (strategy, clusters, sketch)
         out["variants"][variant] = {"settings": fields, "layers": getattr(strategy.personalizer, "layers", "-")}
-    for variant, figures in interleaved(rows, 1 if quick else 3, device, BEFORE).items():
+    for variant, figures in interleaved(rows, rounds or (1 if quick else 3), device, BEFORE).items():
         out["variants"][variant].update(figures)
         print(f"reply {variant:44s} {figures['s_per_upload']:8.2f} s/upload x{figures['x_default']:.3f}", flush=True)
     return out
