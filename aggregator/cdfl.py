@@ -40,7 +40,10 @@ from aggregator.strategy import (
     check_vector,
 )
 from fedmq.config import CDFLSettings, ConfigError, resolve_trunk_share
+from fedmq.logs import event, get_logger
 from fedmq.models import ModelSpec
+
+log = get_logger("aggregator")
 
 UPDATE_RULES = ("alpha", "sharpen", "confidence", "delta")
 
@@ -444,6 +447,13 @@ class CDFL(SoftClusters):
     def from_settings(cls, spec: ModelSpec, clusters: Tensor | Sequence[Tensor], proxies: Sequence[Proxy],
                       settings: CDFLSettings, device: str = "auto", **kwargs: Any) -> CDFL:
         options = estimator_options(settings, settings.estimator)
+        refresh = settings.cluster_refresh_steps
+        if refresh and spec.trainable is not None:
+            # The refresh trains with batch norm in eval mode, against running statistics that
+            # uploads mix and codecs round: on ResNet-20 a weight went from 1 to 571 in two
+            # uploads and the replies turned NaN. Such models take the paper's rule alone.
+            event(log, "cluster_refresh.off", reason="the model keeps batch-norm statistics", arch=spec.arch)
+            refresh = 0
         if "evaluator" not in kwargs:
             kwargs["evaluator"] = cdfl_evaluator(spec, proxies, settings, device)
         return cls(spec, clusters, proxies, tau0=settings.tau0, beta0=settings.beta0,
@@ -452,7 +462,7 @@ class CDFL(SoftClusters):
                    estimator_options=options, device=device, proxy_batch=settings.proxy_batch,
                    update_rule=settings.update_rule, update_power=settings.update_power,
                    personalization=cdfl_personalizer(settings, kwargs["evaluator"]),
-                   refresh_steps=settings.cluster_refresh_steps, refresh_lr=settings.cluster_refresh_lr,
+                   refresh_steps=refresh, refresh_lr=settings.cluster_refresh_lr,
                    refresh_all=settings.cluster_refresh_all,
                    reply_uses_upload=settings.reply_uses_upload, server_lr=settings.server_lr,
                    delta_hinge_a=settings.delta_hinge_a, delta_tau0=settings.delta_tau0,

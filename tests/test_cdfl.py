@@ -326,3 +326,18 @@ def test_reply_average_makes_replies_from_a_short_average_and_survives_a_restart
     assert torch.equal(fresh.reply_averaged, fresh.clusters)
     with pytest.raises(ValueError, match="reply_average"):
         make_cdfl(2, reply_average=1.0)
+
+
+def test_a_model_with_batch_norm_statistics_takes_no_proxy_refresh() -> None:
+    """The refresh trains in eval mode against mixed running statistics: a ResNet-20 with batch
+    norm blew up (a weight from 1 to 571 in two uploads). The GroupNorm variant and the zoo's
+    statistics-free models keep the shipped refresh."""
+    shipped = CDFLSettings(clusters=2)
+    assert shipped.cluster_refresh_steps > 0
+    for arch, refreshed in (("resnet20", False), ("resnet20-gn", True), (ARCH, True)):
+        spec = model_spec(arch)
+        shape = (16, *spec.input_shape)
+        data = [(torch.randn(shape), torch.randint(0, spec.num_classes, (16,))) for _ in range(2)]
+        start = torch.stack([to_vector(build_model(arch, seed=i)) for i in range(2)])
+        s = CDFL.from_settings(spec, start, data, shipped, device="cpu")
+        assert (s.refresh_steps == shipped.cluster_refresh_steps) is refreshed, arch
