@@ -76,3 +76,21 @@ def pytest_terminal_summary(terminalreporter) -> None:
         from tests.test_documented_commands import summary
 
         terminalreporter.write_line(f"{summary()}; {len(ran)} documented-command tests ran")
+
+
+@pytest.fixture(scope="session")
+def world_of_two_rotations():
+    """Two rotation clusters (0 / 180 deg), specialists pre-trained from one init, proxies."""
+    from fedmq.data import RotatedClusters, load_dataset
+    from fedmq.models import build_model, to_vector
+    from fedmq.training import fit
+
+    clusters = RotatedClusters(load_dataset("digits"), load_dataset("digits", train=False), 2, seed=0,
+                               proxy_per_cluster=150, pretrain_per_cluster=300)
+    start = to_vector(build_model("digits-cnn", seed=0))
+    specialists = []
+    for k in range(2):
+        d = clusters.pretrain(k, 300)
+        specialists.append(fit("digits-cnn", start, d.x, d.y, epochs=10, lr=0.05, momentum=0.9, seed=k).vector)
+    proxies = [(p.x, p.y) for p in (clusters.proxy(k, 150) for k in range(2))]
+    return clusters, torch.stack(specialists), proxies

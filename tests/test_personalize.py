@@ -26,8 +26,8 @@ from aggregator.personalize import (
 )
 from aggregator.strategy import Upload
 from fedmq.config import CDFLSettings
-from fedmq.data import RotatedClusters, load_dataset, sample_agent_data
-from fedmq.models import build_model, model_spec, to_vector
+from fedmq.data import sample_agent_data
+from fedmq.models import model_spec
 from fedmq.training import evaluate, fit
 
 ARCH = "digits-cnn"
@@ -36,17 +36,8 @@ K = 2
 
 
 @pytest.fixture(scope="module")
-def world():
-    """Two rotation clusters (0 / 180 deg), specialists pre-trained from one init, proxies."""
-    clusters = RotatedClusters(load_dataset("digits"), load_dataset("digits", train=False), K, seed=0,
-                               proxy_per_cluster=150, pretrain_per_cluster=300)
-    start = to_vector(build_model(ARCH, seed=0))
-    specialists = []
-    for k in range(K):
-        d = clusters.pretrain(k, 300)
-        specialists.append(fit(ARCH, start, d.x, d.y, epochs=10, lr=0.05, momentum=0.9, seed=k).vector)
-    proxies = [(p.x, p.y) for p in (clusters.proxy(k, 150) for k in range(K))]
-    return clusters, torch.stack(specialists), proxies
+def world(world_of_two_rotations):
+    return world_of_two_rotations
 
 
 def client(clusters, alpha, seed):

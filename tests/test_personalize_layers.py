@@ -12,9 +12,7 @@ from aggregator.evaluator import FEATURE_CACHE_ENTRIES, LayerSplit, NotSplittabl
 from aggregator.personalize import DistillPersonalizer, PersonalizeRequest, resolve_layers
 from aggregator.reply_jobs import reply_digest
 from fedmq.config import CDFLSettings, ConfigError
-from fedmq.data import RotatedClusters, load_dataset
 from fedmq.models import ModelSpec, build_model, model_spec, resolve_model_name, to_vector
-from fedmq.training import fit
 
 ARCH = "digits-cnn"
 SPEC = model_spec(ARCH)
@@ -22,17 +20,10 @@ K = 2
 
 
 @pytest.fixture(scope="module")
-def world():
-    """Two rotation clusters of real digits, specialists trained from one init, proxy sets."""
-    clusters = RotatedClusters(load_dataset("digits"), load_dataset("digits", train=False), K, seed=0,
-                               proxy_per_cluster=150, pretrain_per_cluster=300)
-    start = to_vector(build_model(ARCH, seed=0))
-    specialists = []
-    for k in range(K):
-        d = clusters.pretrain(k, 300)
-        specialists.append(fit(ARCH, start, d.x, d.y, epochs=5, lr=0.05, momentum=0.9, seed=k).vector)
-    proxies = [(p.x, p.y) for p in (clusters.proxy(k, 150) for k in range(K))]
-    return torch.stack(specialists), proxies
+def world(world_of_two_rotations):
+    """test_personalize.py's two rotation clusters of real digits: specialists, proxy sets."""
+    _, specialists, proxies = world_of_two_rotations
+    return specialists, proxies
 
 
 def head_personalizer(evaluator: ProxyEvaluator, **options) -> DistillPersonalizer:
