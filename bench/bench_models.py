@@ -189,7 +189,7 @@ if __name__ == "__main__":
     load = round(os.getloadavg()[0], 1)
     figures = deployment(False, args.set)
     print(json.dumps(figures, indent=2), flush=True)
-    doc = json.loads(args.out.read_text())
-    doc["figures"]["deployment_rerun"] = {**figures, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    doc = json.loads(args.out.read_text()) if args.out.exists() else {"figures": {}}
+    doc.setdefault("figures", {})["deployment_rerun"] = {**figures, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                          "load_before": load, "machine": describe_host()}
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
