@@ -128,6 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(attacks) - set(ATTACKS)
     if unknown:
         p.error(f"unknown attack {sorted(unknown)[0]!r}; use {', '.join(ATTACKS)}")
+    if "none" not in attacks:
+        p.error("--attacks must include none: every row is compared with the no-attack fleet of its seed")
+    for flag in ("agents", "rounds", "joiners", "seeds"):
+        if getattr(a, flag) < 1:
+            p.error(f"--{flag} must be at least 1")
     guards = [x for x in a.guards.split(",") if x]
     if set(guards) - set(GUARDS) or not guards:
         p.error(f"--guards: use a comma list of {', '.join(GUARDS)}")

@@ -292,3 +292,18 @@ def test_a_sign_flipped_trained_update_moves_its_clusters_far_less(pretrained, t
         assert engine.counters.get("bounded.direction", 0) == (1 if guard else 0)
         engine.journal.close()
     assert shipped > 0 and along[0.0] > 0 and along[shipped] < along[0.0] / 3, along
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--attacks", "signflip"], "--attacks must include none"),
+    (["--attacks", "none,flip"], "unknown attack 'flip'"),
+    (["--seeds", "0"], "--seeds must be at least 1"),
+    (["--guards", "strict"], "--guards: use a comma list"),
+])
+def test_the_soak_refuses_a_run_it_could_not_report_before_it_starts(argv, message, capsys) -> None:
+    from soak import poisoning
+
+    with pytest.raises(SystemExit) as stop:
+        poisoning.main(argv)
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
