@@ -181,15 +181,24 @@ if __name__ == "__main__":
 
     from fedmq.host import describe_host
 
-    parser = argparse.ArgumentParser(description="the deployment part alone (aggregator + agent --update-now), "
-                                                 "merged into the results file as figures.deployment_rerun")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="aggregator setting")
+    parser = argparse.ArgumentParser(description="one part of the benchmark alone, merged into the results "
+                                                 "file: the deployment (aggregator + agent --update-now) as "
+                                                 "figures.deployment_rerun, or the reply rows as figures.replies_rerun")
+    parser.add_argument("--part", choices=("deployment", "replies"), default="deployment")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the reply rows (--part replies)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="aggregator setting (--part deployment)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "models.json")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     load = round(os.getloadavg()[0], 1)
-    figures = deployment(False, args.set)
+    if args.part == "replies":
+        figures = reply_costs(resolve_model_name(MODEL, DATASET), False, args.rounds)
+    else:
+        figures = deployment(False, args.set)
     print(json.dumps(figures, indent=2), flush=True)
     doc = json.loads(args.out.read_text()) if args.out.exists() else {"figures": {}}
-    doc.setdefault("figures", {})["deployment_rerun"] = {**figures, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                                         "load_before": load, "machine": describe_host()}
+    doc.setdefault("figures", {})[f"{args.part}_rerun"] = {**figures, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                                           "load_before": load, "machine": describe_host()}
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
