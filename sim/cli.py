@@ -22,11 +22,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tqdm import tqdm
-
 from fedmq.config import Config, add_config_arguments, config_from_args
 from fedmq.logs import mask_secrets, setup_logging
 from fedmq.signals import SignalRelay
+from sim.log_progress import LogProgress, progress_bar
 from sim.seeds import int_list, seed_list
 
 if TYPE_CHECKING:
@@ -225,7 +224,7 @@ def run_part(args: argparse.Namespace) -> int:
     mine = range(args.first_agent, args.first_agent + count)
     events = sum(1 for a, _ in make_schedule(spec.seed, spec.resolved_agents(), spec.updates_per_agent)
                  if a in mine)
-    bar = tqdm(total=events, desc="updates", unit="upd", dynamic_ncols=True, disable=not sys.stderr.isatty())
+    bar = progress_bar(events)
     try:
         d = run_agents_part(spec, cfg, args.out, first=args.first_agent, count=count, wait_s=args.wait,
                             progress=bar.update)
@@ -271,8 +270,7 @@ def run_experiments(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     command = "fedmq sim " + " ".join(shlex.quote(a) for a in sys.argv[sys.argv.index("sim") + 1:]) \
         if "sim" in sys.argv else None
-    bar = tqdm(total=total, desc="updates", unit="upd", dynamic_ncols=True,
-               disable=not sys.stderr.isatty())  # a bar in a log file is one huge line
+    bar = progress_bar(total)
     try:
         for i, sp in enumerate(specs):
             bar.set_postfix_str(sp.label)
@@ -280,7 +278,7 @@ def run_experiments(args: argparse.Namespace) -> int:
             result = run_fleet(sp, cfg, broker_url=cfg.broker.url if args.broker else None,
                                progress=bar.update)
             write_run(result, args.out)
-            if bar.disable:  # no bar in a log: one line per finished run instead
+            if isinstance(bar, LogProgress):  # no bar in a log: one line per finished run too
                 refused = result.summary()["refused"]
                 print(f"run {i + 1}/{len(specs)} {sp.label}: {len(result.updates)} updates in "
                       f"{time.perf_counter() - t0:.0f} s"
