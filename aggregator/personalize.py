@@ -123,6 +123,16 @@ class UploadPersonalizer(Personalizer):
         return request.upload.detach().to("cpu", torch.float32).clone(), {}
 
 
+def reply_schedule(epochs: int, samples: int, batch_size: int, min_steps: int, kept: int) -> tuple[int, int]:
+    """(epochs, SGD steps per epoch) of a reply over `kept` proxy samples: `samples` draws per
+    epoch when set, else every kept sample; epochs stretched to at least `min_steps` steps
+    unless `samples` caps the reply."""
+    per_epoch = -(-(samples or kept) // batch_size)
+    if min_steps and not samples and per_epoch:
+        epochs = max(epochs, -(-min_steps // per_epoch))
+    return epochs, per_epoch
+
+
 class DistillPersonalizer(Personalizer):
     """Train one student on alpha-weighted proxy data, taught by each cluster's specialist.
 
@@ -310,10 +320,7 @@ class DistillPersonalizer(Personalizer):
         samples (small K, small sets) otherwise takes few steps (docs/results_cdfl.md#the-reply).
         An explicit `samples` per epoch is a cap on the reply's cost, and the floor leaves it.
         The tail average starts past the last step when tail_average is 0 (the last iterate)."""
-        per_epoch = -(-(self.samples or kept) // self.batch_size)
-        epochs = self.epochs
-        if self.min_steps and not self.samples and per_epoch:
-            epochs = max(self.epochs, -(-self.min_steps // per_epoch))
+        epochs, per_epoch = reply_schedule(self.epochs, self.samples, self.batch_size, self.min_steps, kept)
         total = epochs * per_epoch
         return epochs, TailAverage(total - math.ceil(self.tail_average * total) + 1)
 
