@@ -144,14 +144,24 @@ def deployment(quick: bool, settings: Sequence[str] = ()) -> dict:
             done = _wait(agent, agent_lines, r"model\.installed .*via=update .*accuracy=([0-9.]+) .*"
                          r"uploaded=(\d+) waited_s=([0-9.]+) downloaded=(\d+)", 1200)
             applied = _wait(agg, agg_lines, r"update\.applied .* apply_s=([0-9.]+)", 60)
+            agg_peak = _peak_mb(agg.pid)
+            # A restart on the same state dir, with the disk cache warm: how soon it serves again.
+            agg.terminate()
+            agg.wait(120)
+            t1 = time.perf_counter()
+            agg = subprocess.Popen([fedmq, "aggregator", *common, "--clusters", "2", "--state-dir", f"{tmp}/agg",
+                                    *extra], **popen)
+            _wait(agg, agg_lines, r"^aggregator cdfl on ", 600)
+            restarted = time.perf_counter() - t1
             return {"aggregator_settings": list(settings), "aggregator_start_s": round(started, 1),
+                    "aggregator_restart_s": round(restarted, 1),
                     "agent_resends": sum("upload.waiting" in line for line in agent_lines),
                     "agent_training_s": float(trained.group(1)),
                     "agent_accuracy_held_trained_received": [float(trained.group(2)), float(trained.group(3)),
                                                              float(done.group(1))],
                     "upload_bytes": int(done.group(2)), "reply_bytes": int(done.group(4)),
                     "upload_to_reply_s": float(done.group(3)), "aggregator_apply_s": float(applied.group(1)),
-                    "agent_peak_rss_mb": _peak_mb(agent.pid), "aggregator_peak_rss_mb": _peak_mb(agg.pid)}
+                    "agent_peak_rss_mb": _peak_mb(agent.pid), "aggregator_peak_rss_mb": agg_peak}
         finally:
             for proc in (agent, agg):
                 if proc is not None and proc.poll() is None:
