@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fedmq.broker_urls import parse_broker_urls
+from fedmq.dataset_names import canonical_dataset, dataset_for_data_dir
 from fedmq.errors import UsageError
 
 if TYPE_CHECKING:
@@ -733,7 +735,6 @@ def check_config(cfg: Config) -> None:
         if hv < lv:
             raise ConfigError(f"{high} must be >= {low} ({lv}), got {hv}")
     resolve_trunk_share(cfg.cdfl.trunk_share, cfg.cdfl.clusters)
-    from fedmq.data.sources import canonical_dataset
     from fedmq.protocol import ProtocolError, validate_id
 
     canonical_dataset(cfg.data.dataset)  # UnknownDataset (a usage error) lists the known ones
@@ -925,8 +926,6 @@ def config_from_args(args: Any, extra: dict[str, str] | None = None) -> Config:
         raise
     data_dir = getattr(args, "data_dir", None)
     if data_dir and getattr(args, "scenario", None) is None:  # a scenario names its own dataset
-        from fedmq.data.sources import dataset_for_data_dir
-
         named = "data.dataset" in overrides or "data.dataset" in _file_keys(getattr(args, "config", None))
         cfg.data.dataset = dataset_for_data_dir(cfg.data.dataset if named else None, data_dir)
     return cfg
@@ -943,8 +942,7 @@ def dry_run_json(cfg: Config) -> str:
     import json
 
     from fedmq.logs import mask_secrets
-    from fedmq.models import resolve_dataset_and_model
-    from fedmq.transport import parse_broker_urls
+    from fedmq.models import resolve_dataset_and_model  # torch: counts by building the model
 
     parse_broker_urls(cfg.broker.url)
     cfg.privacy.mechanisms()  # out-of-range DP settings fail here, as at a start

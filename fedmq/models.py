@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fedmq.dataset_names import canonical_dataset
 from fedmq.errors import UsageError
 
 
@@ -381,8 +382,6 @@ def resolve_model_name(model: str, dataset: str) -> str:
         default = DEFAULT_MODEL_FOR_DATASET.get(key)
         if model == "auto":
             if default is None:
-                from fedmq.data.sources import canonical_dataset
-
                 canonical_dataset(dataset)  # an unknown dataset is named as such, with the known ones
                 raise UsageError(f"no default model for dataset {dataset!r}; pass --model: {MODEL_HELP}")
             return default
@@ -405,8 +404,6 @@ def resolve_dataset_and_model(dataset: str, model: str) -> dict[str, str | int]:
 
     Raises UsageError for an unknown dataset or model, as a real start would (without
     loading any data; a referenced model is built once)."""
-    from fedmq.data.sources import canonical_dataset
-
     key = canonical_dataset(dataset)
     name = resolve_model_name(model, dataset)
     spec = model_spec(name)

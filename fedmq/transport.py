@@ -54,9 +54,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import paho.mqtt.client as paho
 from paho.mqtt.client import topic_matches_sub
@@ -65,14 +64,20 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
+from fedmq.broker_urls import (  # noqa: F401 (parsed without paho for config checks; importable from here as before)
+    DEFAULT_PORTS,
+    BadBrokerURL,
+    BrokerAddress,
+    TransportError,
+    parse_broker_url,
+    parse_broker_urls,
+)
 from fedmq.config import BrokerSettings
-from fedmq.errors import RuntimeFailure, UsageError
-from fedmq.logs import event, get_logger, mask_secrets
-from fedmq.service_logins import url_password
+from fedmq.errors import RuntimeFailure
+from fedmq.logs import event, get_logger
 
 log = get_logger("transport")
 
-DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
 PARKED_LIMIT = 10_000
 """Messages held for lack of a handler (see MqttTransport.subscribe); beyond it they are dropped."""
 PROTOCOL_NAMES = {MQTTProtocolVersion.MQTTv5: "5", MQTTProtocolVersion.MQTTv311: "3.1.1"}
@@ -104,16 +109,8 @@ class _GatedClient(paho.Client):
         return super()._sock_recv(bufsize)
 
 
-class TransportError(RuntimeError):
-    """The broker could not be reached, refused us, or did not answer in time."""
-
-
 class BrokerUnreachable(TransportError, RuntimeFailure):
     """connect() failed: no broker there, it refused us, or it did not answer (exit status 1)."""
-
-
-class BadBrokerURL(TransportError, UsageError):
-    """A broker URL that cannot be parsed (exit status 2)."""
 
 
 class NetworkLoop:
@@ -378,15 +375,6 @@ def use_network(network: NetworkLoop | None):
         _default_network = previous
 
 
-@dataclass(frozen=True)
-class BrokerAddress:
-    host: str
-    port: int
-    tls: bool
-    username: str | None = None
-    password: str | None = field(default=None, repr=False)
-
-
 def _connect_failure(e: OSError, where: str, host: str) -> str:
     """One line saying why a TCP/TLS connection to the broker failed and what to check."""
     if isinstance(e, ConnectionRefusedError):
@@ -417,52 +405,6 @@ def check_reachable(url: str, timeout_s: float = 10.0) -> None:
         except OSError as e:
             failures.append(_connect_failure(e, where, addr.host))
     raise BrokerUnreachable("; ".join(failures))
-
-
-def parse_broker_urls(text: str) -> list[BrokerAddress]:
-    """One broker URL, or the nodes of a broker cluster separated by commas: a client connects
-    to the first that answers and, when its connection drops and the same node refuses the
-    reconnect, moves on to the next (docs/scaling.md). All nodes use one scheme."""
-    urls = [u.strip() for u in str(text).split(",") if u.strip()]
-    if not urls:
-        raise BadBrokerURL("the broker URL is empty (expected mqtt://host[:port])")
-    addrs = [parse_broker_url(u) for u in urls]
-    if len({a.tls for a in addrs}) > 1:
-        raise BadBrokerURL(f"broker URLs {mask_secrets(text)!r} mix mqtt:// and mqtts://; use one for every node")
-    return addrs
-
-
-def parse_broker_url(url: str) -> BrokerAddress:
-    """`mqtt://[user[:pass]@]host[:port]` (1883) or `mqtts://...` (8883, TLS).
-
-    User and password are percent-decoded, so a password may hold `@` or `:` as %40 / %3A.
-    A URL with a user and no password takes the password from FEDMQ_BROKER_PASSWORD.
-    """
-    shown = mask_secrets(url)
-    try:
-        parts = urlsplit(url.strip())
-    except ValueError as e:
-        raise BadBrokerURL(f"broker URL {shown!r} is not a valid URL: {e}") from None
-    scheme = parts.scheme.lower()
-    if scheme not in DEFAULT_PORTS:
-        raise BadBrokerURL(
-            f"broker URL {shown!r}: scheme must be mqtt:// or mqtts://, not {parts.scheme or 'none'!r}"
-        )
-    if not parts.hostname:
-        raise BadBrokerURL(f"broker URL {shown!r} has no host (expected {scheme}://host[:port])")
-    try:
-        port = parts.port
-    except ValueError:
-        raise BadBrokerURL(f"broker URL {shown!r}: port must be a number in 1-65535") from None
-    if port == 0:
-        raise BadBrokerURL(f"broker URL {shown!r}: port must be a number in 1-65535")
-    if parts.path not in ("", "/") or parts.query or parts.fragment:
-        raise BadBrokerURL(f"broker URL {shown!r}: unexpected path, query or fragment after the port")
-    username = unquote(parts.username) if parts.username is not None else None
-    if parts.password is not None and not username:
-        raise BadBrokerURL(f"broker URL {shown!r}: a password needs a user name (user:pass@host)")
-    return BrokerAddress(parts.hostname, port or DEFAULT_PORTS[scheme], scheme == "mqtts",
-                         username or None, url_password(parts.password) if username else None)
 
 
 @dataclass(frozen=True)

@@ -22,15 +22,22 @@ import numpy as np
 import torch
 
 from fedmq.config import default_data_dir
+from fedmq.dataset_names import (  # noqa: F401 (names and data roots need no torch; importable from here as before)
+    DATASETS,
+    EXPECTED_FILES,
+    OFFLINE,
+    UnknownDataset,
+    canonical_dataset,
+    dataset_for_data_dir,
+    datasets_in,
+    is_factory,
+    offline_with_data_dir,
+)
 from fedmq.errors import RuntimeFailure, UsageError
 
 
 class DatasetNotFound(FileNotFoundError, RuntimeFailure):
     """A dataset's files are not in the data root (and downloading was not asked for)."""
-
-
-class UnknownDataset(UsageError):
-    """A dataset name that is none of DATASETS, folder:NAME or module.path:factory."""
 
 
 @dataclass(repr=False)
@@ -97,31 +104,6 @@ _KNOWN_STATS: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
     "svhn": ((0.4377, 0.4438, 0.4728), (0.1980, 0.2010, 0.1970)),
 }
 
-# What torchvision expects under the data root, for the error message.
-_EXPECTED_FILES: dict[str, list[str]] = {
-    "mnist": [f"MNIST/raw/{s}-{k}-ubyte" for s in ("train", "t10k") for k in ("images-idx3", "labels-idx1")],
-    "fashionmnist": [f"FashionMNIST/raw/{s}-{k}-ubyte" for s in ("train", "t10k") for k in ("images-idx3", "labels-idx1")],
-    "cifar10": ["cifar-10-batches-py/data_batch_1 .. data_batch_5", "cifar-10-batches-py/test_batch",
-                "cifar-10-batches-py/batches.meta"],
-    "cifar100": ["cifar-100-python/train", "cifar-100-python/test", "cifar-100-python/meta"],
-    "svhn": ["train_32x32.mat", "test_32x32.mat"],
-    "usps": ["usps.bz2", "usps.t.bz2"],
-}
-
-_MARKERS: dict[str, str] = {name: os.path.dirname(files[0]) or files[0] for name, files in _EXPECTED_FILES.items()}
-"""Dataset -> the path under a data root that says its files are there: the folder of its first
-expected file, or that file where it lies in the root (the loader then checks every file and
-names what is missing)."""
-
-
-DATASETS: tuple[str, ...] = ("digits", "synthetic", "shapes", "mnist", "fashionmnist", "cifar10", "cifar100",
-                             "svhn", "usps")
-"""Names `load_dataset` accepts, besides `folder:NAME` (a directory of PNG/JPEG images) and
-`module.path:factory` (a dataset factory by import path, docs/models.md)."""
-
-OFFLINE: tuple[str, ...] = ("digits", "synthetic", "shapes")
-"""Datasets made in the process (no data root): scikit-learn's digits and our generated tasks."""
-
 _cache: dict[tuple[str, str, bool], Dataset] = {}
 _cache_lock = threading.Lock()
 
@@ -148,81 +130,14 @@ def load_dataset(name: str, *, data_dir: str | os.PathLike[str] | None = None, t
         return _cache.setdefault(key, data)
 
 
-def datasets_in(root: str | os.PathLike[str]) -> list[str]:
-    """The datasets whose torchvision files lie under `root` (mnist, cifar100, ...)."""
-    base = Path(root).expanduser()
-    return [name for name, marker in _MARKERS.items() if (base / marker).exists()]
-
-
-def dataset_for_data_dir(named: str | None, data_dir: str | None, *, default: str = "digits") -> str:
-    """The dataset a command runs on, given the dataset it names (None: not named) and the
-    `--data-dir` it was given (None: not given). An unnamed dataset under a given `--data-dir` is
-    the one found there, so a documented command runs unchanged on other data by adding
-    `--data-dir`; an offline dataset named beside `--data-dir` is refused, since the files there
-    would be silently ignored."""
-    if not data_dir:
-        return named or default
-    if named:
-        if canonical_dataset(named) in OFFLINE:
-            raise UsageError(offline_with_data_dir(f"dataset {named!r}", data_dir))
-        return named
-    found = datasets_in(data_dir)
-    if len(found) == 1:
-        return found[0]
-    if found:
-        raise UsageError(f"--data-dir {data_dir} holds {', '.join(found)}: name one (--dataset NAME, "
-                         f"or --scenario rotated-NAME)")
-    raise UsageError(f"--data-dir {data_dir} holds {_none_here()}: put one there, or drop --data-dir to run on "
-                     f"{default} (offline)")
-
-
-def offline_with_data_dir(what: str, data_dir: str) -> str:
-    """One line for a command that names an offline dataset (or scenario) beside `--data-dir`,
-    whose files it would silently ignore."""
-    found = datasets_in(data_dir)
-    holds = ", ".join(found) if found else _none_here()
-    return (f"{what} is made offline and reads nothing from --data-dir {data_dir}, which holds {holds}: "
-            "name the dataset there (--dataset NAME or --scenario rotated-NAME), or drop --data-dir")
-
-
-def _none_here() -> str:
-    return ("none of the datasets fedmq reads (" + ", ".join(_MARKERS.values())
-            + " in torchvision's layout, docs/data.md)")
-
-
 def clear_cache() -> None:
     """Forget loaded splits (tests that rewrite files under the same root)."""
     with _cache_lock:
         _cache.clear()
 
 
-def is_factory(name: str) -> bool:
-    """Whether `name` is a dataset factory by import path (`module.path:attr`)."""
-    return ":" in name and not name.lower().startswith("folder:")
-
-
-def canonical_dataset(name: str) -> str:
-    """The dataset's key (`Fashion-MNIST` -> fashionmnist, `folder:NAME`, `module.path:factory`);
-    UnknownDataset if none."""
-    if is_factory(name):
-        module, _, attr = name.strip().partition(":")
-        if not all(p.isidentifier() for p in module.split(".")) or not attr.isidentifier():
-            raise UnknownDataset(f"dataset {name!r}: a factory is module.path:function, e.g. mypkg.data:load")
-        return name.strip()
-    if name.lower().startswith("folder:"):
-        sub = name.split(":", 1)[1].strip()
-        if not sub or Path(sub).is_absolute() or ".." in Path(sub).parts:
-            raise UnknownDataset(f"folder:NAME needs a directory name under the data root, got {name!r}")
-        return f"folder:{sub}"
-    key = name.lower().replace("-", "").replace("_", "")
-    if key not in DATASETS:
-        raise UnknownDataset(f"unknown dataset {name!r}; use one of {', '.join(DATASETS)}, folder:NAME "
-                             f"or module.path:factory")
-    return key
-
-
 def _not_found(name: str, root: str, detail: str = "") -> DatasetNotFound:
-    expected = _EXPECTED_FILES.get(name)
+    expected = EXPECTED_FILES.get(name)
     if name.startswith("folder:"):
         sub = name.split(":", 1)[1]
         where = f"put images in {root}/{sub}/train/<class>/*.png and {root}/{sub}/test/<class>/*.png"
@@ -248,7 +163,7 @@ def _load_uncached(name: str, root: str, train: bool, download: bool) -> Dataset
         return _load_factory(name, root, train)
     if name.startswith("folder:"):
         return _load_folder(name, root, train)
-    expected = _EXPECTED_FILES[name]
+    expected = EXPECTED_FILES[name]
     if not download and name in ("mnist", "fashionmnist", "svhn", "usps"):
         # Check ourselves: torchvision's USPS would raise a bare FileNotFoundError from bz2.
         missing = [f for f in expected if not os.path.isfile(os.path.join(root, f))]
