@@ -11,7 +11,7 @@ import numpy as np
 
 METHOD_COLORS = {"cdfl": "tab:blue", "fedsoft-async": "tab:orange", "fedasync": "tab:purple", "fedbuff": "tab:olive", "local": "tab:gray",
                  "catafed": "tab:green", "fedavg": "tab:red", "fedprox": "tab:brown", "tifl": "tab:pink",
-                 "catafed+": "darkgreen"}
+                 "catafed+": "darkgreen", "alone": "tab:gray"}
 """One colour per method in every figure (sim report, sim rounds, the demo)."""
 
 

@@ -21,6 +21,10 @@ slow (speed x slow_factor); bandwidth log-normal; per round an online device goe
 with probability dropout_p (if it was invited, it goes silent mid-round) and an offline one
 comes back with probability return_p. Data: n_i uniform in [min, max] samples with label
 proportions ~ Dirichlet(label_alpha) (non-IID), drawn from the dataset's train split.
+
+`--algorithms ...,alone` adds the control that shows whether federation pays at all: the
+same agents, each training only on its own data (`simulate_alone`); its accuracy is the mean
+over agents of each one's own model on the same test set.
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ from sim.stats import paired_interval, t_half_width
 
 FINAL_ROUNDS = 5
 """The final accuracy is the mean test accuracy of this many last rounds (one is noisy)."""
+ALONE = "alone"
+"""The no-federation control (`simulate_alone`): a variant base beside the round algorithms."""
 
 
 @dataclass
@@ -98,9 +104,13 @@ class Variant:
         return cfg.catafed, cfg.fedavg, cfg.tifl
 
 
-def parse_variants(text: str) -> list[Variant]:
-    """`catafed,fedavg,nopf=catafed:catafed.selection=random` -> variants (labels unique)."""
+def parse_variants(text: str, *, alone: bool = False) -> list[Variant]:
+    """`catafed,fedavg,nopf=catafed:catafed.selection=random` -> variants (labels unique).
+
+    With `alone`, `alone` (agents training alone, `simulate_alone`) is a base too; only the
+    simulator has it, the live twin has no such service."""
     out: list[Variant] = []
+    known = (*STRATEGIES, ALONE) if alone else tuple(STRATEGIES)
     for item in (x.strip() for x in text.split(",")):
         if not item:
             continue
@@ -108,9 +118,9 @@ def parse_variants(text: str) -> list[Variant]:
         if not eq:
             label, rest = item, item
         alg, *keys = rest.split(":")
-        if alg not in STRATEGIES:
+        if alg not in known:
             raise UsageError(f"--algorithms: unknown algorithm {alg!r} in {item!r}; use one of "
-                             f"{', '.join(STRATEGIES)} (or LABEL=ALG:section.key=value:...)")
+                             f"{', '.join(known)} (or LABEL=ALG:section.key=value:...)")
         overrides = {}
         for kv in keys:
             k, sep, v = kv.partition("=")
@@ -224,6 +234,9 @@ class SimRound:
     round_s: float
     invited: list[str] = field(default_factory=list)
     """Who was invited (the live twin compares its invitees with these)."""
+    agent_accuracy: list[float] = field(default_factory=list)
+    """`alone`: each agent's own model's test accuracy, in fleet order (`accuracy` is their
+    mean); empty for the federated runs, which have one model."""
 
 
 @dataclass
@@ -240,7 +253,7 @@ class SimRun:
     rounds_to_target: int | None = None
     wall_s: float = 0.0
     strategy: str = ""
-    """The round algorithm that ran (catafed, fedavg, fedprox, tifl)."""
+    """The round algorithm that ran (catafed, fedavg, fedprox, tifl; or alone)."""
 
     @property
     def final_accuracy(self) -> float:
@@ -248,6 +261,12 @@ class SimRun:
         if not self.rounds:
             return float("nan")
         return statistics.fmean(r.accuracy for r in self.rounds[-FINAL_ROUNDS:])
+
+    def agents_final(self) -> list[float]:
+        """`alone`: each agent's final accuracy (mean of its last FINAL_ROUNDS rounds, as
+        final_accuracy); empty for a federated run."""
+        last = [r.agent_accuracy for r in self.rounds[-FINAL_ROUNDS:] if r.agent_accuracy]
+        return [statistics.fmean(col) for col in zip(*last, strict=True)] if last else []
 
     def totals(self) -> dict[str, int]:
         return {k: sum(getattr(r, k) for r in self.rounds)
@@ -376,9 +395,70 @@ def simulate_fleet(algorithm: str, spec: FleetSpec, settings: CataFedSettings, *
     return run
 
 
+def simulate_alone(spec: FleetSpec, settings: CataFedSettings, *, seed: int = 0,
+                   rounds: int | None = None, target: float | None = None,
+                   until_s: float = math.inf, dataset: str = "digits", data_dir: str | None = None,
+                   model: str = "auto", fedavg: FedAvgSettings | None = None,
+                   label: str | None = None) -> SimRun:
+    """The control for "does federation help": every agent of the seeded fleet trains alone.
+
+    Each agent starts from the model the federated runs start from (`build_model(seed)`; no
+    codec, nothing crosses a wire) and trains only on its own data exactly as a FedAvg agent
+    does (DeadlineLearner in fedavg mode: fedavg.epochs epochs of fedavg's lr, batch size and
+    momentum, the same batch orders), every round for `rounds` rounds. There is no server, so
+    no averaging, no selection and no deadline cut; nor presence draws: an agent alone trains
+    even in rounds it would be offline, which can only favour the control. A round takes
+    deadline + grace on the clock (the federated runs' cut-off), so that curves share a time
+    axis. A round's accuracy is the mean over agents of each one's own model on the test set
+    the federated runs are scored on; SimRound.agent_accuracy keeps each agent's.
+    """
+    t_wall = time.perf_counter()
+    rounds = settings.rounds if rounds is None else rounds
+    target = settings.target_accuracy if target is None else target
+    fedavg = fedavg or FedAvgSettings.like(settings)
+    model_name = resolve_model_name(model, dataset)
+    train_set = load_dataset(dataset, data_dir=data_dir)
+    test = load_dataset(dataset, data_dir=data_dir, train=False)
+    fleet = non_iid_fleet(spec, train_set, seed)
+    learners = [DeadlineLearner(d.x, d.y, settings, algorithm="fedavg", seed=seed * 1000 + i,
+                                epochs=fedavg.epochs, model_name=model_name)
+                for i, d in enumerate(fleet)]
+    train = TrainSettings(model_name, fedavg.lr, fedavg.batch_size, 0.0, seed, fedavg.momentum)
+    start = to_vector(build_model(model_name, seed=seed))
+    vectors = [start.clone() for _ in fleet]
+    clock = SimClock()
+    run = SimRun(label or ALONE, seed, strategy=ALONE)
+    cutoff = settings.deadline_s + settings.grace_s
+    for r in range(rounds):
+        if clock() >= until_s:
+            break
+        for i, (d, learner) in enumerate(zip(fleet, learners, strict=True)):
+            local = SimClock()
+            work = learner.run_round(
+                vectors[i], lambda x, y, anchor, d=d, local=local, r=r: SimEpochRunner(
+                    train, x, y, d.speed, local, anchor, partial=False, round_id=r),
+                lambda: math.inf)
+            run.compute_s += local()
+            vectors[i] = work.vector
+        clock.advance(cutoff)
+        accs = [evaluate(model_name, v, test.x, test.y)[0] for v in vectors]
+        acc = statistics.fmean(accs)
+        run.rounds.append(SimRound(r, clock(), acc, len(fleet), len(fleet), 0, 0, 0, cutoff,
+                                   agent_accuracy=accs))
+        if target and acc >= target and run.time_to_target_s is None:
+            run.time_to_target_s, run.rounds_to_target = clock(), r + 1
+    run.wall_s = time.perf_counter() - t_wall
+    return run
+
+
 def run_task(task: Task) -> SimRun:
     torch.set_num_threads(1)
     catafed, fedavg, tifl = task.variant.settings(task.base)
+    if task.variant.algorithm == ALONE:
+        return simulate_alone(task.spec, catafed, seed=task.seed, rounds=task.rounds,
+                              target=task.target, until_s=task.until_s, dataset=task.dataset,
+                              data_dir=task.data_dir, model=task.model, fedavg=fedavg,
+                              label=task.variant.label)
     return simulate_fleet(task.variant.algorithm, task.spec, catafed, seed=task.seed,
                      rounds=task.rounds, target=task.target, until_s=task.until_s,
                      codec=task.codec, dataset=task.dataset, data_dir=task.data_dir,
@@ -400,6 +480,7 @@ def summary_rows(runs: list[SimRun]) -> list[dict]:
         tot = [r.totals() for r in mine]
         n_rounds = max(sum(len(r.rounds) for r in mine), 1)
         finals = [r.final_accuracy for r in mine]
+        agents = [r.agents_final() for r in mine if r.agents_final()]
         rows.append({
             "algorithm": alg,
             "runs": len(mine),
@@ -417,6 +498,8 @@ def summary_rows(runs: list[SimRun]) -> list[dict]:
             "finished_per_round": sum(t["finished"] for t in tot) / n_rounds,
             "mean_round_s": statistics.fmean(x.round_s for r in mine for x in r.rounds),
             "kB_up_per_round": sum(r.bytes_up for r in mine) / 1e3 / n_rounds,
+            "agents_final_range": [statistics.fmean(min(a) for a in agents),
+                                   statistics.fmean(max(a) for a in agents)] if agents else None,
         })
     return rows
 
@@ -475,7 +558,11 @@ def markdown_table(rows: list[dict], target: float) -> str:
                      f"{r['finished_per_round']:.2f} / {r['stragglers_per_round']:.2f} / "
                      f"{r['late_per_round']:.2f} / {r['dropouts_per_round']:.2f} | "
                      f"{r['mean_round_s']:.1f} s |")
-    return head + "\n".join(lines) + "\n"
+    notes = [f"\n{r['algorithm']}: the mean over agents of each one's own model, trained alone; "
+             f"the worst agent ends at {r['agents_final_range'][0]:.3f}, the best at "
+             f"{r['agents_final_range'][1]:.3f} (mean over fleets).\n"
+             for r in rows if r.get("agents_final_range")]
+    return head + "\n".join(lines) + "\n" + "".join(notes)
 
 
 def paired_table(rows: list[dict]) -> str:
@@ -580,21 +667,26 @@ def checked_settings(variants: list[Variant], base: dict[str, str]
         out = {v.label: v.settings(base) for v in variants}
         for v in variants:
             catafed, fedavg, tifl = out[v.label]
-            make_round_strategy(v.algorithm, catafed, torch.zeros(1), fedavg=fedavg, tifl=tifl)
+            algorithm = "fedavg" if v.algorithm == ALONE else v.algorithm  # alone trains as FedAvg
+            make_round_strategy(algorithm, catafed, torch.zeros(1), fedavg=fedavg, tifl=tifl)
             DeadlineLearner(torch.zeros(1, 1, 1, 1), torch.zeros(1, dtype=torch.int64), catafed,
-                            algorithm=v.algorithm)
+                            algorithm=algorithm)
     except (ConfigError, ValueError) as e:
         raise UsageError(str(e)) from None
     return out
 
 
 def add_round_arguments(p: argparse.ArgumentParser, *, agents: int, slow_share: float,
-                        rounds: int, target: float, groups: int, per_group: int) -> None:
+                        rounds: int, target: float, groups: int, per_group: int,
+                        alone: bool = False) -> None:
     """The flags sim.rounds and sim.rounds_live share (round_overrides reads them); each
-    passes the defaults of its own fleet."""
+    passes the defaults of its own fleet (`alone`: whether --algorithms takes the control)."""
+    control = ", alone (each agent trains only on its own data: the no-federation control)" \
+        if alone else ""
     p.add_argument("--algorithms", default="catafed,fedavg,fedprox,tifl",
-                   help="comma list of catafed, fedavg, fedprox, tifl, or LABEL=ALG:section.key=value:... "
-                        "variants (e.g. no-pf=catafed:catafed.selection=random); default all four")
+                   help=f"comma list of catafed, fedavg, fedprox, tifl{control}, or "
+                        "LABEL=ALG:section.key=value:... variants (e.g. "
+                        "no-pf=catafed:catafed.selection=random); default the four algorithms")
     p.add_argument("--seeds", default="1",
                    help="fleet seeds: a comma list (0,1,2) or a count N (seeds 0..N-1); default 1 (seed 0)")
     p.add_argument("--dataset",
@@ -626,7 +718,7 @@ def add_round_arguments(p: argparse.ArgumentParser, *, agents: int, slow_share: 
 def main(argv: list[str] | None = None, prog: str = "python -m sim.rounds") -> int:
     p = ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     add_round_arguments(p, agents=FleetSpec.agents, slow_share=FleetSpec.slow_share, rounds=80,
-                        target=0.85, groups=3, per_group=5)
+                        target=0.85, groups=3, per_group=5, alone=True)
     p.add_argument("--reference", default="",
                    help="comma list of the variants every other one is paired against (default: the first)")
     p.add_argument("--dropout-p", type=float, default=FleetSpec.dropout_p)
@@ -641,7 +733,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m sim.rounds") -> i
     spec = FleetSpec(agents=a.agents, slow_share=a.slow_share, slow_factor=a.slow_factor,
                      dropout_p=a.dropout_p, return_p=a.return_p, label_alpha=a.label_alpha)
     base = round_overrides(a)
-    variants = parse_variants(a.algorithms)
+    variants = parse_variants(a.algorithms, alone=True)
     seeds = seed_list(a.seeds, 0)
     references = [x.strip() for x in (a.reference or variants[0].label).split(",") if x.strip()]
     for reference in references:
