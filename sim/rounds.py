@@ -65,6 +65,9 @@ FINAL_ROUNDS = 5
 """The final accuracy is the mean test accuracy of this many last rounds (one is noisy)."""
 ALONE = "alone"
 """The no-federation control (`simulate_alone`): a variant base beside the round algorithms."""
+ALONE_EVAL_BATCH = 256
+"""Test batch of `alone`'s agents x rounds evaluations: one thread scores shapes' 1500 test
+images on resnet20-gn in 1.7 s at 256, 3.4 s at evaluate's default 1024."""
 
 
 @dataclass
@@ -410,7 +413,8 @@ def simulate_alone(spec: FleetSpec, settings: CataFedSettings, *, seed: int = 0,
     even in rounds it would be offline, which can only favour the control. A round takes
     deadline + grace on the clock (the federated runs' cut-off), so that curves share a time
     axis. A round's accuracy is the mean over agents of each one's own model on the test set
-    the federated runs are scored on; SimRound.agent_accuracy keeps each agent's.
+    the federated runs are scored on; SimRound.agent_accuracy keeps each agent's. Cost:
+    agents x rounds x epochs local epochs and agents x rounds test-set evaluations.
     """
     t_wall = time.perf_counter()
     rounds = settings.rounds if rounds is None else rounds
@@ -441,7 +445,7 @@ def simulate_alone(spec: FleetSpec, settings: CataFedSettings, *, seed: int = 0,
             run.compute_s += local()
             vectors[i] = work.vector
         clock.advance(cutoff)
-        accs = [evaluate(model_name, v, test.x, test.y)[0] for v in vectors]
+        accs = [evaluate(model_name, v, test.x, test.y, ALONE_EVAL_BATCH)[0] for v in vectors]
         acc = statistics.fmean(accs)
         run.rounds.append(SimRound(r, clock(), acc, len(fleet), len(fleet), 0, 0, 0, cutoff,
                                    agent_accuracy=accs))
