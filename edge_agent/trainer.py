@@ -24,6 +24,7 @@ import torch
 from edge_agent.agent_algorithms import agent_algorithm
 from fedmq.privacy import DpSgd, UplinkPrivacy
 from fedmq.training import (
+    EVAL_BATCH,
     OPTIMIZERS,
     EpochCallback,
     TrainResult,
@@ -76,7 +77,7 @@ def train_fedsoft(model_name: str, start: torch.Tensor, cluster_vectors: Sequenc
 
 
 def estimate_alpha_argmin(model_name: str, cluster_vectors: Sequence[torch.Tensor], x: torch.Tensor,
-                          y: torch.Tensor, batch_size: int = 1024) -> list[float]:
+                          y: torch.Tensor, batch_size: int = EVAL_BATCH) -> list[float]:
     """FedSoft's estimate: alpha_k = share of local samples on which w_k has the lowest loss.
 
     Exact ties (e.g. two identical cluster models) split that sample equally between the

@@ -161,9 +161,15 @@ def _fold_anchors(anchors: Sequence[tuple[torch.Tensor, float]]) -> tuple[torch.
     return center.float(), mass
 
 
+EVAL_BATCH = 256
+"""Samples per forward pass when scoring a model. On a CPU, one thread, 256 is 2-4x faster than
+1024 (digits-cnn 0.03 / 0.10 s, cnn28 0.88 / 1.82 s on 3,000 samples; resnet20-gn 5.3 / 9.8 s
+on 1,500): the activations of a larger batch no longer fit the caches."""
+
+
 @torch.no_grad()
 def per_sample_losses(model_name: str, vector: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
-                      batch_size: int = 1024) -> torch.Tensor:
+                      batch_size: int = EVAL_BATCH) -> torch.Tensor:
     """Cross-entropy of each sample under the model `vector`, shape (N,)."""
     _check_data(model_name, x, y)
     model = _model_at(model_name, vector).eval()
@@ -174,7 +180,7 @@ def per_sample_losses(model_name: str, vector: torch.Tensor, x: torch.Tensor, y:
 
 @torch.no_grad()
 def evaluate(model_name: str, vector: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
-             batch_size: int = 1024) -> tuple[float, float]:
+             batch_size: int = EVAL_BATCH) -> tuple[float, float]:
     """(accuracy, mean loss) of the model `vector` on (x, y): the agent's reference accuracy."""
     _check_data(model_name, x, y)
     if x.shape[0] == 0:

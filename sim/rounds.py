@@ -65,9 +65,6 @@ FINAL_ROUNDS = 5
 """The final accuracy is the mean test accuracy of this many last rounds (one is noisy)."""
 ALONE = "alone"
 """The no-federation control (`simulate_alone`): a variant base beside the round algorithms."""
-ALONE_EVAL_BATCH = 256
-"""Test batch of `alone`'s agents x rounds evaluations: one thread scores shapes' 1500 test
-images on resnet20-gn in 1.7 s at 256, 3.4 s at evaluate's default 1024."""
 
 
 @dataclass
@@ -445,7 +442,7 @@ def simulate_alone(spec: FleetSpec, settings: CataFedSettings, *, seed: int = 0,
             run.compute_s += local()
             vectors[i] = work.vector
         clock.advance(cutoff)
-        accs = [evaluate(model_name, v, test.x, test.y, ALONE_EVAL_BATCH)[0] for v in vectors]
+        accs = [evaluate(model_name, v, test.x, test.y)[0] for v in vectors]
         acc = statistics.fmean(accs)
         run.rounds.append(SimRound(r, clock(), acc, len(fleet), len(fleet), 0, 0, 0, cutoff,
                                    agent_accuracy=accs))
