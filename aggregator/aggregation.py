@@ -8,7 +8,8 @@ the staleness functions that discount old uploads (a parameter, not built into a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 
 from torch import Tensor
 
@@ -51,3 +52,15 @@ def weighted_delta_mean(current: Tensor, deltas: Sequence[Tensor], weights: Sequ
 def mix(model: Tensor, vector: Tensor, a: float) -> Tensor:
     """(1 - a) model + a vector, in place on `model` (FedAsync's step)."""
     return model.mul_(1.0 - a).add_(vector, alpha=a)
+
+
+def latest_per_agent(recent: Iterable[tuple[str, float]], per_agent: int) -> list[float]:
+    """The values of `recent` (oldest first), keeping at most the latest `per_agent` of any one
+    agent's: one agent's many uploads cannot move a fleet statistic for its own next ones."""
+    taken: Counter[str] = Counter()
+    kept = []
+    for agent, value in reversed(list(recent)):
+        if taken[agent] < per_agent:
+            taken[agent] += 1
+            kept.append(value)
+    return kept

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from aggregator.aggregation import latest_per_agent
 from aggregator.evaluator import ProxyEvaluator
 from aggregator.journal import Journal, JournalCorrupt
 from aggregator.strategy import Reply, Strategy, Upload
@@ -160,13 +161,7 @@ class FleetSteps:
         return len(self.recent)
 
     def median(self) -> float:
-        taken: Counter[str] = Counter()
-        counted = []
-        for agent, dist in reversed(self.recent):
-            if taken[agent] < self.per_agent:
-                taken[agent] += 1
-                counted.append(dist)
-        return float(np.median(counted))
+        return float(np.median(latest_per_agent(self.recent, self.per_agent)))
 
     def scale(self) -> float:
         """The typical step that `norm_factor` multiplies: the median, or the floor above it."""

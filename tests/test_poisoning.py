@@ -261,6 +261,43 @@ def test_the_direction_guard_scales_a_step_against_its_clusters_and_keeps_an_hon
     assert off.trust(-east, [1.0, 0.0]) == 1.0
 
 
+def test_the_direction_guard_judges_against_the_fleets_own_spread_and_an_attacker_cannot_widen_it() -> None:
+    """Where honest cosines spread wide (many agents, stale bases: docs/simulator.md's fleet had
+    29 % below 0), the floor falls to median - 3 MAD and a step at -0.2 is taken whole; where
+    they agree (the poisoning soak's fleet, all above 0) the floor is 0 and the same step is
+    scaled. One agent's many flips count at most PER_AGENT times: they cannot lower it past
+    themselves."""
+    from aggregator.cdfl import ClusterAgreement
+
+    east = torch.tensor([1.0, 0, 0, 0])
+
+    def at(cos: float) -> torch.Tensor:
+        return torch.tensor([cos, (1 - cos**2) ** 0.5, 0, 0])
+
+    def warmed(cosines: list[float], agents: list[str]) -> ClusterAgreement:
+        g = ClusterAgreement(k=1, numel=4, guard=0.1)
+        for _ in range(ClusterAgreement.WARMUP):
+            g.add(east, [1.0], 1.0)
+        for c, agent in zip(cosines, agents, strict=True):
+            g.trust(at(c), [1.0], agent)  # judged, not added: the directions stay east
+        return g
+
+    spread = [-0.28, -0.2, -0.1, 0.0, 0.2, 0.4, 0.5, 0.6, 0.7, 0.75] * 2
+    wide = warmed(spread, [f"car-{i}" for i in range(len(spread))])
+    assert wide.floor() < -0.5
+    assert wide.trust(at(-0.2), [1.0], "car-new") == 1.0
+    agreeing = [0.15, 0.2, 0.25, 0.3, 0.32, 0.35, 0.4, 0.45, 0.5, 0.55] * 2
+    coherent = warmed(agreeing, [f"car-{i}" for i in range(len(agreeing))])
+    assert coherent.floor() == 0.0
+    assert coherent.trust(at(-0.2), [1.0], "car-new") == ClusterAgreement.MIN_TRUST
+    flooded = warmed(agreeing + [-0.6] * 30, [f"car-{i}" for i in range(len(agreeing))] + ["car-bad"] * 30)
+    assert flooded.floor() > -0.1  # its 3 counted flips move the spread a little, not past them
+    assert flooded.trust(at(-0.2), [1.0], "car-bad") == ClusterAgreement.MIN_TRUST
+    again = ClusterAgreement(k=1, numel=4, guard=0.1)
+    again.load_state_dict(wide.state_dict())  # the window is state: a restart judges alike
+    assert again.floor() == wide.floor()
+
+
 def test_a_sign_flipped_trained_update_moves_its_clusters_far_less(pretrained, tmp_path) -> None:
     """As shipped: honest trained steps teach the clusters their direction; the same agent's
     next step flipped is applied (not refused) and counted `bounded.direction`, and it moves
