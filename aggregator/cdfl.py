@@ -81,8 +81,8 @@ class ClusterAgreement:
     soak/poisoning.py's fleet every honest cosine was above 0 (median 0.32) and a sign flip's
     -0.06 to -0.63: the floor is 0 there. In docs/simulator.md's fleet (60 agents uploading 3
     times each, at staleness 40) 29 % of honest cosines were below 0, down to -0.28, median
-    0.40: judged against 0 they cost 2.5 pp of client accuracy; the floor (median - 3 MAD)
-    leaves them whole. Only steps the guard took (in part) teach the directions; a cluster
+    0.40: judged against 0 they cost 1.9 pp of client accuracy at K = 3; the floor (median - 2
+    MAD) spares part of them. Only steps the guard took (in part) teach the directions; a cluster
     needs WARMUP of them before the guard judges against it."""
 
     WARMUP = 2
@@ -92,9 +92,10 @@ class ClusterAgreement:
     """Recent cosines the floor is read from, at most PER_AGENT (the latest) of any one agent's,
     so an attacker's own flips cannot lower the floor for its next ones."""
     PER_AGENT = 3
-    SPREAD = 3.0
+    SPREAD = 2.0
     """The floor is min(0, median - SPREAD x MAD) of the window: robust while under half of it
-    comes from attackers."""
+    comes from attackers. At 3 the soak's x5 sign flip did 12.7 pp of harm on one seed (4.1 at
+    2, as with a floor of 0)."""
     FLOOR_WARMUP = 10
     """Cosines in the window before the floor moves below 0 (a few are no fleet's spread)."""
 

@@ -259,7 +259,7 @@ class CDFLSettings:
     trunk_guard: bool = False
     """With trunk_share > 0: cluster k takes the shared part of an agent's trunk step only when that does not raise its loss on its own proxy set (compared with the alpha share alone); else the alpha share alone. Costs two proxy evaluations per cluster per upload."""
     direction_guard: float = 0.1
-    """delta rule: a step pointing against its clusters' recent direction (cosine < 0) is taken scaled by 1 + cos / this, at least a tenth of it. Must be >= 0 (0 = off). Limits sign-flipped updates (docs/reliability.md#model-poisoning-guards-policy)."""
+    """delta rule: a step pointing against its clusters' recent direction, below the fleet's cosine floor (0, or lower where honest cosines spread wide), is scaled by 1 + (cos - floor) / this, at least a tenth. >= 0 (0 = off). Limits sign flips; costs honest fleets 0.4-1.3 pp (docs/reliability.md)."""
     cluster_refresh_steps: int = 1
     """SGD mini-batches (64 samples) a moved cluster takes on its own proxy set after each upload, keeping the clusters specialists (integer >= 0; 0 = off, the paper's rule; ~0.04 s per upload). docs/results_cdfl.md#cluster-updates."""
     cluster_refresh_lr: float = 0.05

@@ -263,7 +263,7 @@ def test_the_direction_guard_scales_a_step_against_its_clusters_and_keeps_an_hon
 
 def test_the_direction_guard_judges_against_the_fleets_own_spread_and_an_attacker_cannot_widen_it() -> None:
     """Where honest cosines spread wide (many agents, stale bases: docs/simulator.md's fleet had
-    29 % below 0), the floor falls to median - 3 MAD and a step at -0.2 is taken whole; where
+    29 % below 0), the floor falls to median - 2 MAD and a step at -0.2 is taken whole; where
     they agree (the poisoning soak's fleet, all above 0) the floor is 0 and the same step is
     scaled. One agent's many flips count at most PER_AGENT times: they cannot lower it past
     themselves."""
@@ -284,7 +284,7 @@ def test_the_direction_guard_judges_against_the_fleets_own_spread_and_an_attacke
 
     spread = [-0.28, -0.2, -0.1, 0.0, 0.2, 0.4, 0.5, 0.6, 0.7, 0.75] * 2
     wide = warmed(spread, [f"car-{i}" for i in range(len(spread))])
-    assert wide.floor() < -0.5
+    assert wide.floor() < -0.3
     assert wide.trust(at(-0.2), [1.0], "car-new") == 1.0
     agreeing = [0.15, 0.2, 0.25, 0.3, 0.32, 0.35, 0.4, 0.45, 0.5, 0.55] * 2
     coherent = warmed(agreeing, [f"car-{i}" for i in range(len(agreeing))])
