@@ -114,6 +114,7 @@ class ClusterAgreement:
         return min(0.0, median - self.SPREAD * mad)
 
     def trust(self, step: Tensor, alpha: Sequence[float], agent: str = "") -> float:
+        """The share of `step` to take (1: whole); a judged step's cosine joins the window."""
         if self.directions is None or any(a > 0 and n < self.WARMUP for a, n in zip(alpha, self.seen, strict=True)):
             return 1.0
         mix = torch.as_tensor(list(alpha), dtype=torch.float32) @ self.directions
