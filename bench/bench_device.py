@@ -23,18 +23,11 @@ SAMPLES = 350
 MODELS = ("cnn28", "resnet20-gn", "resnet20", "torchvision:mobilenet_v3_small?input=3x32x32&num_classes=10")
 
 
-def _rss_mb(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return round(int(line.split()[1]) / 1024, 1)
-    return float("nan")
-
-
 def one(name: str, samples: int) -> dict:
     """Train one update of `name` here; the figures of this process."""
     import torch
 
+    from bench.process_memory import status_mb
     from edge_agent.trainer import train_local
     from fedmq.config import AgentSettings
     from fedmq.models import build_model, model_spec, to_vector
@@ -45,13 +38,13 @@ def one(name: str, samples: int) -> dict:
     g = torch.Generator().manual_seed(0)
     x = torch.rand((samples, *spec.input_shape), generator=g)
     y = torch.randint(0, spec.num_classes, (samples,), generator=g)
-    before = _rss_mb("VmRSS")
+    before = round(status_mb("VmRSS"), 1)
     a = AgentSettings()
     t0 = time.perf_counter()
     train_local(name, start, x, y, epochs=a.epochs, batch_size=a.batch_size, lr=a.lr, momentum=a.momentum,
                 rho=a.rho)
     seconds = time.perf_counter() - t0
-    peak = _rss_mb("VmHWM")
+    peak = round(status_mb("VmHWM"), 1)
     return {"model": name, "parameters": spec.param_numel, "samples": samples, "epochs": a.epochs,
             "batch_size": a.batch_size, "train_s": round(seconds, 2), "rss_before_training_mb": before,
             "peak_rss_mb": peak, "training_adds_mb": round(peak - before, 1)}

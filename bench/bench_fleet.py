@@ -15,16 +15,9 @@ from __future__ import annotations
 import threading
 import time
 
+from bench.process_memory import status_mb
 from fedmq.broker import MosquittoBroker
 from fedmq.config import Config
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def idle_agents(n: int) -> dict:
@@ -37,13 +30,13 @@ def idle_agents(n: int) -> dict:
         cfg.fleet = "bench-idle"
         network = NetworkLoop("bench-network")
         agents = []
-        rss0 = _rss_mb()
+        rss0 = status_mb()
         t0 = time.perf_counter()
         with use_network(network):
             for i in range(n):
                 agents.append(EdgeAgent(cfg, f"idle-{i:05d}").start(timeout=30))
         connect_s = time.perf_counter() - t0
-        rss1 = _rss_mb()
+        rss1 = status_mb()
         cpu0, w0 = time.process_time(), time.perf_counter()
         time.sleep(5.0)
         idle_cpu = (time.process_time() - cpu0) / (time.perf_counter() - w0)

@@ -31,6 +31,7 @@ import torch
 from bench.bench_agent import onnx_cost
 from bench.bench_aggregator import random_world
 from bench.bench_replies import VARIANTS, interleaved
+from bench.process_memory import status_mb
 from fedmq import codecs
 from fedmq.broker import MosquittoBroker
 from fedmq.data import load_dataset
@@ -93,14 +94,6 @@ def reply_costs(name: str, quick: bool, rounds: int | None = None) -> dict:
     return out
 
 
-def _peak_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM"):
-                return round(int(line.split()[1]) / 1024, 1)
-    return float("nan")
-
-
 def _wait(proc: subprocess.Popen, lines: list[str], pattern: str, timeout: float) -> re.Match[str]:
     regex = re.compile(pattern)
     deadline = time.monotonic() + timeout
@@ -144,7 +137,7 @@ def deployment(quick: bool, settings: Sequence[str] = ()) -> dict:
             done = _wait(agent, agent_lines, r"model\.installed .*via=update .*accuracy=([0-9.]+) .*"
                          r"uploaded=(\d+) waited_s=([0-9.]+) downloaded=(\d+)", 1200)
             applied = _wait(agg, agg_lines, r"update\.applied .* apply_s=([0-9.]+)", 60)
-            agg_peak = _peak_mb(agg.pid)
+            agg_peak = round(status_mb("VmHWM", agg.pid), 1)
             # A restart on the same state dir, with the disk cache warm: how soon it serves again.
             agg.terminate()
             agg.wait(120)
@@ -161,7 +154,7 @@ def deployment(quick: bool, settings: Sequence[str] = ()) -> dict:
                                                              float(done.group(1))],
                     "upload_bytes": int(done.group(2)), "reply_bytes": int(done.group(4)),
                     "upload_to_reply_s": float(done.group(3)), "aggregator_apply_s": float(applied.group(1)),
-                    "agent_peak_rss_mb": _peak_mb(agent.pid), "aggregator_peak_rss_mb": agg_peak}
+                    "agent_peak_rss_mb": round(status_mb("VmHWM", agent.pid), 1), "aggregator_peak_rss_mb": agg_peak}
         finally:
             for proc in (agent, agg):
                 if proc is not None and proc.poll() is None:
