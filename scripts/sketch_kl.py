@@ -33,7 +33,9 @@ from sim.seeds import int_list, seed_list  # noqa: E402
 
 
 def fleet_kl(spec: AblationSpec, base, shrinkages: list[float]) -> dict[str, float]:
-    """Mean KL(true alpha || estimate) over the fleet's uploads, per shrinkage."""
+    """Mean KL(true alpha || estimate) over the fleet's uploads, per shrinkage, and under
+    "uniform" the KL of guessing the uniform mixture: a sketch that does no better than that
+    carries nothing about the mixture (the clusters' inputs look alike)."""
     scenario, cfg = configure(spec.run_spec("cdfl", base), base)
     clusters = build_clusters(scenario, cfg, spec.clusters)
     proxies = [(p.x, p.y) for p in (clusters.proxy(k, cfg.data.proxy_per_cluster or None)
@@ -50,6 +52,8 @@ def fleet_kl(spec: AblationSpec, base, shrinkages: list[float]) -> dict[str, flo
             est = fit.mixture(x)
             kls.append(kl_divergence(d.alpha, normalize_simplex(est, cfg.cdfl.sketch_floor)[0]))
         out[f"{s:g}"] = float(np.mean(kls))
+    uniform = normalize_simplex(np.full(spec.clusters, 1.0 / spec.clusters), cfg.cdfl.sketch_floor)[0]
+    out["uniform"] = float(np.mean([kl_divergence(d.alpha, uniform) for d in draws]))
     return out
 
 

@@ -479,8 +479,9 @@ def test_sketch_kl_replays_a_fleets_draws_for_each_shrinkage():
                            "--agents", "8", "--updates-per-agent", "3"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     (line,) = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
-    assert (line["K"], line["seed"]) == (4, 0) and set(line["kl"]) == {"1", "0.25"}
+    assert (line["K"], line["seed"]) == (4, 0) and set(line["kl"]) == {"1", "0.25", "uniform"}
     assert line["kl"]["0.25"] < line["kl"]["1"], line
+    assert line["kl"]["0.25"] < line["kl"]["uniform"] / 10, line  # rotated digits: the sketch informs
 
 
 def test_wire_run_counts_refused_uploads_and_finishes(mosquitto, tmp_path):
@@ -497,3 +498,17 @@ def test_wire_run_counts_refused_uploads_and_finishes(mosquitto, tmp_path):
     assert set(run["refused"]) == {"loss_outlier"} and 0 < run["refused"]["loss_outlier"] < run["updates"]
     table = (out / "table.md").read_text()
     assert "refused (all seeds)" in table and f"loss_outlier {run['refused']['loss_outlier']}" in table
+
+
+def test_sketch_kl_shows_the_shapes_clusters_alike_at_a_quarter_turn():
+    """docs/results_realsize.md's finding, by its own script: on `shapes` the sketch pins the
+    mixture at K = 3 but does no better than the uniform guess at K = 4 (most shapes look the
+    same after a quarter turn). If the stand-in gains an orientation, this fails and the page's
+    paragraph must be redone."""
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "sketch_kl.py"), "--scenario", "realsize-shapes",
+                          "--clusters", "3,4", "--agents", "8", "--updates-per-agent", "2", "--shrinkage", "0.25"],
+                         capture_output=True, text=True, timeout=600)  # fewer draws than the page: seconds
+    assert run.returncode == 0, run.stderr
+    rows = {r["K"]: r["kl"] for r in map(json.loads, run.stdout.splitlines()[1:])}
+    assert rows[3]["0.25"] < rows[3]["uniform"] / 20
+    assert rows[4]["0.25"] > rows[4]["uniform"] * 0.8
