@@ -319,10 +319,14 @@ class ProxyEvaluator:
         """[N_total, ...] the lower part of `vector` (layer_split) on the proxy samples `rows`
         (the other rows are zero), kept for the last FEATURE_CACHE_ENTRIES (vector, rows): a
         reply whose start recurs (joins before any upload, a replayed or re-sent reply) skips
-        the lower forward pass."""
+        the lower forward pass. Under a frozen backbone the features of every proxy sample are
+        computed once and serve every reply."""
         split = self.layer_split()
+        if split.fixed_lower:  # a frozen backbone: every proxy sample once, for every reply after
+            rows = torch.arange(self.x.shape[0])
         rows_cpu = rows.detach().to("cpu", torch.int64).contiguous()
-        key = (vector_digest(vector), hashlib.blake2b(rows_cpu.numpy().tobytes(), digest_size=16).hexdigest())
+        key = ("fixed" if split.fixed_lower else vector_digest(vector),
+               hashlib.blake2b(rows_cpu.numpy().tobytes(), digest_size=16).hexdigest())
         cached = self._features.get(key)
         if cached is not None:
             self._features.move_to_end(key)
@@ -391,8 +395,9 @@ class LayerSplit:
             raise NotSplittable(f"{spec.arch}: not traceable by torch.fx ({type(e).__name__})") from None
         modules = dict(traced.named_modules())
         nodes = list(traced.graph.nodes)
-        layers = [n for n in nodes if n.op == "call_module"
-                  and next(modules[str(n.target)].parameters(recurse=False), None) is not None]
+        layers = [n for n in nodes if n.op == "call_module"  # a frozen backbone's layers hold buffers
+                  and next(modules[str(n.target)].parameters(recurse=False), None) is not None
+                  or n.op == "call_module" and next(modules[str(n.target)].buffers(recurse=False), None) is not None]
         first = len(layers)
         while first > 0 and isinstance(modules[str(layers[first - 1].target)], nn.Linear):
             first -= 1
@@ -432,6 +437,9 @@ class LayerSplit:
             position += math.prod(shape)
         lower_state = set(self.lower.state_dict())
         self._lower_names = [n for n in spec.names if n in lower_state]
+        self.fixed_lower = not self._lower_names
+        """No value of the vector reaches the lower part (a frozen backbone, fedmq/backbone.py):
+        its features are the same for every vector."""
         self.index = torch.cat([torch.arange(offsets[n], offsets[n] + math.prod(s))
                                 for n, s in zip(self.names, self.shapes, strict=True)])
         """Positions of the head's parameters in the flat vector."""

@@ -387,14 +387,15 @@ class DistillPersonalizer(Personalizer):
 
 def resolve_layers(evaluator: ProxyEvaluator, layers: str, head_above: int) -> tuple[LayerSplit | None, str, str]:
     """(the cut, "all" or "head", why) for personalize_layers: head trains the layers above the
-    cut (ValueError when the model has none); auto does so above `head_above` parameters, when
-    the model can be cut, and otherwise trains every layer."""
+    cut (ValueError when the model has none); auto does so above `head_above` parameters or
+    over a frozen backbone, when the model can be cut, and otherwise trains every layer."""
     if layers not in LAYERS:
         raise ValueError(f"personalize_layers must be one of {', '.join(LAYERS)}, got {layers!r}")
     if head_above < 0:
         raise ValueError(f"personalize_head_above must be >= 0, got {head_above}")
     params = evaluator.spec.param_numel
-    if layers == "all" or (layers == "auto" and params <= head_above):
+    frozen = evaluator.spec.frozen is not None  # the backbone's features serve every reply
+    if layers == "all" or (layers == "auto" and params <= head_above and not frozen):
         return None, "all", "set" if layers == "all" else f"{params} parameters <= {head_above}"
     try:
         split = evaluator.layer_split()
@@ -402,7 +403,8 @@ def resolve_layers(evaluator: ProxyEvaluator, layers: str, head_above: int) -> t
         if layers == "head":
             raise ValueError(f"personalize_layers = head: {e}") from None
         return None, "all", str(e)
-    return split, "head", "set" if layers == "head" else f"{params} parameters > {head_above}"
+    return split, "head", ("set" if layers == "head" else "a frozen backbone" if frozen
+                           else f"{params} parameters > {head_above}")
 
 
 class TailAverage:

@@ -468,7 +468,7 @@ class AggregatorService:
                               algorithm=self.cfg.aggregator.algorithm,
                               epoch=self.engine.strategy.uploads_applied,
                               counters={k: v for k, v in self.engine.counters.items()},
-                              model=spec.hash, model_name=spec.arch,
+                              model=spec.hash, model_name=spec.public_name,
                               model_spec=spec.canonical_json,
                               clusters=len(self.engine.strategy.server_models()),
                               codec={"name": c.name, "zstd": c.zstd, "delta": c.delta,

@@ -20,7 +20,9 @@ import time
 
 SAMPLES = 350
 """The real-size scenario's largest agent (data.max_samples in realsize-shapes)."""
-MODELS = ("cnn28", "resnet20-gn", "resnet20", "torchvision:mobilenet_v3_small?input=3x32x32&num_classes=10")
+MODELS = ("cnn28", "resnet20-gn", "resnet20", "torchvision:mobilenet_v3_small?input=3x32x32&num_classes=10",
+          "torchvision:mobilenet_v3_small?input=3x32x32&num_classes=10&train=head")
+"""The last: its backbone frozen (fedmq/backbone.py), so the device trains and sends the classifier."""
 
 
 def one(name: str, samples: int) -> dict:
@@ -45,7 +47,7 @@ def one(name: str, samples: int) -> dict:
                 rho=a.rho)
     seconds = time.perf_counter() - t0
     peak = round(status_mb("VmHWM"), 1)
-    return {"model": name, "parameters": spec.param_numel, "samples": samples, "epochs": a.epochs,
+    return {"model": name, "parameters": spec.param_numel, "upload_values": spec.numel, "samples": samples, "epochs": a.epochs,
             "batch_size": a.batch_size, "train_s": round(seconds, 2), "rss_before_training_mb": before,
             "peak_rss_mb": peak, "training_adds_mb": round(peak - before, 1)}
 

@@ -50,6 +50,9 @@ REPLY_VARIANTS: dict[str, dict] = {
 }
 """Name -> CDFLSettings fields; the default trains the classifier alone on this 1.5 M-parameter
 model (cdfl.personalize_layers = auto), the row before it every layer."""
+FROZEN = "frozen backbone (model train=head): the head alone travels"
+"""The same model with its backbone frozen (fedmq/backbone.py): a fleet of other vectors (the
+classifier's 0.6 M values), whose replies reuse the backbone's proxy features."""
 
 
 def wire_bytes(name: str) -> dict:
@@ -87,7 +90,17 @@ def reply_costs(name: str, quick: bool, rounds: int | None = None) -> dict:
         strategy.join("warm-up")
         strategy.update(Upload("warm-up", clusters[0] + 0.01, tau=0, sketch=sketch))
         rows[variant] = (strategy, clusters, sketch)
-        out["variants"][variant] = {"settings": fields, "layers": getattr(strategy.personalizer, "layers", "-")}
+        out["variants"][variant] = {"settings": fields, "layers": getattr(strategy.personalizer, "layers", "-"),
+                                    "values": model_spec(name).numel}
+    frozen = resolve_model_name(f"{MODEL}?train=head", DATASET)
+    frozen_proxies, frozen_clusters = random_world(n_proxy, arch=frozen, k=2)
+    strategy = CDFL.from_settings(model_spec(frozen), frozen_clusters, frozen_proxies,
+                                  CDFLSettings(clusters=2, tau0=1000), device=device)
+    strategy.join("warm-up")
+    strategy.update(Upload("warm-up", frozen_clusters[0] + 0.01, tau=0, sketch=sketch))
+    rows[FROZEN] = (strategy, frozen_clusters, sketch)
+    out["variants"][FROZEN] = {"settings": {"model": frozen}, "layers": strategy.personalizer.layers,
+                               "values": model_spec(frozen).numel}
     for variant, figures in interleaved(rows, rounds or (1 if quick else 3), device, BEFORE).items():
         out["variants"][variant].update(figures)
         print(f"reply {variant:44s} {figures['s_per_upload']:8.2f} s/upload x{figures['x_default']:.3f}", flush=True)

@@ -233,7 +233,7 @@ class CDFLSettings:
     personalize_samples: int = 0
     """finetune/distill: proxy samples per epoch, drawn with replacement in proportion to alpha (0 = every sample of the clusters with alpha > 0, weighted by alpha). Caps a reply's cost whatever K and the proxy sizes are. Must be >= 0."""
     personalize_layers: str = "auto"
-    """finetune/distill: what the reply trains: all (every layer), head (the trailing linear layers, over features of the frozen lower part of its start, computed once per reply) or auto (head above personalize_head_above parameters). docs/results_realsize.md."""
+    """finetune/distill: what the reply trains: all (every layer), head (the trailing linear layers, over features of the frozen lower part of its start, computed once per reply) or auto (head above personalize_head_above parameters or over a frozen backbone, docs/models.md)."""
     personalize_head_above: int = 1_000_000
     """personalize_layers = auto: models with more parameters than this train the head alone (integer >= 0). docs/results_realsize.md."""
     reply_batch: int = 0

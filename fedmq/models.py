@@ -22,12 +22,13 @@ import math
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
+from fedmq.backbone import digest
 from fedmq.dataset_names import canonical_dataset
 from fedmq.errors import UsageError
 
@@ -44,6 +45,9 @@ class ModelSpec:
     dtype: str = "float32"
     trainable: int | None = None
     """How many of `names` are parameters; the rest are running statistics (None: all)."""
+    frozen: str | None = None
+    """The frozen backbone's content digest (fedmq/backbone.py), None without one: the hash
+    covers the backbone's weights, not the path of the file they came from."""
 
     @property
     def numel(self) -> int:
@@ -61,11 +65,17 @@ class ModelSpec:
         return end - sum(math.prod(s) for s in self.shapes[:self.trainable][-2:]), end
 
     @property
+    def public_name(self) -> str:
+        """`arch` as others see it: without the path of a backbone file (the hash covers its
+        content), which is this machine's business."""
+        return self.arch if self.frozen is None else str(replace(parse_reference(self.arch), backbone=""))
+
+    @property
     def canonical_json(self) -> str:
         """The spec as JSON with sorted keys and no spaces: what `hash` digests, and what the
         aggregator's status advertises (docs/protocol.md), so a device can check the hash."""
-        doc = {
-            "arch": self.arch,
+        doc: dict[str, Any] = {
+            "arch": self.public_name,
             "names": list(self.names),
             "shapes": [list(s) for s in self.shapes],
             "input_shape": list(self.input_shape),
@@ -74,6 +84,8 @@ class ModelSpec:
         }
         if self.trainable is not None:  # zoo specs (no statistics) keep their published hashes
             doc["trainable"] = self.trainable
+        if self.frozen is not None:
+            doc["frozen"] = self.frozen
         return json.dumps(doc, sort_keys=True, separators=(",", ":"))
 
     @property
@@ -259,12 +271,19 @@ class ModelReference:
     """The torchvision model name, or the factory's import path again."""
     kwargs: tuple[tuple[str, bool | int | float | str], ...]
     input_shape: tuple[int, ...] | None
+    train: str = ""
+    """`train=`: the layers the fleet trains and sends, "head" or module prefixes joined by
+    "+"; the rest is a frozen backbone (fedmq/backbone.py). Empty: every layer."""
+    backbone: str = ""
+    """`backbone=FILE`: the whole model's weights (a state dict or a .f32 vector) the frozen
+    layers take; empty: the architecture's seed-0 initialization."""
 
     def __str__(self) -> str:
         """The canonical form (keys sorted): what state files, specs and logs carry."""
         args = [(k, _format_value(v)) for k, v in self.kwargs]
         if self.input_shape is not None:
             args.append(("input", "x".join(map(str, self.input_shape))))
+        args += [(k, v) for k, v in (("train", self.train), ("backbone", self.backbone)) if v]
         query = "&".join(f"{k}={v}" for k, v in sorted(args))
         head = f"torchvision:{self.name}" if self.source == "torchvision" else self.name
         return head + (f"?{query}" if query else "")
@@ -275,9 +294,30 @@ class ModelReference:
         if self.source == "torchvision":
             kwargs.setdefault("num_classes", num_classes)
         return ModelReference(self.source, self.name, tuple(sorted(kwargs.items())),
-                              self.input_shape or tuple(input_shape))
+                              self.input_shape or tuple(input_shape), self.train, self.backbone)
+
+    def whole(self) -> ModelReference:
+        """The same model with every layer trained: what a backbone file holds weights for."""
+        return ModelReference(self.source, self.name, self.kwargs, self.input_shape)
 
     def build(self) -> nn.Module:
+        if not self.train:
+            return self._build_whole()
+        from fedmq.backbone import freeze
+
+        if self.backbone:
+            model = load_vector(self._build_whole(), _backbone_vector(self.backbone, str(self.whole())))
+        else:  # the same random features on every machine, whatever seed the caller forked
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                model = self._build_whole()
+        try:
+            freeze(model, self.train, f"model {self}")
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        return model
+
+    def _build_whole(self) -> nn.Module:
         if self.source == "torchvision":
             from torchvision import models as tvm
 
@@ -322,12 +362,17 @@ def parse_reference(text: str) -> ModelReference:
     """`torchvision:NAME?k=v&...` or `module.path:factory?k=v&...`; UsageError if malformed."""
     head, _, query = text.strip().partition("?")
     kwargs: dict[str, bool | int | float | str] = {}
+    frozen: dict[str, str] = {}
     input_shape = None
     for item in filter(None, query.split("&")):
         key, eq, value = item.partition("=")
         if not eq or not key.isidentifier():
             raise UsageError(f"model {text!r}: {item!r} is not key=value")
-        if key == "input":
+        if key in ("train", "backbone"):
+            if not value:
+                raise UsageError(f"model {text!r}: {key}= needs a value")
+            frozen[key] = value
+        elif key == "input":
             try:
                 input_shape = tuple(int(d) for d in value.lower().split("x"))
             except ValueError:
@@ -336,14 +381,16 @@ def parse_reference(text: str) -> ModelReference:
                 raise UsageError(f"model {text!r}: input must be CxHxW, e.g. input=3x32x32; got {value!r}")
         else:
             kwargs[key] = _parse_value(value)
+    if "backbone" in frozen and "train" not in frozen:
+        raise UsageError(f"model {text!r}: backbone= goes with train= (head, or the layers to train)")
     source, _, name = head.partition(":")
     if source == "torchvision":
         if not name.isidentifier():
             raise UsageError(f"model {text!r}: torchvision:NAME needs a model name, e.g. torchvision:resnet18")
-        return ModelReference("torchvision", name, tuple(sorted(kwargs.items())), input_shape)
+        return ModelReference("torchvision", name, tuple(sorted(kwargs.items())), input_shape, **frozen)
     if not all(part.isidentifier() for part in source.split(".")) or not name.isidentifier():
         raise UsageError(f"unknown model {text!r}; use {MODEL_HELP}")
-    return ModelReference(head, head, tuple(sorted(kwargs.items())), input_shape)
+    return ModelReference(head, head, tuple(sorted(kwargs.items())), input_shape, **frozen)
 
 
 def import_factory(path: str, what: str = "model") -> Callable[..., Any]:
@@ -462,7 +509,7 @@ def spec_of(model: nn.Module, arch: str) -> ModelSpec:
     if not isinstance(out, torch.Tensor) or out.ndim != 2:
         raise UsageError(f"model {arch}: forward must return logits (N, classes), got "
                          f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}")
-    return ModelSpec(arch, names, shapes, ref.input_shape, int(out.shape[1]), trainable=params)
+    return ModelSpec(arch, names, shapes, ref.input_shape, int(out.shape[1]), trainable=params, frozen=digest(model))
 
 
 _SPEC_CACHE: dict[str, ModelSpec] = {}
@@ -497,12 +544,28 @@ def load_vector(model: nn.Module, vector: torch.Tensor) -> nn.Module:
     return model
 
 
+_BACKBONES: dict[tuple[str, str, int, int], torch.Tensor] = {}
+
+
+def _backbone_vector(path: str, whole: str) -> torch.Tensor:
+    """The backbone file as the whole model's vector, read and checked once per file version
+    (every build of the model reads it)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return load_init_vector(path, whole, "backbone")  # says what is wrong with the path
+    key = (os.path.abspath(path), whole, st.st_mtime_ns, st.st_size)
+    if key not in _BACKBONES:
+        _BACKBONES[key] = load_init_vector(path, whole, "backbone")
+    return _BACKBONES[key]
+
+
 INIT_VECTOR_SUFFIX = ".f32"
 """A starting checkpoint with this suffix is the model's vector itself: its values as raw
 little-endian float32, parameters then statistics (`to_vector(model).numpy().tofile(path)`)."""
 
 
-def load_init_vector(path: str | os.PathLike[str], name: str) -> torch.Tensor:
+def load_init_vector(path: str | os.PathLike[str], name: str, role: str = "init weights") -> torch.Tensor:
     """A user's pre-trained weights for model `name`, as its vector: a torch state dict
     (`torch.save(model.state_dict(), "w.pt")`; a checkpoint holding one under "state_dict"
     too) or the raw vector (INIT_VECTOR_SUFFIX). Read with `weights_only=True`: a file
@@ -511,7 +574,7 @@ def load_init_vector(path: str | os.PathLike[str], name: str) -> torch.Tensor:
     import numpy as np
 
     spec = model_spec(name)
-    where = f"init weights {os.fspath(path)}"
+    where = f"{role} {os.fspath(path)}"
     if not os.path.isfile(path):
         raise UsageError(f"{where}: no such file")
     if os.fspath(path).endswith(INIT_VECTOR_SUFFIX):
@@ -532,7 +595,8 @@ def load_init_vector(path: str | os.PathLike[str], name: str) -> torch.Tensor:
         state = state["state_dict"]
     if not isinstance(state, dict):
         raise UsageError(f"{where}: holds a {type(state).__name__}, not a state dict (name -> tensor)")
-    local = set(build_model(name).state_dict()) - set(spec.names)  # integer buffers: num_batches_tracked
+    model = build_model(name)  # its other tensors: integer buffers (num_batches_tracked), a frozen backbone
+    local = (set(model.state_dict()) | {n for n, _ in model.named_buffers()}) - set(spec.names)
     for key in state:
         if key not in spec.names and key not in local:
             raise UsageError(f"{where}: unexpected key {key!r}: model {name} has no such tensor")

@@ -58,7 +58,8 @@ class Rule:
     broker: bool = False
     """Run inside a network namespace with the documented broker on 127.0.0.1:1883."""
     needs: tuple[str, ...] = ()
-    """Fixtures the command reads: creds (fedmq creds output in deploy/creds), mnist, samples."""
+    """Fixtures the command reads: creds (fedmq creds output in deploy/creds), mnist, samples,
+    backbone (mnv3-shapes.pt, a MobileNetV3-small state dict)."""
     timeout: float = 600.0
 
 
@@ -86,6 +87,8 @@ RULES: list[Rule] = [
     Rule(r"^fedmq sim ablation --help", "run", proof="usage:"),
     Rule(r"^fedmq broker --dry-run", "run", proof="mosquitto"),
     Rule(r"^fedmq privacy plan ", "run", proof="noise multiplier"),
+    Rule(r"^fedmq (agent|aggregator) .*backbone=mnv3-shapes\.pt.*--dry-run$", "run", proof='"parameters": 601098',
+         needs=("backbone",)),
     Rule(r"^fedmq (agent|aggregator) .*--dry-run$", "run", proof='"resolved"'),
     Rule(r"^fedmq creds ", "run", proof=""),
     Rule(r"^fedmq sim report ", "run", proof="report:", timeout=900),
@@ -183,9 +186,11 @@ def doc_commands() -> list[Command]:
 
 
 def is_fleet_block(block: tuple[str, ...]) -> bool:
-    """A block that starts an aggregator and its agents: the docs mean them to run together."""
-    return (any(line.startswith("fedmq aggregator ") for line in block)
-            and any(line.startswith("fedmq agent ") for line in block))
+    """A block that starts an aggregator and its agents: the docs mean them to run together
+    (a dry run starts nothing)."""
+    starts = [line for line in block if not line.endswith("--dry-run")]
+    return (any(line.startswith("fedmq aggregator ") for line in starts)
+            and any(line.startswith("fedmq agent ") for line in starts))
 
 
 def help_commands() -> list[Command]:
@@ -272,6 +277,11 @@ def write_needs(needs: tuple[str, ...], cwd: Path, env: dict[str, str]) -> dict[
         values["mnist"] = str(cwd / "mnist-data")
     if "samples" in needs:
         values["samples"] = str(write_digit_pngs(cwd / "samples", 40))
+    if "backbone" in needs:  # the reader's trained network: here MobileNetV3-small's random init, saved
+        import torch
+        from torchvision.models import mobilenet_v3_small
+
+        torch.save(mobilenet_v3_small(num_classes=10).state_dict(), cwd / "mnv3-shapes.pt")
     return values
 
 
