@@ -36,11 +36,14 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from fedmq.errors import RuntimeFailure
+
+if TYPE_CHECKING:  # torch is imported where gradients are made: `fedmq privacy plan` needs none of it
+    import torch
 
 Step = tuple[float, float, int]
 """(noise multiplier, sample rate, steps): one entry of Opacus' accountant history."""
@@ -266,6 +269,7 @@ def private_gradients(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, 
                       generator: torch.Generator) -> torch.Tensor:
     """Mean cross-entropy of the batch, with each parameter's .grad set to DP-SGD's
     (sum of per-sample gradients clipped to dp.clip + N(0, (sigma clip)^2)) / batch size."""
+    import torch
     from torch.func import functional_call, grad_and_value, vmap
 
     params = {n: p.detach() for n, p in model.named_parameters()}

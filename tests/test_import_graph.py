@@ -111,3 +111,12 @@ def test_the_name_tables_config_needs_import_only_the_ground():
         assert name in graph
         reached = {m for m in graph if _path_to(graph, name, m)}
         assert reached <= ground, f"{name} reaches {sorted(reached - ground)}"
+
+
+def test_planning_a_privacy_budget_imports_no_torch():
+    """`fedmq privacy plan` is arithmetic on the accountant: it pays no torch import (~2 s)."""
+    script = ("import sys\nfrom fedmq import privacy_cli\n"
+              "print(sorted(m for m in ('torch', 'torchvision', 'paho') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]"
