@@ -26,6 +26,7 @@ estimators are compared with; it needs the client's data, which the server never
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -38,7 +39,10 @@ from scipy.optimize import nnls
 from torch import Tensor
 
 from aggregator.evaluator import ProxyEvaluator, vector_digest
-from fedmq.sketch import SketchFit, check_shrinkage
+from fedmq.logs import event, get_logger
+from fedmq.sketch import SEPARATION_SAMPLES, SketchFit, check_shrinkage
+
+log = get_logger("aggregator")
 
 Estimate = tuple[list[float], dict[str, Any]]
 
@@ -330,6 +334,12 @@ class SketchEstimator(Estimator):
         if self._fit is None or self._fit[0] is not evaluator:
             inputs = self.references if self.references is not None else [x for x, _ in evaluator.proxies]
             self._fit = (evaluator, SketchFit(inputs, self.shrinkage))
+            blind = self._fit[1].blind_pairs()
+            if blind:  # the data's doing, not the estimator's: say so once, where a user looks
+                event(log, "sketch.blind", logging.WARNING, pairs=" ".join(f"{i}-{j}" for i, j, _ in blind),
+                      separation=round(min(s for _, _, s in blind), 2), samples=SEPARATION_SAMPLES,
+                      meaning="these clusters' inputs look alike: their share of an upload's mixture "
+                              "comes out near an even split (docs/results_realsize.md)")
         return self._fit[1]
 
     def estimate(self, batch: EstimationBatch) -> list[Estimate]:

@@ -98,6 +98,16 @@ def whitener(sets: Sequence[Tensor], shrinkage: float, batch: int = 2048,
     return torch.linalg.solve_triangular(lower, eye, upper=False).numpy()
 
 
+SEPARATION_SAMPLES = 256
+"""The sample count `SketchFit.blind_pairs` judges at: a typical device's training set."""
+BLIND_RATIO = 2.0
+"""Clusters whose input distributions lie closer than this many times the noise of a sketch of
+SEPARATION_SAMPLES inputs cannot be told apart by it. Measured (`separation(256)`, closest
+pair, proxy sets with or without the pre-training inputs): 2.5-9.4 where the fit pins the
+mixture (rotated digits at K = 2 and 6, shapes at K = 3: KL 0.001-0.004), 0-1.5 where it does no
+better than the uniform guess (shapes a quarter turn apart; docs/results_realsize.md)."""
+
+
 class SketchFit:
     """Sketch -> mixture over the clusters whose reference inputs it was built on: NNLS in the
     metric of the features' noise (`whitener`). The clusters' side is sketched and whitened once,
@@ -110,6 +120,36 @@ class SketchFit:
         """W, or None for the plain fit (shrinkage 1)."""
         plain = self.sketches.astype(np.float64)
         self._design = plain if self.whiten is None else (self.whiten @ plain.T).T
+        total, count = 0.0, 0
+        for x, mean in zip(references, self.sketches, strict=True):
+            centre = torch.from_numpy(mean).double()
+            for f in _feature_batches(x, batch):
+                total += float(((f.double() - centre) ** 2).sum())
+                count += f.shape[0]
+        self.spread = total / max(count - len(references), 1)
+        """E ||features(x) - its cluster's sketch||^2 over single reference inputs: a sketch of n
+        inputs strays from its distribution's by about sqrt(spread / n)."""
+        self.counts = np.array([x.shape[0] for x in references], dtype=np.float64)
+
+    def separation(self, n: int) -> np.ndarray:
+        """[K, K]: how far apart each pair of clusters' input distributions lie, in units of the
+        noise of a sketch of `n` inputs (diagonal inf). Below ~1 a sketch cannot tell the pair
+        apart. Judged in the plain metric, a property of the data: the whitened one is fitted on
+        these very inputs and would flatter them. The references' own sampling noise is taken
+        out: two sketches of one distribution from n_i and n_j inputs lie sqrt(spread (1/n_i +
+        1/n_j)) apart on average."""
+        plain = self.sketches.astype(np.float64)
+        d2 = ((plain[:, None, :] - plain[None, :, :]) ** 2).sum(-1)
+        signal = np.maximum(d2 - self.spread * (1.0 / self.counts[:, None] + 1.0 / self.counts[None, :]), 0.0)
+        out = np.sqrt(signal / (self.spread / n))
+        np.fill_diagonal(out, np.inf)
+        return out
+
+    def blind_pairs(self, n: int = SEPARATION_SAMPLES) -> list[tuple[int, int, float]]:
+        """(i, j, separation) of every cluster pair closer than BLIND_RATIO at `n` inputs."""
+        sep = self.separation(n)
+        k = sep.shape[0]
+        return [(i, j, float(sep[i, j])) for i in range(k) for j in range(i + 1, k) if sep[i, j] < BLIND_RATIO]
 
     def mixture(self, sketch: np.ndarray) -> np.ndarray:
         """Non-negative weights summing to 1 (`mixture_from_sketch`, in the whitened metric)."""
