@@ -137,7 +137,7 @@ class DataSettings:
     """Datasets and how agents' local data is drawn."""
 
     dataset: str = "digits"
-    """digits (scikit-learn's, offline), synthetic, shapes (generated; 32x32 colour), mnist, fashionmnist, cifar10, cifar100, svhn, usps (from data_dir), folder:NAME (PNGs in <data_dir>/NAME/{train,test}/<class>/) or module.path:factory (your loader; docs/data.md)."""
+    """digits (scikit-learn's, offline), synthetic, shapes (generated; 32x32 colour), shapes-lit (the same, lit from above), mnist, fashionmnist, cifar10, cifar100, svhn, usps (from data_dir), folder:NAME (PNGs in <data_dir>/NAME/{train,test}/<class>/) or module.path:factory (your loader; docs/data.md)."""
     data_dir: str = field(default_factory=default_data_dir)
     """Dataset root, in torchvision's own layout."""
     download: bool = False

@@ -18,12 +18,12 @@ class UnknownDataset(UsageError):
     """A dataset name that is none of DATASETS, folder:NAME or module.path:factory."""
 
 
-DATASETS: tuple[str, ...] = ("digits", "synthetic", "shapes", "mnist", "fashionmnist", "cifar10", "cifar100",
+DATASETS: tuple[str, ...] = ("digits", "synthetic", "shapes", "shapeslit", "mnist", "fashionmnist", "cifar10", "cifar100",
                              "svhn", "usps")
 """Names `load_dataset` accepts, besides `folder:NAME` (a directory of PNG/JPEG images) and
 `module.path:factory` (a dataset factory by import path, docs/models.md)."""
 
-OFFLINE: tuple[str, ...] = ("digits", "synthetic", "shapes")
+OFFLINE: tuple[str, ...] = ("digits", "synthetic", "shapes", "shapeslit")
 """Datasets made in the process (no data root): scikit-learn's digits and our generated tasks."""
 
 EXPECTED_FILES: dict[str, list[str]] = {

@@ -253,6 +253,7 @@ DEFAULT_MODEL_FOR_DATASET = {
     "cifar10": "cnn32-10",
     "cifar100": "cnn32",
     "shapes": "cnn32-10",
+    "shapeslit": "cnn32-10",
 }
 
 

@@ -33,6 +33,7 @@ from fedmq.config import Config
 from fedmq.data import AgentData, RotatedClusters, clusters_from_settings, draw_agent, load_dataset
 from fedmq.data.mixtures import sample_agent_data
 from fedmq.data.sources import OFFLINE, Dataset, offline_with_data_dir
+from fedmq.dataset_names import canonical_dataset
 from fedmq.errors import UsageError
 
 DOMAINS: tuple[str, ...] = ("printed", "inverted", "bold")
@@ -128,7 +129,7 @@ def resolve_scenario(name: str | None, cfg: Config, data_dir: str | None) -> Sce
             found = f"rotated-{cfg.data.dataset}"
             name = found if found in SCENARIOS else "rotated"
     scenario = get_scenario(name)
-    if data_dir and (scenario.dataset or cfg.data.dataset) in OFFLINE:
+    if data_dir and canonical_dataset(scenario.dataset or cfg.data.dataset) in OFFLINE:
         raise UsageError(offline_with_data_dir(f"scenario {name!r}", data_dir))
     return scenario
 
@@ -225,7 +226,7 @@ def describe_plan(scenario_name: str, cfg: Config, clusters: list[int]) -> str:
     cfg = copy.deepcopy(cfg)
     apply_defaults(scenario, cfg)
     lines = [f"scenario {scenario.name}: {scenario.description}; dataset {cfg.data.dataset}"
-             + ("" if cfg.data.dataset in ("digits", "shapes") else f" from {cfg.data.data_dir}")]
+             + ("" if canonical_dataset(cfg.data.dataset) in OFFLINE else f" from {cfg.data.data_dir}")]
     for k in clusters:
         c = build_clusters(scenario, cfg, k)
         lines.append(f"  K={k}: {len(c.train_data)} train / {len(c.test_data)} test images, per cluster "

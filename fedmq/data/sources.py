@@ -157,8 +157,8 @@ def _load_uncached(name: str, root: str, train: bool, download: bool) -> Dataset
         return _load_digits(train)
     if name == "synthetic":
         return _load_synthetic(train)
-    if name == "shapes":
-        return _load_shapes(train)
+    if name in ("shapes", "shapeslit"):
+        return _load_shapes(train, lit=name == "shapeslit")
     if is_factory(name):
         return _load_factory(name, root, train)
     if name.startswith("folder:"):
@@ -284,13 +284,22 @@ SHAPE_MASKS: dict[str, _Mask] = {
 SHAPES = tuple(SHAPE_MASKS)
 
 
-def _load_shapes(train: bool) -> Dataset:
+LIGHT_FALLOFF = 0.5
+"""shapes-lit: the bottom row gets this fraction of the top row's light."""
+
+
+def _load_shapes(train: bool, lit: bool = False) -> Dataset:
     """A generated 10-class task of 32x32 colour images: 6000 train and 1500 test images.
 
     The offline stand-in for a colour dataset (`--dataset shapes`, the real-sized model's
     scenario, docs/models.md): class = the shape drawn (SHAPES), with a random colour, size
     (radius 5-11 px), centre (within 4 px of the middle) and background colour, plus
     Gaussian pixel noise sigma 0.1; colour says nothing about the class. Deterministic.
+
+    Most shapes look the same after a quarter turn, so rotated clusters of `shapes` look alike
+    to anything that sees only inputs (docs/results_realsize.md). `shapes-lit` (lit=True) is the
+    same images lit from above, as photographs are: each row's light falls linearly from 1 at
+    the top to LIGHT_FALLOFF at the bottom, before the noise, so a rotation shows.
     """
     n = 6000 if train else 1500
     rng = np.random.default_rng(31 if train else 32)
@@ -305,10 +314,12 @@ def _load_shapes(train: bool) -> Dataset:
         background, colour = rng.uniform(0, 1, (2, 3, 1, 1))
         colour = np.where(np.abs(colour - background) < 0.3, 1.0 - background, colour)
         images[i] = np.where(mask[None], colour, background)
+    if lit:
+        images *= np.linspace(1.0, LIGHT_FALLOFF, 32, dtype=np.float32)[:, None]
     images += rng.normal(0.0, 0.1, images.shape).astype(np.float32)
     x = np.clip(images, 0, 1)
     mean, std = (0.5, 0.5, 0.5), (0.3, 0.3, 0.3)
-    return _normalized(x, labels, len(SHAPES), "shapes", mean, std, scale=1.0)
+    return _normalized(x, labels, len(SHAPES), "shapeslit" if lit else "shapes", mean, std, scale=1.0)
 
 
 def _load_factory(name: str, root: str, train: bool) -> Dataset:
