@@ -49,8 +49,11 @@ def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen |
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise BrokerError(f"broker exited with code {proc.returncode} before listening")
-        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2):
-            return
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2) as sock:
+            # On loopback a connect to a free port in the ephemeral range can meet itself (TCP
+            # simultaneous open) before the broker binds, and then holds the port it wants.
+            if sock.getsockname() != sock.getpeername():
+                return
         time.sleep(0.02)
     raise BrokerError(f"nothing listens on {host}:{port} after {timeout:.0f}s")
 

@@ -362,12 +362,20 @@ def timed_join(agent: RawAgent) -> float:
     return time.perf_counter() - t0
 
 
+STALL_SLACK_S = 1.0
+"""chunk_stall: what a join behind held pieces may take beyond its idle time before it counts as
+stalled (the stall is the 30 s chunk timeout; a loaded 2-core machine measured 0.19 s against an
+idle 0.05 s)."""
+
+
 def case_chunk_stall(arena: Arena, joins: int = 5) -> dict[str, Any]:
     """car-2 sends every piece but the last of two 64-piece messages (2 x 63 pieces, more than
     the broker's in-flight window of 64 toward the aggregator), then car-3 joins; then the same
     with two 32-piece messages (2 x 31 pieces: within what may be held, together not). Held:
     car-3's first join behind the pieces is answered within 2x its idle round trip (the median
-    of `joins` joins just before), both times, not after the chunk timeout."""
+    of `joins` joins just before) or STALL_SLACK_S more than it, whichever is longer, both
+    times: a stall waits for the chunk timeout (30 s), a busy machine adds tenths of a second
+    to one 50 ms join."""
     arena.main_aggregator()
     with arena.joined("car-2") as car2, contextlib.closing(arena.agent("car-3")) as car3:
         idle = [timed_join(car3) for _ in range(joins)]
@@ -379,7 +387,8 @@ def case_chunk_stall(arena: Arena, joins: int = 5) -> dict[str, Any]:
             behind[count] = [timed_join(car3) for _ in range(joins)]
     idle_s = statistics.median(idle)
     firsts = {count: times[0] for count, times in behind.items()}
-    return {"held": all(t <= 2.0 * idle_s for t in firsts.values()), "idle_join_median_s": round(idle_s, 3),
+    bound = max(2.0 * idle_s, idle_s + STALL_SLACK_S)
+    return {"held": all(t <= bound for t in firsts.values()), "idle_join_median_s": round(idle_s, 3),
             "first_join_behind_2x63_s": round(firsts[64], 3), "first_join_behind_2x31_s": round(firsts[32], 3),
             "joins_behind_pieces_s": {f"2x{c - 1}": [round(t, 3) for t in ts] for c, ts in behind.items()},
             "ratio": round(max(firsts.values()) / idle_s, 2)}
