@@ -217,6 +217,9 @@ class MosquittoBroker:
             err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
             self.stop()
             raise BrokerError(f"{e}\nstderr: {err}\nlog:\n{self.log_tail()}") from None
+        except BaseException:  # a signal while it starts: __exit__ will not run, so stop it here
+            self.stop()
+            raise
         return self
 
     def stop(self, kill: bool = False, timeout: float = 5.0) -> None:
