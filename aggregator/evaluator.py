@@ -374,6 +374,12 @@ class NotSplittable(ValueError):
     or a connection crossing the cut)."""
 
 
+def _owns_tensors(module: nn.Module) -> bool:
+    """Whether `module` itself holds a parameter or a buffer: a layer (a frozen backbone's layers
+    hold buffers only, fedmq/backbone.py)."""
+    return any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
+
+
 class LayerSplit:
     """The model cut below its classifier head: a frozen lower part and a trained upper part.
 
@@ -395,9 +401,7 @@ class LayerSplit:
             raise NotSplittable(f"{spec.arch}: not traceable by torch.fx ({type(e).__name__})") from None
         modules = dict(traced.named_modules())
         nodes = list(traced.graph.nodes)
-        layers = [n for n in nodes if n.op == "call_module"  # a frozen backbone's layers hold buffers
-                  and next(modules[str(n.target)].parameters(recurse=False), None) is not None
-                  or n.op == "call_module" and next(modules[str(n.target)].buffers(recurse=False), None) is not None]
+        layers = [n for n in nodes if n.op == "call_module" and _owns_tensors(modules[str(n.target)])]
         first = len(layers)
         while first > 0 and isinstance(modules[str(layers[first - 1].target)], nn.Linear):
             first -= 1

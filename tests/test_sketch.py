@@ -131,10 +131,13 @@ def test_agent_sends_its_sketch_and_the_aggregator_fits_it(mosquitto, pretrained
             agent.stop()
 
 
-def _shapes_fit(k: int) -> sketch.SketchFit:
-    shapes = load_dataset("shapes")
-    clusters = RotatedClusters(shapes, load_dataset("shapes", train=False), k, seed=0,
-                               proxy_per_cluster=100, pretrain_per_cluster=300)
+def _shapes_clusters(k: int) -> RotatedClusters:
+    return RotatedClusters(load_dataset("shapes"), load_dataset("shapes", train=False), k, seed=0,
+                           proxy_per_cluster=100, pretrain_per_cluster=300)
+
+
+def _shapes_fit(clusters: RotatedClusters) -> sketch.SketchFit:
+    k = clusters.num_clusters
     return sketch.SketchFit([torch.cat([clusters.proxy(i, 100).x, clusters.pretrain(i, 300).x]) for i in range(k)],
                             0.25)
 
@@ -146,17 +149,15 @@ def test_the_fit_knows_which_clusters_its_sketches_cannot_tell_apart(rotated, ca
     from aggregator.evaluator import ProxyEvaluator
     from fedmq.models import model_spec
 
-    four = _shapes_fit(4)
+    clusters = _shapes_clusters(4)
+    four = _shapes_fit(clusters)
     assert {(i, j) for i, j, _ in four.blind_pairs()} == {(i, j) for i in range(4) for j in range(i + 1, 4)}
-    assert not _shapes_fit(3).blind_pairs()
+    assert not _shapes_fit(_shapes_clusters(3)).blind_pairs()
     digits = sketch.SketchFit([rotated.proxy(k, 100).x for k in range(rotated.num_clusters)], 0.25)
     assert not digits.blind_pairs() and np.isinf(np.diag(digits.separation(256))).all()
     np.testing.assert_allclose(four.separation(1024)[0, 1], 2 * four.separation(256)[0, 1])  # noise ~ 1/sqrt(n)
 
     estimator = SketchEstimator()
-    shapes = load_dataset("shapes")
-    clusters = RotatedClusters(shapes, load_dataset("shapes", train=False), 4, seed=0,
-                               proxy_per_cluster=100, pretrain_per_cluster=300)
     ev = ProxyEvaluator(model_spec("cnn32-10"), [(p.x, p.y) for p in (clusters.proxy(k, 100) for k in range(4))],
                         device="cpu")
     with caplog.at_level("WARNING", logger="fedmq"):
