@@ -71,16 +71,11 @@ def check_shrinkage(shrinkage: float, name: str = "sketch shrinkage") -> float:
     return float(shrinkage)
 
 
-def whitener(sets: Sequence[Tensor], shrinkage: float, batch: int = 2048,
-             means: np.ndarray | None = None) -> np.ndarray | None:
-    """[DIM, DIM] W with ||W r||^2 = r^T C^-1 r: C is the covariance of single inputs' features
-    within the sets (each about its own mean), shrunk toward its mean variance,
-    (1 - shrinkage) C + shrinkage tr(C)/DIM I, since a few hundred inputs cannot pin 1024^2
-    entries. shrinkage 1 is plain least squares: None. `means`: the sets' sketches, if the
-    caller has them already."""
-    check_shrinkage(shrinkage)
-    if shrinkage == 1.0:
-        return None
+def within_scatter(sets: Sequence[Tensor], batch: int = 2048,
+                   means: np.ndarray | None = None) -> tuple[Tensor, int]:
+    """(sum over every input of d^T d, the input count): d is an input's features minus its own
+    set's sketch (`means`, if the caller has them already). Over (count - sets) it is the
+    within-set covariance of single inputs' features."""
     scatter = torch.zeros(DIM, DIM, dtype=torch.float64)
     n = 0
     for i, x in enumerate(sets):
@@ -89,9 +84,23 @@ def whitener(sets: Sequence[Tensor], shrinkage: float, batch: int = 2048,
             d = f.double() - mean
             scatter += d.T @ d
         n += x.shape[0]
+    return scatter, n
+
+
+def whitener(sets: Sequence[Tensor], shrinkage: float, batch: int = 2048,
+             means: np.ndarray | None = None, scatter: tuple[Tensor, int] | None = None) -> np.ndarray | None:
+    """[DIM, DIM] W with ||W r||^2 = r^T C^-1 r: C is the covariance of single inputs' features
+    within the sets (each about its own mean), shrunk toward its mean variance,
+    (1 - shrinkage) C + shrinkage tr(C)/DIM I, since a few hundred inputs cannot pin 1024^2
+    entries. shrinkage 1 is plain least squares: None. `means`: the sets' sketches, and
+    `scatter`: `within_scatter` of the sets, if the caller has them already."""
+    check_shrinkage(shrinkage)
+    if shrinkage == 1.0:
+        return None
+    total, n = within_scatter(sets, batch, means) if scatter is None else scatter
     if n <= len(sets):
         raise ValueError(f"{n} inputs in {len(sets)} sets leave no spread to estimate")
-    cov = scatter / (n - len(sets))
+    cov = total / (n - len(sets))
     eye = torch.eye(DIM, dtype=torch.float64)
     cov = (1.0 - shrinkage) * cov + shrinkage * torch.trace(cov) / DIM * eye
     lower = torch.linalg.cholesky(cov)  # cov = L L^T, so W = L^-1 (torch: 25x numpy's here)
@@ -116,17 +125,12 @@ class SketchFit:
     def __init__(self, references: Sequence[Tensor], shrinkage: float, batch: int = 2048) -> None:
         self.sketches = np.stack([data_sketch(x, batch) for x in references])
         """[K, DIM] float32: each cluster's reference sketch."""
-        self.whiten = whitener(references, shrinkage, batch, means=self.sketches)
+        scatter, count = within_scatter(references, batch, self.sketches)
+        self.whiten = whitener(references, shrinkage, batch, means=self.sketches, scatter=(scatter, count))
         """W, or None for the plain fit (shrinkage 1)."""
         plain = self.sketches.astype(np.float64)
         self._design = plain if self.whiten is None else (self.whiten @ plain.T).T
-        total, count = 0.0, 0
-        for x, mean in zip(references, self.sketches, strict=True):
-            centre = torch.from_numpy(mean).double()
-            for f in _feature_batches(x, batch):
-                total += float(((f.double() - centre) ** 2).sum())
-                count += f.shape[0]
-        self.spread = total / max(count - len(references), 1)
+        self.spread = float(torch.trace(scatter)) / max(count - len(references), 1)
         """E ||features(x) - its cluster's sketch||^2 over single reference inputs: a sketch of n
         inputs strays from its distribution's by about sqrt(spread / n)."""
         self.counts = np.array([x.shape[0] for x in references], dtype=np.float64)
