@@ -58,11 +58,28 @@ def test_a_torchvision_reference_takes_the_datasets_shape_and_its_hash_covers_th
     ("recipes.my_fleet:make_model", BARS_DATA, "add input=CxHxW"),
     ("torchvision:resnet18?input=3x", "shapes", "input must be CxHxW"),
     ("torchvision:resnet18?depth", "shapes", "'depth' is not key=value"),
+    ("torchvision:resnet18?bn_momentum=0", "shapes", "bn_momentum must be in (0, 1]"),
+    ("torchvision:resnet18?bn_momentum=fast", "shapes", "bn_momentum must be in (0, 1]"),
 ])
 def test_a_bad_reference_is_one_clear_error(model, dataset, says) -> None:
     with pytest.raises(UsageError) as err:
         resolve_model_name(model, dataset)
     assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def bn_momenta(name: str) -> set[float | None]:
+    return {m.momentum for m in build_model(name).modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
+
+
+def test_batch_norm_momentum_suits_a_devices_few_steps_unless_the_reference_says() -> None:
+    """torchvision's MobileNetV3 ships 0.01, for ImageNet-length training: a device's update of
+    tens of steps would leave its running statistics near their start. A factory keeps its own."""
+    assert bn_momenta(resolve_model_name(MOBILENET, "shapes")) == {0.1}
+    own = resolve_model_name(MOBILENET + "?bn_momentum=0.01", "shapes")
+    assert "bn_momentum=0.01" in own and bn_momenta(own) == {0.01}
+    assert model_spec(own).hash != model_spec(resolve_model_name(MOBILENET, "shapes")).hash
+    assert bn_momenta(resolve_model_name(BARS_MODEL, BARS_DATA)) == {0.1}  # the factory's own default
+    assert bn_momenta(resolve_model_name(BARS_MODEL + "&bn_momentum=0.3", BARS_DATA)) == {0.3}
 
 
 def run_cli(*argv: str, cwd: Path, env: dict[str, str], warm: Path | None = None) -> subprocess.CompletedProcess:
