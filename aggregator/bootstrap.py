@@ -15,6 +15,7 @@ default log level every PROGRESS_EVERY_S, so a minutes-long start shows how far 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -140,7 +141,7 @@ def _pretrain_cache_name(cfg: Config, model_name: str, pools: list, init: torch.
         data.append(init.numpy().tobytes())
     made_by = disk_cache.digest(model_name, *code, torch.__version__, str(torch.get_num_threads()),
                                 str(cfg.seed), str(cfg.aggregator.pretrain_shared),
-                                str(cfg.aggregator.pretrain_epochs), *data)
+                                str(cfg.aggregator.pretrain_epochs), str(cfg.aggregator.pretrain_lr), *data)
     return f"{model_name}-k{len(pools)}-{made_by}.f32"
 
 
@@ -155,12 +156,32 @@ def _cached_pretraining(name: str, k: int, numel: int) -> list[torch.Tensor] | N
     return list(torch.from_numpy(np.frombuffer(payload, np.float32).copy()).view(k, numel))
 
 
+SPECIALIZE_SLOWER = 5.0
+"""Clusters specialize from a trained start (the shared model, `init`) at pretrain_lr / this."""
+
+STUCK_SHARE = 0.95
+"""A pre-training whose last loss is above this share of chance's (ln of the class count) has
+not learned: ResNet-20 on shapes-lit at 0.05 ends at 2.29 against ln 10 = 2.30, at chance."""
+
+
+def warn_if_stuck(cluster: int | str, loss: float, model_name: str, lr: float) -> bool:
+    """Log `cluster.pretrain_stuck` where a pre-training ended at chance's loss: every reply
+    and every agent would start from a model that predicts nothing, silently otherwise."""
+    chance = math.log(model_spec(model_name).num_classes)
+    if not loss >= STUCK_SHARE * chance:  # NaN counts as stuck
+        return False
+    event(log, "cluster.pretrain_stuck", logging.WARNING, cluster=cluster, loss=loss, chance=chance, lr=lr,
+          hint="the model learned nothing at this rate: lower aggregator.pretrain_lr (or give more epochs)")
+    return True
+
+
 def _pretrain(cfg: Config, pools: list, model_name: str, init: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Each cluster's model from the shared start: `init` (a user's weights, which stand for
     the shared pre-training), else a seeded init, trained on all pools first with
     `aggregator.pretrain_shared`."""
     start = to_vector(build_model(model_name, seed=cfg.seed)) if init is None else init
-    lr = 0.05 if init is None else 0.01
+    rate = cfg.aggregator.pretrain_lr
+    lr = rate if init is None else rate / SPECIALIZE_SLOWER
     train_shared = cfg.aggregator.pretrain_shared and init is None
     if init is not None:
         event(log, "cluster.init", path=cfg.aggregator.init, values=init.numel())
@@ -177,7 +198,8 @@ def _pretrain(cfg: Config, pools: list, model_name: str, init: torch.Tensor | No
                      on_epoch=progress)
         event(log, "cluster.pretrained", cluster="shared", samples=len(y),
               seconds=time.perf_counter() - t0, loss=shared.final_loss)
-        start, lr = shared.vector, 0.01
+        warn_if_stuck("shared", shared.final_loss, model_name, lr)
+        start, lr = shared.vector, rate / SPECIALIZE_SLOWER
     vectors = []
     for k, data in enumerate(pools):
         t0 = time.perf_counter()
@@ -187,6 +209,7 @@ def _pretrain(cfg: Config, pools: list, model_name: str, init: torch.Tensor | No
                      batch_size=32, lr=lr, momentum=0.9, seed=cfg.seed + k, on_epoch=progress)
         event(log, "cluster.pretrained", cluster=k, samples=len(data),
               seconds=time.perf_counter() - t0, loss=result.final_loss)
+        warn_if_stuck(k, result.final_loss, model_name, lr)
         vectors.append(result.vector)
     return vectors
 

@@ -446,6 +446,8 @@ class AggregatorSettings:
     """An agent's uploads waiting beyond this many are refused at once (`rate_limited`, acknowledged; re-sent copies count once), so one agent's flood neither fills the inbox nor delays the others (integer >= 0; 0 = no quota)."""
     pretrain_shared: bool = True
     """Pre-train one model on every cluster's pool, then specialize each cluster from it, so the clusters share a basin and their mixtures (the CDFL reply's start) are models too. false: each cluster from the same seeded init on its own pool. docs/results_cdfl.md#the-reply."""
+    pretrain_lr: float = 0.05
+    """SGD rate (momentum 0.9) of pre-training from a random init; clusters specialize from the shared model or `init` at a fifth of it. A loss left near chance's logs `cluster.pretrain_stuck`: lower it. Must be > 0."""
     pretrain_epochs: int = 0
     """Epochs of server-side pre-training of each cluster model on its pretrain pool. 0 = auto: enough epochs to see about 10,000 samples, at least 5 (5 for the paper's 2000 per cluster; 24 for digits' 418 at K = 3). Must be >= 0."""
     init: str = ""
@@ -684,6 +686,7 @@ RANGES: dict[str, str] = {
     "aggregator.max_batch": ">= 1", "aggregator.inbox_max_messages": ">= 1", "aggregator.inbox_max_bytes": ">= 1",
     "aggregator.status_every_s": ">= 0", "aggregator.takeover_grace_s": ">= 0",
     "aggregator.max_queued_per_agent": ">= 0", "aggregator.pretrain_epochs": ">= 0",
+    "aggregator.pretrain_lr": "> 0",
     "aggregator.accuracy_every": ">= 0", "aggregator.snapshot_every": ">= 1", "aggregator.norm_bound": ">= 0",
     "aggregator.norm_factor": ">= 0", "aggregator.loss_margin": ">= 0", "aggregator.norm_window": ">= 1",
     "aggregator.norm_warmup": ">= 0", "aggregator.reply_workers": ">= 0", "aggregator.worker_threads": ">= 0",
