@@ -474,6 +474,11 @@ def resolve_model_name(model: str, dataset: str) -> str:
             raise UsageError(f"model {model!r}: dataset {dataset!r} has no known image shape; add "
                              f"input=CxHxW to the model, e.g. {model}{'&' if '?' in model else '?'}input=3x32x32")
         name = str(ref)
+        from fedmq.protocol import MAX_MODEL_NAME
+
+        if len(name) > MAX_MODEL_NAME:  # the aggregator's status carries it
+            raise UsageError(f"model {model!r}: its canonical name {name[:40]}... has {len(name)} "
+                             f"characters, more than the {MAX_MODEL_NAME} the protocol carries")
         model_spec(name)  # builds it once: a bad reference stops here, with one line
         return name
     if model not in ZOO:

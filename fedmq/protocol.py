@@ -362,6 +362,9 @@ SpecHash = StrRule(1, 64, pattern=Token)
 OptSpecHash = StrRule(0, 64, pattern=Token)
 Name = StrRule(1, 64, pattern=Token)
 OptName = StrRule(0, 64, pattern=Token)
+MAX_MODEL_NAME = 512
+"""Longest canonical model name (a reference with its arguments: `torchvision:NAME?k=v&...`)."""
+ModelName = StrRule(0, MAX_MODEL_NAME, pattern=Token)
 NonNegInt = IntRule(0, INT64_MAX)
 SentAt = NumRule(0.0)
 MAX_SKETCH = 4096
@@ -602,7 +605,7 @@ class Status(Envelope):
     epoch: Annotated[int, NonNegInt] = 0
     counters: Annotated[dict[str, float | int | str], Counters] = field(default_factory=dict)
     model: Annotated[str, OptSpecHash] = ""
-    model_name: Annotated[str, OptName] = ""
+    model_name: Annotated[str, ModelName] = ""
     model_spec: Annotated[str, StrRule(0, 16384)] = ""
     clusters: Annotated[int, NonNegInt] = 0
     codec: Annotated[dict[str, bool | int | float | str], Settings] = field(default_factory=dict)

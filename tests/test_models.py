@@ -60,6 +60,7 @@ def test_a_torchvision_reference_takes_the_datasets_shape_and_its_hash_covers_th
     ("torchvision:resnet18?depth", "shapes", "'depth' is not key=value"),
     ("torchvision:resnet18?bn_momentum=0", "shapes", "bn_momentum must be in (0, 1]"),
     ("torchvision:resnet18?bn_momentum=fast", "shapes", "bn_momentum must be in (0, 1]"),
+    (BARS_MODEL + "&tag=" + "a" * 500, BARS_DATA, "more than the 512 the protocol carries"),
 ])
 def test_a_bad_reference_is_one_clear_error(model, dataset, says) -> None:
     with pytest.raises(UsageError) as err:

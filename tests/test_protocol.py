@@ -66,6 +66,8 @@ SAMPLES: list[Envelope] = [
     Chunk("car-1", "m15", T0, of="m3", index=1, count=3, total_bytes=10,
           sha256=hashlib.sha256(b"x").digest(), data=b"abcd"),
     Receipt("car-1", "m16", T0, of="m3", expect_s=26.5, ahead=2),
+    Status("aggregator", "m17", T0, state="online", role="aggregator",  # a reference with its arguments
+           model_name="torchvision:mobilenet_v3_small?bn_momentum=0.01&input=3x32x32&num_classes=10"),
 ]
 
 
