@@ -280,7 +280,7 @@ class ModelReference:
     layers take; empty: the architecture's seed-0 initialization."""
     bn_momentum: float | None = None
     """`bn_momentum=M`, in (0, 1]: every batch-norm layer's running-statistics momentum. None:
-    TORCHVISION_BN_MOMENTUM for a torchvision model, the factory's own for a factory."""
+    the model's own (torchvision's MobileNetV3: 0.01; docs/models.md#batch-norm-what-travels-what-is-averaged-what-stays-local)."""
 
     def __str__(self) -> str:
         """The canonical form (keys sorted): what state files, specs and logs carry."""
@@ -343,23 +343,11 @@ class ModelReference:
                 raise UsageError(f"model {self}: the factory refused its arguments: {exc}") from None
         if not isinstance(model, nn.Module):
             raise UsageError(f"model {self}: the factory returned {type(model).__name__}, not a torch nn.Module")
-        momentum = self.bn_momentum
-        if momentum is None and self.source == "torchvision":
-            momentum = TORCHVISION_BN_MOMENTUM
-        if momentum is not None:
+        if self.bn_momentum is not None:
             for m in model.modules():
                 if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                    m.momentum = momentum
+                    m.momentum = self.bn_momentum
         return model
-
-
-TORCHVISION_BN_MOMENTUM = 0.1
-"""Batch-norm momentum of a torchvision model unless `bn_momentum=` says otherwise. A device's
-update is tens of SGD steps; MobileNetV3's and EfficientNet's 0.01, set for ImageNet-length
-training, leaves their running statistics near their initial values after it, so the model
-scores at chance in eval mode (MobileNetV3-small, 5 epochs of 1,200 shapes: 0.116 test
-accuracy at 0.01, 0.254 at 0.1; docs/models.md#batch-norm-what-travels-what-is-averaged-what-stays-local).
-The statistics travel with the weights whatever the momentum."""
 
 
 def _parse_value(text: str) -> bool | int | float | str:
