@@ -164,19 +164,14 @@ STUCK_SHARE = 0.95
 not learned: ResNet-20 on shapes-lit at 0.05 ends at 2.29 against ln 10 = 2.30, at chance."""
 
 
-def is_stuck(loss: float, model_name: str) -> bool:
-    """Whether a pre-training ended at chance's loss (NaN counts): every reply and every agent
-    would start from a model that predicts nothing."""
-    return not loss < STUCK_SHARE * math.log(model_spec(model_name).num_classes)
-
-
-def warn_if_stuck(cluster: int | str, loss: float, model_name: str, lr: float, **more: str) -> bool:
-    """Log `cluster.pretrain_stuck` where `is_stuck`, rather than go on silently."""
-    if not is_stuck(loss, model_name):
+def warn_if_stuck(cluster: int | str, loss: float, model_name: str, lr: float) -> bool:
+    """Log `cluster.pretrain_stuck` where a pre-training ended at chance's loss: every reply
+    and every agent would start from a model that predicts nothing, silently otherwise."""
+    chance = math.log(model_spec(model_name).num_classes)
+    if not loss >= STUCK_SHARE * chance:  # NaN counts as stuck
         return False
-    event(log, "cluster.pretrain_stuck", logging.WARNING, cluster=cluster, loss=loss,
-          chance=math.log(model_spec(model_name).num_classes), lr=lr, **(more or {
-              "hint": "the model learned nothing at this rate: lower aggregator.pretrain_lr (or give more epochs)"}))
+    event(log, "cluster.pretrain_stuck", logging.WARNING, cluster=cluster, loss=loss, chance=chance, lr=lr,
+          hint="the model learned nothing at this rate: lower aggregator.pretrain_lr (or give more epochs)")
     return True
 
 
@@ -203,18 +198,7 @@ def _pretrain(cfg: Config, pools: list, model_name: str, init: torch.Tensor | No
                      on_epoch=progress)
         event(log, "cluster.pretrained", cluster="shared", samples=len(y),
               seconds=time.perf_counter() - t0, loss=shared.final_loss)
-        if warn_if_stuck("shared", shared.final_loss, model_name, lr,
-                         then=f"training it again from its start at {lr / SPECIALIZE_SLOWER:g}"):
-            # A rate that suits the digits CNN leaves MobileNetV3 and ResNet-20 on shapes-lit
-            # at chance; a fifth of it trains them. Costs one more pass only where it failed.
-            t0, lr = time.perf_counter(), lr / SPECIALIZE_SLOWER
-            progress.models += 1
-            progress.next_model("shared, slower", epochs)
-            shared = fit(model_name, start, x, y, epochs=epochs, batch_size=32, lr=lr, momentum=0.9,
-                         seed=cfg.seed, on_epoch=progress)
-            event(log, "cluster.pretrained", cluster="shared", samples=len(y), lr=lr,
-                  seconds=time.perf_counter() - t0, loss=shared.final_loss)
-            warn_if_stuck("shared", shared.final_loss, model_name, lr)
+        warn_if_stuck("shared", shared.final_loss, model_name, lr)
         start, lr = shared.vector, rate / SPECIALIZE_SLOWER
     vectors = []
     for k, data in enumerate(pools):
