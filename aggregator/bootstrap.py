@@ -160,8 +160,10 @@ SPECIALIZE_SLOWER = 5.0
 """Clusters specialize from a trained start (the shared model, `init`) at pretrain_lr / this."""
 
 STUCK_SHARE = 0.95
-"""A pre-training whose last loss is above this share of chance's (ln of the class count) has
-not learned: ResNet-20 on shapes-lit at 0.05 ends at 2.29 against ln 10 = 2.30, at chance."""
+"""A cluster model whose last pre-training loss is above this share of chance's (ln of the
+class count) has not learned: ResNet-20 on shapes-lit at 0.05 ends at chance. Only the
+clusters are judged: MobileNetV3's shared model ends at 2.27 against ln 10 = 2.30 at 0.05,
+yet its clusters specialize from it to 0.49, better than from a shared model trained at 0.01."""
 
 
 def warn_if_stuck(cluster: int | str, loss: float, model_name: str, lr: float) -> bool:
@@ -198,7 +200,6 @@ def _pretrain(cfg: Config, pools: list, model_name: str, init: torch.Tensor | No
                      on_epoch=progress)
         event(log, "cluster.pretrained", cluster="shared", samples=len(y),
               seconds=time.perf_counter() - t0, loss=shared.final_loss)
-        warn_if_stuck("shared", shared.final_loss, model_name, lr)
         start, lr = shared.vector, rate / SPECIALIZE_SLOWER
     vectors = []
     for k, data in enumerate(pools):

@@ -447,7 +447,7 @@ class AggregatorSettings:
     pretrain_shared: bool = True
     """Pre-train one model on every cluster's pool, then specialize each cluster from it, so the clusters share a basin and their mixtures (the CDFL reply's start) are models too. false: each cluster from the same seeded init on its own pool. docs/results_cdfl.md#the-reply."""
     pretrain_lr: float = 0.05
-    """SGD rate (momentum 0.9) of pre-training from a random init; clusters specialize from the shared model or `init` at a fifth of it. A loss left near chance's logs `cluster.pretrain_stuck`: lower it. Must be > 0."""
+    """SGD rate (momentum 0.9) of pre-training from a random init; clusters specialize from the shared model or `init` at a fifth of it. A cluster left at chance's loss logs `cluster.pretrain_stuck`: lower it. Must be > 0."""
     pretrain_epochs: int = 0
     """Epochs of server-side pre-training of each cluster model on its pretrain pool. 0 = auto: enough epochs to see about 10,000 samples, at least 5 (5 for the paper's 2000 per cluster; 24 for digits' 418 at K = 3). Must be >= 0."""
     init: str = ""

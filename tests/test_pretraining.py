@@ -33,6 +33,7 @@ def test_a_pretraining_that_learned_nothing_warns_and_a_healthy_one_does_not(mon
         blown = pretrain(**{"aggregator.pretrain_lr": 50.0})  # far past any rate that trains
     warned = stuck(caplog)
     assert warned and "aggregator.pretrain_lr" in warned[0].fields["hint"]
+    assert {r.fields["cluster"] for r in warned} <= {0, 1}  # the clusters are judged, not the shared start
     assert not all(torch.equal(a, b) for a, b in zip(healthy, blown, strict=True))
 
 
