@@ -514,6 +514,12 @@ def test_sketch_kl_shows_the_shapes_clusters_alike_at_a_quarter_turn():
     assert rows[4]["0.25"] > rows[4]["uniform"] * 0.8
 
 
+def test_the_lighting_script_refuses_an_unknown_light_before_any_work():
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "shapes_lighting.py"), "--variants", "+0.2,sunset"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "'sunset' is not none, xF" in run.stderr and not run.stdout.strip()
+
+
 def test_shapes_lit_from_above_lets_the_sketch_see_a_quarter_turn():
     """shapes-lit: the same images and labels as shapes, lit from above, so the sketch pins the
     mixture at K = 4 where on shapes it cannot (docs/results_realsize.md)."""

@@ -34,9 +34,10 @@ from tests.warm_python import client_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 FLEET = "lines"
-# Speed only: small pre-training and proxy sets so that the aggregator starts in seconds on digits.
+# Speed only: small pre-training and proxy sets so that the aggregator starts in seconds on digits
+# (5 epochs: enough to learn, so it has no cluster.pretrain_stuck to say).
 DATA = ["--set", "data.pretrain_per_cluster=100", "--set", "data.proxy_per_cluster=100",
-        "--set", "aggregator.pretrain_epochs=1", "--set", "device=cpu"]
+        "--set", "aggregator.pretrain_epochs=5", "--set", "device=cpu"]
 LINE = re.compile(r"^\d\d:\d\d:\d\d (\w+)\s+fedmq\.(\w+): (\S+)(.*)$")
 FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\[[^\]]*\]|\S+)')
 
