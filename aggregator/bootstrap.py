@@ -166,15 +166,13 @@ clusters are judged: MobileNetV3's shared model ends at 2.27 against ln 10 = 2.3
 yet its clusters specialize from it to 0.49, better than from a shared model trained at 0.01."""
 
 
-def warn_if_stuck(cluster: int | str, loss: float, model_name: str, lr: float) -> bool:
+def warn_if_stuck(cluster: int | str, loss: float, model_name: str, lr: float) -> None:
     """Log `cluster.pretrain_stuck` where a pre-training ended at chance's loss: every reply
     and every agent would start from a model that predicts nothing, silently otherwise."""
     chance = math.log(model_spec(model_name).num_classes)
-    if not loss >= STUCK_SHARE * chance:  # NaN counts as stuck
-        return False
-    event(log, "cluster.pretrain_stuck", logging.WARNING, cluster=cluster, loss=loss, chance=chance, lr=lr,
-          hint="the model learned nothing at this rate: lower aggregator.pretrain_lr (or give more epochs)")
-    return True
+    if loss >= STUCK_SHARE * chance or math.isnan(loss):
+        event(log, "cluster.pretrain_stuck", logging.WARNING, cluster=cluster, loss=loss, chance=chance, lr=lr,
+              hint="the model learned nothing at this rate: lower aggregator.pretrain_lr (or give more epochs)")
 
 
 def _pretrain(cfg: Config, pools: list, model_name: str, init: torch.Tensor | None = None) -> list[torch.Tensor]:

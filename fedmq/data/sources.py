@@ -287,8 +287,8 @@ SHAPES = tuple(SHAPE_MASKS)
 LIGHT_RAMP = 0.2
 """shapes-lit: light added to the top row and taken from the bottom row (linear between), in
 [0, 1] pixel units. Additive, so a shape keeps its contrast against its background at every
-row: a multiplicative falloff to half left the bottom rows' shapes in the noise, and a
-ResNet-20 fleet at chance."""
+row: a multiplicative falloff to half left the bottom rows' shapes in the noise
+(scripts/shapes_lighting.py measures both)."""
 
 LIT_MEAN, LIT_STD = (0.4994, 0.4993, 0.5007), (0.3061, 0.3040, 0.3050)
 """shapes-lit's per-channel statistics (train split, measured), for its normalization."""
