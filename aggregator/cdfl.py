@@ -530,7 +530,7 @@ class CDFL(SoftClusters):
                 if share > 0.0 or self.refresh_all:
                     self.clusters[k] = refresh_cluster(
                         self.evaluator, self.clusters[k], k, steps=self.refresh_steps, lr=self.refresh_lr,
-                        seed=(self.seed * 1_000_003 + self.uploads_applied) * 64 + k)
+                        seed=(self.seed * 1_000_003 + self.uploads_applied) * 64 + k, counters=self.counters)
                     if info["betas"][k] == 0.0:  # step 3 did not mark it changed
                         self._changed(k)
             info["refresh_seconds"] = time.perf_counter() - t0

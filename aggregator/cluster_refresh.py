@@ -8,11 +8,15 @@ update rule was used. The server already holds a labelled proxy set D_k per clus
 step 3, each cluster the upload moved takes a few SGD steps on its own D_k, which pulls it
 back toward a specialist while it keeps what the uploads taught it.
 
-`cfg.cdfl.cluster_refresh_steps` (0: off, the paper's rule). Deterministic for a seed on CPU,
-so journal replay rebuilds the same clusters.
+`cfg.cdfl.cluster_refresh_steps` (0: off, the paper's rule). A step that would raise its own
+batch's loss is retried at half the rate (see `refresh_cluster`), so the configured rate is a
+ceiling, safe on models whose minima are sharper than the one it was tuned on. Deterministic
+for a seed on CPU, so journal replay rebuilds the same clusters.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -21,12 +25,26 @@ from torch.func import functional_call
 
 from aggregator.evaluator import ProxyEvaluator
 
+BACKTRACKS = 4
+"""Halvings of the rate a refresh step may try before it is skipped (lr / 16 at the least)."""
+
 
 def refresh_cluster(evaluator: ProxyEvaluator, vector: Tensor, k: int, *, steps: int, lr: float,
-                    batch_size: int = 64, seed: int = 0) -> Tensor:
-    """`vector` after `steps` plain SGD mini-batches on proxy set k (true labels), on CPU."""
-    if steps < 0 or lr <= 0 or batch_size < 1:
-        raise ValueError(f"need steps >= 0, lr > 0, batch_size >= 1; got {steps}, {lr}, {batch_size}")
+                    batch_size: int = 64, seed: int = 0, backtracks: int = BACKTRACKS,
+                    counters: Counter[str] | None = None) -> Tensor:
+    """`vector` after `steps` plain SGD mini-batches on proxy set k (true labels), on CPU.
+
+    Each step must lower the loss on its own mini-batch: a step that raises it is undone and
+    tried at half the rate, up to `backtracks` times, then skipped. A rate tuned on one model
+    can sit above the stable rate of another's minimum (ResNet-20 pre-trained at 0.01 and
+    refreshed at 0.05: one cluster's step grew from 0.08 to 1.5 in four uploads and its
+    accuracy fell from 0.98 to 0.2, docs/results_realsize.md); the check costs one forward
+    pass of the batch per try and keeps the refresh from ever climbing its own batch's loss.
+    `counters` (when given) counts `refresh_halved` per halving and `refresh_skipped` per step
+    skipped."""
+    if steps < 0 or lr <= 0 or batch_size < 1 or backtracks < 0:
+        raise ValueError(f"need steps >= 0, lr > 0, batch_size >= 1, backtracks >= 0; "
+                         f"got {steps}, {lr}, {batch_size}, {backtracks}")
     if not 0 <= k < evaluator.num_sets:
         raise ValueError(f"cluster {k} is not one of the evaluator's {evaluator.num_sets} proxy sets")
     if steps == 0:
@@ -34,13 +52,29 @@ def refresh_cluster(evaluator: ProxyEvaluator, vector: Tensor, k: int, *, steps:
     ev = evaluator
     lo, hi = ev.offsets[k], ev.offsets[k + 1]
     gen = torch.Generator().manual_seed(int(seed))
-    w = vector.detach().to(ev.device, torch.float32).clone().requires_grad_(True)
-    with torch.enable_grad():
-        for _ in range(steps):
-            idx = (torch.randint(lo, hi, (min(batch_size, hi - lo),), generator=gen)).to(ev.device)
-            logits = functional_call(ev.module, ev.spec.unflatten(w), (ev.x[idx],))
-            loss = F.cross_entropy(logits, ev.y[idx])
-            (grad,) = torch.autograd.grad(loss, w)
-            with torch.no_grad():
-                w -= lr * grad
-    return w.detach().to("cpu", torch.float32)
+    w = vector.detach().to(ev.device, torch.float32).clone()
+
+    def batch_loss(v: Tensor, idx: Tensor) -> Tensor:
+        return F.cross_entropy(functional_call(ev.module, ev.spec.unflatten(v), (ev.x[idx],)), ev.y[idx])
+
+    for _ in range(steps):
+        idx = (torch.randint(lo, hi, (min(batch_size, hi - lo),), generator=gen)).to(ev.device)
+        v = w.clone().requires_grad_(True)
+        with torch.enable_grad():
+            loss = batch_loss(v, idx)
+            (grad,) = torch.autograd.grad(loss, v)
+        with torch.no_grad():
+            rate = lr
+            for _ in range(backtracks + 1):
+                tried = w - rate * grad
+                after = batch_loss(tried, idx)
+                if bool(torch.isfinite(after)) and float(after) < float(loss):
+                    w = tried
+                    break
+                rate /= 2.0
+                if counters is not None:
+                    counters["refresh_halved"] += 1
+            else:
+                if counters is not None:
+                    counters["refresh_skipped"] += 1
+    return w.to("cpu", torch.float32)

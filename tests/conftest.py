@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import shutil
 import signal
@@ -27,11 +28,19 @@ def pytest_configure(config) -> None:
         os.environ["FEDMQ_CACHE_DIR"] = config.fedmq_cache_dir
 
 
+EXIT_WATCHDOG_S = 180
+"""Seconds a test process may take from the end of its session to its exit."""
+
+
 def pytest_unconfigure(config) -> None:
     made = getattr(config, "fedmq_cache_dir", None)
     if made:
         shutil.rmtree(made, ignore_errors=True)
         os.environ.pop("FEDMQ_CACHE_DIR", None)
+    # A process (an xdist worker or the controller) still alive this long after its session
+    # ended is stuck in teardown or interpreter exit (a thread that never ends): every thread's
+    # stack goes to stderr and it exits, instead of holding the run until CI's limit.
+    faulthandler.dump_traceback_later(EXIT_WATCHDOG_S, exit=True)
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -208,6 +208,30 @@ def test_cluster_refresh_refuses_bad_settings(world):
                                                           cluster_refresh_lr=0.0), device="cpu")
 
 
+def test_cluster_refresh_never_climbs_its_batch_loss_at_a_rate_too_high_for_the_model(world):
+    """A rate far above the specialist's stable one: a plain step wrecks the cluster (the
+    ResNet-20 collapse); the refresh halves it until its batch loss falls, or skips the step."""
+    from collections import Counter
+
+    from aggregator.cluster_refresh import refresh_cluster
+
+    _, w, proxies = world
+    ev = ProxyEvaluator(SPEC, proxies, device="cpu")
+    loss = lambda v: float(ev.losses(v[None])[0, 0])  # noqa: E731
+    before = loss(w[0])
+    plain = w[0] - 50.0 * ev.gradients(w[0])[0]
+    assert loss(plain) > 2 * before + 1.0, (before, loss(plain))
+    counts: Counter[str] = Counter()
+    guarded = refresh_cluster(ev, w[0], 0, steps=3, lr=50.0, seed=1, counters=counts)
+    assert counts["refresh_halved"] >= 3, counts  # every step needed a smaller rate
+    assert loss(guarded) < before * 1.5, (before, loss(guarded), counts)
+    sane: Counter[str] = Counter()
+    refreshed = refresh_cluster(ev, w[0], 0, steps=3, lr=0.05, seed=1, counters=sane)
+    assert not torch.equal(refreshed, w[0]) and sane["refresh_skipped"] == 0, sane
+    with pytest.raises(ValueError, match="backtracks"):
+        refresh_cluster(ev, w[0], 0, steps=1, lr=0.05, backtracks=-1)
+
+
 def test_reply_starts_from_the_upload_the_mixture_the_dominant_cluster_or_the_best_blend(world):
     """Only the non-upload starts put the cluster models (the fleet) into the reply."""
     _, w, proxies = world
