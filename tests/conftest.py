@@ -8,6 +8,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,8 +29,25 @@ def pytest_configure(config) -> None:
         os.environ["FEDMQ_CACHE_DIR"] = config.fedmq_cache_dir
 
 
-EXIT_WATCHDOG_S = 180
-"""Seconds a test process may take from the end of its session to its exit."""
+EXIT_WATCHDOG_S = 300
+"""Seconds a test process may take from the end of its tests to its exit (fixture teardown
+included: a Mosquitto or a warm interpreter each stop within 90 s at the most). The xdist
+controller waits a minute longer, so that a stuck worker's stacks are the ones printed."""
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_sessionfinish(session, exitstatus):
+    # A process (an xdist worker or the controller) still alive this long after its tests
+    # ended is stuck in teardown or interpreter exit (a thread that never ends): every thread's
+    # stack goes to stderr and it exits 1, instead of holding the run until CI's limit.
+    worker = hasattr(session.config, "workerinput")
+    faulthandler.dump_traceback_later(EXIT_WATCHDOG_S + (0 if worker else 60), exit=True)
+    yield
+    # After fixture teardown: interpreter exit waits for each non-daemon thread still running.
+    left = [t.name for t in threading.enumerate()
+            if t.is_alive() and not t.daemon and t is not threading.main_thread()]
+    if left:
+        sys.stderr.write(f"[pid {os.getpid()}] threads still running after the tests: {', '.join(left)}\n")
 
 
 def pytest_unconfigure(config) -> None:
@@ -37,10 +55,6 @@ def pytest_unconfigure(config) -> None:
     if made:
         shutil.rmtree(made, ignore_errors=True)
         os.environ.pop("FEDMQ_CACHE_DIR", None)
-    # A process (an xdist worker or the controller) still alive this long after its session
-    # ended is stuck in teardown or interpreter exit (a thread that never ends): every thread's
-    # stack goes to stderr and it exits, instead of holding the run until CI's limit.
-    faulthandler.dump_traceback_later(EXIT_WATCHDOG_S, exit=True)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
