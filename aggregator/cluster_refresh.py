@@ -38,8 +38,9 @@ def refresh_cluster(evaluator: ProxyEvaluator, vector: Tensor, k: int, *, steps:
     tried at half the rate, up to `backtracks` times, then skipped. A rate tuned on one model
     can sit above the stable rate of another's minimum (ResNet-20 pre-trained at 0.01 and
     refreshed at 0.05: one cluster's step grew from 0.08 to 1.5 in four uploads and its
-    accuracy fell from 0.98 to 0.2, docs/results_realsize.md); the check costs one forward
-    pass of the batch per try and keeps the refresh from ever climbing its own batch's loss.
+    accuracy fell from 0.94 to 0.18: docs/results_realsize.md, "Collapsed replies"). The check
+    costs one forward pass of the batch per try and keeps the refresh from ever climbing its own
+    batch's loss.
     `counters` (when given) counts `refresh_halved` per halving and `refresh_skipped` per step
     skipped."""
     if steps < 0 or lr <= 0 or batch_size < 1 or backtracks < 0:
