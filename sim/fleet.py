@@ -556,8 +556,10 @@ def run_fleet(spec: RunSpec, base: Config | None = None, *, broker_url: str | No
 
 
 def aggregator_info(engine: Any, busy: dict[str, float]) -> dict[str, Any]:
-    """The aggregator's counters and busy time, as summary.json holds them."""
+    """The aggregator's counters (the engine's and its strategy's: stale uploads, the cluster
+    refresh's halved and skipped steps) and busy time, as summary.json holds them."""
     return {"aggregator_counters": {k: int(v) for k, v in engine.counters.items()},
+            "strategy_counters": {k: int(v) for k, v in sorted(engine.strategy.counters.items())},
             "stale_updates": int(engine.strategy.counters.get("stale", 0)),
             "aggregator_busy_s": round(busy["seconds"], 4),
             "aggregator_batches": busy["batches"]}

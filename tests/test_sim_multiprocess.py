@@ -76,6 +76,7 @@ def test_aggregator_and_two_agent_processes_merge_into_one_run(mosquitto, tmp_pa
     assert all(int(r["arrival"]) == int(r["epoch"]) - 1 for r in rows)
     assert summary["aggregator_counters"]["applied.update"] == len(schedule)
     assert summary["aggregator_counters"]["applied.join"] == 4
+    assert summary["strategy_counters"]["joins"] == 4
     assert summary["split"] is True and summary["agent_processes"] == 2 and summary["aggregator_complete"]
     checkpoints = list(csv.DictReader((run / "clusters.csv").read_text().splitlines()))
     assert int(checkpoints[0]["events"]) == 0 and int(checkpoints[-1]["events"]) == len(schedule)
