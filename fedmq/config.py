@@ -263,7 +263,7 @@ class CDFLSettings:
     cluster_refresh_steps: int = 1
     """SGD mini-batches (64 samples) a moved cluster takes on its own proxy set after each upload, keeping the clusters specialists (integer >= 0; 0 = off, the paper's rule; ~0.04 s per upload). docs/results_cdfl.md#cluster-updates."""
     cluster_refresh_lr: float = 0.05
-    """Learning rate of the cluster refresh (plain SGD), a ceiling: a step that would raise the loss on its own batch is retried at half the rate, up to 4 times, then skipped (counted `refresh_halved`, `refresh_skipped`). 0.05 beat 0.01 at K = 4 and 6 on digits. Must be > 0."""
+    """Largest learning rate of the cluster refresh (plain SGD): a step raising its batch's loss is retried at half, up to 4 times, then skipped. Must be > 0. docs/results_realsize.md#collapsed-replies-the-servers-proxy-refresh-was-unstable-on-resnet-20."""
     cluster_average: float = 0.995
     """Decay d of the exponential average the server reports as its cluster models, avg_k := d avg_k + (1 - d) w_k per upload (in [0, 1); 0 = report the iterates; 0.995 ~ the last 200 uploads). Replies still come from the iterates. docs/results_cdfl.md#cluster-updates."""
     reply_average: float = 0.0
@@ -668,7 +668,7 @@ RANGES: dict[str, str] = {
     "cdfl.personalize_head_above": ">= 0",
     "cdfl.personalize_kd_weight": "in [0, 1]", "cdfl.personalize_temperature": "> 0",
     "cdfl.update_power": "> 0", "cdfl.server_lr": ">= 0", "cdfl.delta_hinge_a": ">= 0", "cdfl.delta_tau0": ">= 0",
-    "cdfl.cluster_refresh_steps": ">= 0", "cdfl.cluster_refresh_lr": ">= 0",
+    "cdfl.cluster_refresh_steps": ">= 0", "cdfl.cluster_refresh_lr": "> 0",
     "cdfl.direction_guard": ">= 0", "cdfl.cluster_average": "in [0, 1)", "cdfl.reply_average": "in [0, 1)",
     "catafed.groups": ">= 1", "catafed.per_group": ">= 1", "catafed.min_agents": ">= 0",
     "catafed.deadline_s": "> 0", "catafed.grace_s": ">= 0", "catafed.rounds": ">= 1",
