@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from aggregator.cdfl import (
     resolve_trunk_share,
     update_weights,
 )
+from aggregator.cluster_refresh import refresh_cluster
 from aggregator.evaluator import ProxyEvaluator
 from aggregator.personalize import (
     PERSONALIZATIONS,
@@ -211,10 +213,6 @@ def test_cluster_refresh_refuses_bad_settings(world):
 def test_cluster_refresh_never_climbs_its_batch_loss_at_a_rate_too_high_for_the_model(world):
     """A rate far above the specialist's stable one: a plain step wrecks the cluster (the
     ResNet-20 collapse); the refresh halves it until its batch loss falls, or skips the step."""
-    from collections import Counter
-
-    from aggregator.cluster_refresh import refresh_cluster
-
     _, w, proxies = world
     ev = ProxyEvaluator(SPEC, proxies, device="cpu")
     loss = lambda v: float(ev.losses(v[None])[0, 0])  # noqa: E731
