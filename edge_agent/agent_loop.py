@@ -90,7 +90,8 @@ class Cycle:
     msg_id: str = ""
     bytes_up: int = 0
     outcome: str = "pending"
-    """installed, interrupted (pending kept for the next start), resynced, dropped, local."""
+    """installed, interrupted (pending kept for the next start), resynced, dropped, local, or
+    not_joined (a join the cycle needed was refused: nothing trained)."""
     installed: Installed | None = None
     alpha: list[float] | None = None
     refused: str = ""
@@ -198,6 +199,9 @@ class DeviceAgent:
         self._drift_seen_at: int | None = None
         """monitor.observed when the pending drift was first seen (samples since then are new data)."""
         self._said_budget_spent = False
+        self._join_due = False
+        """A join was refused while the agent held a model: it keeps predicting with it and joins
+        again, instead of uploading, when its next update is due."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -297,7 +301,10 @@ class DeviceAgent:
             self._observe(samples)
         cycle = None
         if self._update_due():
-            cycle = self.update()
+            if self._join_due and not self._join():
+                self.monitor.update_started(self.clock())  # answered: the next one joins again
+            else:
+                cycle = self.update()
         elif self.clock() - self._last_save >= self.settings.save_every_s:
             self.save()
         return cycle
@@ -365,9 +372,13 @@ class DeviceAgent:
         trigger = "manual" if self.monitor.trigger_pending else "drift"
         self.monitor.update_started(self.clock())
         self._drift_seen_at = None
-        if self.kind.trains_from == "cluster_mixture" and self.agent is not None and (
-                self.agent.installed is None or not self.agent.installed.clusters):
-            self._join()  # the K cluster models are not kept on disk: fetch them again
+        # The K cluster models are not kept on disk: fetch them again.
+        if (self.kind.trains_from == "cluster_mixture" and self.agent is not None
+                and (self.agent.installed is None or not self.agent.installed.clusters)
+                and not self._join()):
+            cycle = Cycle(trigger, 0, self.state.tau, math.nan, math.nan, 0.0, 0, outcome="not_joined")
+            self.cycles.append(cycle)
+            return cycle
         held = self.state.vector
         assert held is not None
         x, y = self.buffer.tensors(last=s.train_on_newest or None)
@@ -412,22 +423,42 @@ class DeviceAgent:
 
     # ------------------------------------------------------------------ requests
 
-    def _join(self) -> None:
+    def _join(self) -> bool:
+        """Join until a model is installed (True), the agent stops, or the aggregator refuses.
+
+        A refused join (the fleet now runs another model, say) is an outcome: counted as
+        `join_refused` and `join_refused.<reason>`; an agent that holds a model keeps it and joins
+        again when its next update is due (False). Only an agent with no model at all, which
+        has nothing to run, fails its start with the refusal (AgentError)."""
         assert self.agent is not None
         while not self._stop.is_set():
             try:
                 installed = self.agent.join(len(self.buffer))
             except AgentError as e:
                 if e.reason == "interrupted":
-                    return
+                    return False
                 self._count("join_failures")
+                if e.refused or (e.reason != "no_reply" and not e.reason.startswith("codec_")):
+                    self._count("join_refused")
+                    self._count(f"join_refused.{e.reason}"[:64])
+                    if self.state.vector is None:
+                        event(log, "join.refused", level=logging.ERROR, agent=self.agent_id, reason=e.reason,
+                              detail=e.detail, action="no model to run: stopping")
+                        raise
+                    self._join_due = True
+                    event(log, "join.refused", level=logging.WARNING, agent=self.agent_id, reason=e.reason,
+                          detail=e.detail, action="model kept; joining again when the next update is due")
+                    self.agent.counters.update(self._refusal_counters())
+                    self.agent.publish_status()
+                    self.save()
+                    return False
                 event(log, "join.failed", level=logging.WARNING, agent=self.agent_id, reason=e.reason,
-                      detail=e.detail)
-                if e.reason not in ("no_reply",) and not e.reason.startswith("codec_"):
-                    raise
+                      detail=e.detail, action="asking again")
                 continue
+            self._join_due = False
             self._installed(installed, via="join")
-            return
+            return True
+        return False
 
     def _resend_pending(self) -> None:
         assert self.agent is not None and self.state.pending is not None
@@ -483,8 +514,8 @@ class DeviceAgent:
                   reason=e.reason, detail=e.detail, action="join again, retrain")
             self.save()
             self._count("rejoins")
-            self._join()
-            self.monitor.trigger()  # the trained update is lost with its base: train anew
+            if self._join():
+                self.monitor.trigger()  # the trained update is lost with its base: train anew
         else:
             cycle.outcome = "dropped"
             level = logging.INFO if e.reason == "duplicate" else logging.WARNING
@@ -532,7 +563,8 @@ class DeviceAgent:
     # ------------------------------------------------------------------ state
 
     def _refusal_counters(self) -> dict[str, int]:
-        return {k: v for k, v in self.counters.items() if k == "refused" or k.startswith("refused.")}
+        return {k: v for k, v in self.counters.items()
+                if k in ("refused", "join_refused") or k.startswith(("refused.", "join_refused."))}
 
     def _count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n

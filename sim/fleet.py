@@ -423,7 +423,7 @@ class CyclePlayer:
         """The record of a refused upload: the trained model is dropped and the agent keeps the
         one it held, as a device does (edge_agent/agent_loop.py); after a refusal that says the
         two sides disagree on that model (RESYNC_REASONS) it joins again and holds the join's."""
-        from edge_agent.protocol_client import RESYNC_REASONS
+        from edge_agent.protocol_client import RESYNC_REASONS, AgentError
         from fedmq.training import evaluate
 
         rejoined = e.reason in RESYNC_REASONS
@@ -431,7 +431,14 @@ class CyclePlayer:
               detail=e.detail, action="join again" if rejoined else "model kept")
         if rejoined:
             j0, g0 = agent.channel.bytes_sent, agent.channel.bytes_received
-            agent.join()
+            try:
+                agent.join()
+            except AgentError as j:
+                if not j.refused:
+                    raise  # no answer at all: the aggregator is gone, the run cannot go on
+                rejoined = False  # an outcome too: it keeps the model it held, its next upload asks again
+                event(log, "sim.join_refused", level=30, agent=agent.agent_id, cycle=c, reason=j.reason,
+                      detail=j.detail, action="model kept")
             up += agent.channel.bytes_sent - j0
             down += agent.channel.bytes_received - g0
         kept = agent.installed

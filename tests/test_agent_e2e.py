@@ -359,6 +359,80 @@ def test_refused_upload_is_counted_by_reason_and_the_model_kept(mosquitto, aggre
         device.close()
 
 
+class Refuser:
+    """A raw client answering every uplink of one agent with a refusal, by message type: stands
+    in for an aggregator the agent no longer matches (the real one is down meanwhile)."""
+
+    def __init__(self, port: int, agent: str, reasons: dict[type, str]) -> None:
+        self.agent, self.reasons = agent, reasons
+        self.answered: list[str] = []
+        ready = threading.Event()
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="refuser")
+        self.client.on_message = self._on_message
+        self.client.on_subscribe = lambda *a, **k: ready.set()
+        self.client.connect("127.0.0.1", port)
+        self.client.loop_start()
+        self.client.subscribe(protocol.uplink(FLEET, agent), qos=1)
+        assert ready.wait(60)
+
+    def _on_message(self, client, userdata, msg) -> None:
+        env = protocol.decode(bytes(msg.payload), max_bytes=1 << 26)
+        reason = self.reasons[type(env)]
+        self.answered.append(type(env).__name__)
+        refusal = protocol.Error(agent=self.agent, msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
+                                 reason=reason, detail="refused by the test", in_reply_to=env.msg_id)
+        client.publish(protocol.downlink(FLEET, self.agent), protocol.encode(refusal), qos=1)
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def test_a_refused_join_keeps_the_model_and_the_agent_joins_when_its_next_update_is_due(
+        mosquitto, aggregator, tmp_path) -> None:
+    """A refusal that asks for a re-join (`unknown_agent`), then the join itself refused
+    (`wrong_model`, as from an aggregator that now runs another model): an outcome, not a crash.
+    The agent keeps predicting with the model it held, counts the refusal, and joins again when
+    its next update is due; once the real aggregator is back that join and upload go through."""
+    cfg = make_cfg(mosquitto.url, tmp_path)
+    agg = aggregator(cfg)
+    _, pools = rotated_pools(cfg, np.random.default_rng(9), 300)
+    device = DeviceAgent(cfg, DatasetSource(pools, [0.5, 0.5], seed=10)).start()
+    refuser = None
+    try:
+        before = device.state.vector.clone()
+        agg.stop()
+        refuser = Refuser(mosquitto.port, device.agent_id,
+                          {protocol.Update: "unknown_agent", protocol.Join: "wrong_model"})
+        device.trigger()
+        cycle = step_until_cycle(device)
+        assert cycle.outcome == "resynced" and cycle.refused == "unknown_agent"
+        assert device.counters["join_refused"] == 1 and device.counters["join_refused.wrong_model"] == 1
+        assert device.state.pending is None and device.tau == 0
+        assert torch.equal(device.state.vector, before)  # still the model it predicts with
+        assert device.status()["counters"]["join_refused.wrong_model"] == 1
+        # The next due update asks to join first: refused again, so nothing is trained or sent.
+        device.trigger()
+        for _ in range(200):
+            assert device.step() is None
+            if device.counters["join_refused"] == 2:
+                break
+        assert device.counters["join_refused"] == 2, device.counters
+        assert refuser.answered == ["Update", "Join", "Join"]
+        refuser.close()
+        refuser = None
+        agg.start()
+        device.trigger()
+        cycle = step_until_cycle(device)
+        assert cycle.outcome == "installed" and device.tau >= 1
+        assert device.counters["join_refused"] == 2 and device.counters["uploads"] == 1
+        assert AgentState.load(cfg.agent.state_dir).counters["join_refused.wrong_model"] == 2
+    finally:
+        if refuser is not None:
+            refuser.close()
+        device.close()
+
+
 def test_aggregator_that_lost_its_state_refuses_and_the_agent_joins_again(mosquitto, aggregator, pretrained,
                                                                           tmp_path) -> None:
     """An aggregator restarted without its state no longer knows the agent (`unknown_agent`): the
