@@ -398,6 +398,7 @@ def cdfl_personalizer(settings: CDFLSettings, evaluator: ProxyEvaluator) -> Pers
                                  temperature=settings.personalize_temperature,
                                  start=settings.personalize_start,
                                  blend_grid=settings.personalize_blend_grid,
+                                 mixture_guard=settings.personalize_mixture_guard,
                                  layers=settings.personalize_layers,
                                  head_above=settings.personalize_head_above)
     except ValueError as exc:  # an unknown personalization or start, a blend grid out of [0, 1]

@@ -97,6 +97,8 @@ STARTS = ("upload", "mixture", "dominant", "blend")
 BLEND_GRID = tuple(CDFLSettings().personalize_blend_grid)
 LAYERS = ("all", "head", "auto")
 """What a trained reply moves (cfg.cdfl.personalize_layers)."""
+GUARD_SAMPLES = 64
+"""Proxy samples the mixture guard compares the mixture and each cluster on (one batch)."""
 HEAD_ABOVE = CDFLSettings().personalize_head_above
 """personalize_layers = auto trains the head alone above this many parameters."""
 
@@ -150,13 +152,15 @@ class DistillPersonalizer(Personalizer):
                  momentum: float = 0.9, batch_size: int = 64, kd_weight: float = 0.5,
                  temperature: float = 2.0, start: str = "upload", rho: float = 0.0, samples: int = 0,
                  blend_grid: Sequence[float] = BLEND_GRID, min_steps: int = 0,
-                 tail_average: float = 0.0, layers: str = "all", head_above: int = HEAD_ABOVE) -> None:
+                 tail_average: float = 0.0, layers: str = "all", head_above: int = HEAD_ABOVE,
+                 mixture_guard: float = 0.0) -> None:
         if (epochs < 0 or lr <= 0 or batch_size < 1 or not 0.0 <= kd_weight <= 1.0 or temperature <= 0
-                or samples < 0 or min_steps < 0 or rho < 0 or not 0.0 <= tail_average <= 1.0):
+                or samples < 0 or min_steps < 0 or rho < 0 or not 0.0 <= tail_average <= 1.0
+                or mixture_guard < 0):
             raise ValueError(f"need epochs >= 0, lr > 0, batch_size >= 1, 0 <= kd_weight <= 1, temperature > 0, "
-                             f"samples >= 0, min_steps >= 0, rho >= 0, 0 <= tail_average <= 1; got {epochs}, "
-                             f"{lr}, {batch_size}, {kd_weight}, {temperature}, {samples}, {min_steps}, {rho}, "
-                             f"{tail_average}")
+                             f"samples >= 0, min_steps >= 0, rho >= 0, 0 <= tail_average <= 1, mixture_guard "
+                             f">= 0; got {epochs}, {lr}, {batch_size}, {kd_weight}, {temperature}, {samples}, "
+                             f"{min_steps}, {rho}, {tail_average}, {mixture_guard}")
         if start not in STARTS:
             raise ValueError(f"personalize_start must be one of {', '.join(STARTS)}, got {start!r}")
         grid = [float(g) for g in blend_grid]
@@ -175,6 +179,9 @@ class DistillPersonalizer(Personalizer):
         self.samples = int(samples)
         self.min_steps = int(min_steps)
         self.tail_average = float(tail_average)
+        self.mixture_guard = float(mixture_guard)
+        """nats (cdfl.personalize_mixture_guard; 0 = off): how much worse than the best single
+        cluster the mixture may fit the reply's data before the reply starts from that cluster."""
         self._teacher: dict[int, tuple[str, Tensor]] = {}
         self.split, self.layers, self.layers_why = resolve_layers(evaluator, layers, head_above)
         """The cut below the head when only the head trains (layers "head"), else None."""
@@ -206,7 +213,7 @@ class DistillPersonalizer(Personalizer):
             return request.upload.detach().to("cpu", torch.float32).clone(), {"start": "upload"}
         mixture = alpha_mixture(request.clusters, request.alpha)
         if request.upload is None or self.start == "mixture":
-            return mixture, {"start": "mixture"}
+            return self._guarded(mixture, request)
         upload = request.upload.detach().to("cpu", torch.float32)
         grid = self.blend_grid
         candidates = torch.stack([(1.0 - g) * upload + g * mixture for g in grid])
@@ -215,6 +222,30 @@ class DistillPersonalizer(Personalizer):
             losses = self.evaluator.losses(candidates) @ weights  # alpha-weighted proxy loss
         best = int(torch.argmin(losses))
         return candidates[best].clone(), {"start": "blend", "lam": grid[best]}
+
+    def _guarded(self, mixture: Tensor, request: PersonalizeRequest) -> tuple[Tensor, dict[str, Any]]:
+        """The mixture, or the cluster that fits the reply's data best where the mixture is
+        worse than it by more than `mixture_guard`. A weight average is a model only while the
+        clusters share a basin; each cluster's own proxy steps can take them apart until their
+        average scores at chance (docs/results_realsize.md), and a reply's few steps cannot
+        repair that. Judged on 64 proxy samples drawn with the reply's own weights."""
+        k = request.clusters.shape[0]
+        if self.mixture_guard <= 0 or k < 2:
+            return mixture, {"start": "mixture"}
+        ev = self.evaluator
+        gen = torch.Generator().manual_seed(int(request.seed) * 2 + 1)
+        idx = torch.multinomial(self._sample_weights(request).cpu(), GUARD_SAMPLES, replacement=True,
+                                generator=gen).to(ev.device)
+        x, y = ev.x[idx], ev.y[idx]
+        with torch.inference_mode():
+            losses = [float(F.cross_entropy(ev._logits(v.to(ev.device), x).float(), y))
+                      for v in (mixture, *request.clusters)]
+        best = min(range(k), key=lambda j: losses[1 + j])
+        if losses[0] <= losses[1 + best] + self.mixture_guard:
+            return mixture, {"start": "mixture"}
+        return request.clusters[best].clone(), {"start": "cluster", "cluster": best,
+                                                 "mixture_loss": round(losses[0], 4),
+                                                 "cluster_loss": round(losses[1 + best], 4)}
 
     def personalize(self, request: PersonalizeRequest) -> tuple[Tensor, dict[str, Any]]:
         t0 = time.perf_counter()

@@ -214,6 +214,8 @@ class CDFLSettings:
     """How the reply model is made (aggregator/personalize.py): finetune (its start trained on alpha-weighted proxy data), mixture (the paper's sum_k alpha_k w_k, cheapest), upload, distill or distill-mixture. finetune costs personalize_epochs of training per reply. docs/results_cdfl.md#the-reply."""
     personalize_start: str = "mixture"
     """finetune/distill: the model the reply's training starts from: mixture (sum_k alpha_k w_k; carries what the fleet taught the clusters), upload (the agent's own), dominant (the largest-alpha cluster) or blend (lam from personalize_blend_grid, chosen per reply). docs/results_cdfl.md#the-reply."""
+    personalize_mixture_guard: float = 0.1
+    """finetune/distill from the mixture: nats. The reply starts from the single cluster whose loss on 64 of its alpha-weighted proxy samples is lowest instead, when the mixture's is higher than that by more than this: clusters that drifted out of one basin average to no model (>= 0; 0 = off, always the mixture; costs K + 1 forward passes of 64 samples per reply). docs/results_realsize.md#collapsed-replies-the-mixture-of-clusters-that-left-one-basin."""
     personalize_blend_grid: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     """blend: the candidate weights lam of the cluster mixture against the upload."""
     reply_uses_upload: bool = True
@@ -664,7 +666,7 @@ RANGES: dict[str, str] = {
     "cdfl.eval_workers": ">= 0", "cdfl.eval_chunk": ">= 0",
     "cdfl.personalize_epochs": ">= 0", "cdfl.personalize_lr": "> 0", "cdfl.personalize_batch_size": ">= 1",
     "cdfl.personalize_min_steps": ">= 0", "cdfl.personalize_tail_average": "in [0, 1]",
-    "cdfl.personalize_rho": ">= 0", "cdfl.personalize_samples": ">= 0", "cdfl.reply_batch": ">= 0",
+    "cdfl.personalize_rho": ">= 0", "cdfl.personalize_mixture_guard": ">= 0", "cdfl.personalize_samples": ">= 0", "cdfl.reply_batch": ">= 0",
     "cdfl.personalize_head_above": ">= 0",
     "cdfl.personalize_kd_weight": "in [0, 1]", "cdfl.personalize_temperature": "> 0",
     "cdfl.update_power": "> 0", "cdfl.server_lr": ">= 0", "cdfl.delta_hinge_a": ">= 0", "cdfl.delta_tau0": ">= 0",

@@ -12,6 +12,7 @@ import torch
 from aggregator.cdfl import (
     CDFL,
     GPU_REPLY_BATCH,
+    cdfl_personalizer,
     resolve_reply_batch,
     resolve_trunk_share,
     update_weights,
@@ -29,7 +30,7 @@ from aggregator.personalize import (
 from aggregator.strategy import Upload
 from fedmq.config import CDFLSettings
 from fedmq.data import sample_agent_data
-from fedmq.models import model_spec
+from fedmq.models import build_model, model_spec, to_vector
 from fedmq.training import evaluate, fit
 
 ARCH = "digits-cnn"
@@ -257,6 +258,36 @@ def test_reply_starts_from_the_upload_the_mixture_the_dominant_cluster_or_the_be
         DistillPersonalizer(ev, start="average")
     with pytest.raises(ValueError, match="personalize_blend_grid"):
         DistillPersonalizer(ev, start="blend", blend_grid=[1.5])
+
+
+def test_mixture_guard_starts_the_reply_from_the_best_cluster_once_the_clusters_average_to_no_model(world):
+    """Two good models trained from different inits share no basin: their weight average is no
+    model. The guard then starts the reply from the cluster that fits the reply's data best;
+    specialists from one init keep the paper's mixture."""
+    clusters, w, proxies = world
+    ev = ProxyEvaluator(SPEC, proxies, device="cpu")
+    both = [clusters.pretrain(k, 300) for k in range(K)]
+    x, y = torch.cat([d.x for d in both]), torch.cat([d.y for d in both])
+    apart = torch.stack([fit(ARCH, to_vector(build_model(ARCH, seed=s)), x, y, epochs=10, lr=0.05, momentum=0.9,
+                             seed=s).vector for s in (0, 7)])
+    alpha = [0.3, 0.7]
+    full = ev.losses(torch.stack([alpha_mixture(apart, alpha), *apart])) @ torch.tensor(alpha)
+    assert full[0] > min(full[1:]) + 0.5, full  # the average really is no model
+    req = PersonalizeRequest(apart, alpha, torch.zeros(SPEC.numel), seed=3)
+    v, info = DistillPersonalizer(ev, start="mixture", mixture_guard=0.1).start_vector(req)
+    assert info["start"] == "cluster" and torch.equal(v, apart[info["cluster"]])
+    assert info["mixture_loss"] > info["cluster_loss"] + 0.1
+    off, info = DistillPersonalizer(ev, start="mixture", mixture_guard=0.0).start_vector(req)
+    assert info == {"start": "mixture"}
+    torch.testing.assert_close(off, alpha_mixture(apart, alpha))
+    one_basin = PersonalizeRequest(w, alpha, torch.zeros(SPEC.numel), seed=3)
+    assert DistillPersonalizer(ev, start="mixture", mixture_guard=0.1).start_vector(one_basin)[1] == {"start": "mixture"}
+    # The shipped default turns it on for the trained reply.
+    settings = CDFLSettings(clusters=K)
+    assert settings.personalize_mixture_guard == 0.1
+    assert cdfl_personalizer(settings, ev).mixture_guard == 0.1
+    with pytest.raises(ValueError, match="mixture_guard"):
+        DistillPersonalizer(ev, mixture_guard=-1)
 
 
 def test_frozen_control_refreshes_like_the_variant_and_proxy_only_ignores_the_upload(world):
