@@ -215,7 +215,7 @@ class CDFLSettings:
     personalize_start: str = "mixture"
     """finetune/distill: the model the reply's training starts from: mixture (sum_k alpha_k w_k; carries what the fleet taught the clusters), upload (the agent's own), dominant (the largest-alpha cluster) or blend (lam from personalize_blend_grid, chosen per reply). docs/results_cdfl.md#the-reply."""
     personalize_mixture_guard: float = 0.1
-    """finetune/distill from the mixture: nats. The reply starts from the single cluster whose loss on 64 of its alpha-weighted proxy samples is lowest instead, when the mixture's is higher than that by more than this: clusters that drifted out of one basin average to no model (>= 0; 0 = off, always the mixture; costs K + 1 forward passes of 64 samples per reply). docs/results_realsize.md#collapsed-replies-the-mixture-of-clusters-that-left-one-basin."""
+    """finetune/distill from the mixture: the reply starts from the single cluster that fits 64 of its proxy samples best when the mixture's loss there is higher by more than this (nats; >= 0, 0 = off). Clusters out of one basin average to no model. docs/results_realsize.md."""
     personalize_blend_grid: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     """blend: the candidate weights lam of the cluster mixture against the upload."""
     reply_uses_upload: bool = True
