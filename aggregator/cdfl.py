@@ -560,8 +560,15 @@ class CDFL(SoftClusters):
             u = alpha_mixture(self.replied_from(), alpha)
         else:
             u, diag = self.personalizer.personalize(self._request(alpha, upload))
-            info.update(personalization=self.personalizer.name, personalize=diag)
+            self._made(info, diag)
         return self._reply(agent, alpha, info, u, self.uploads_applied)
+
+    def _made(self, info: dict[str, Any], diag: dict[str, Any]) -> None:
+        """Record how a trained reply was made; a start the mixture guard moved to one cluster
+        is counted (`mixture_guarded`), as the clusters leaving one basin show first there."""
+        info.update(personalization=self.personalizer.name, personalize=diag)
+        if diag.get("start") == "cluster":
+            self.counters["mixture_guarded"] += 1
 
     def _request(self, alpha: list[float], upload: Tensor) -> PersonalizeRequest:
         return PersonalizeRequest(self.replied_from(), alpha, upload if self.reply_uses_upload else None,
@@ -628,7 +635,7 @@ class CDFL(SoftClusters):
             chunk = queued[i:i + size]
             made = self.personalizer.personalize_many([q[3] for q in chunk])
             for (agent, alpha, info, _, epoch), (u, diag) in zip(chunk, made, strict=True):
-                info.update(personalization=self.personalizer.name, personalize=diag)
+                self._made(info, diag)
                 replies.append(self._reply(agent, alpha, info, u, epoch))
         return replies
 

@@ -282,10 +282,15 @@ def test_mixture_guard_starts_the_reply_from_the_best_cluster_once_the_clusters_
     torch.testing.assert_close(off, alpha_mixture(apart, alpha))
     one_basin = PersonalizeRequest(w, alpha, torch.zeros(SPEC.numel), seed=3)
     assert DistillPersonalizer(ev, start="mixture", mixture_guard=0.1).start_vector(one_basin)[1] == {"start": "mixture"}
-    # The shipped default turns it on for the trained reply.
-    settings = CDFLSettings(clusters=K)
+    # The shipped default turns it on for the trained reply, and CDFL counts the guarded starts.
+    settings = CDFLSettings(clusters=K, personalize_epochs=1)
     assert settings.personalize_mixture_guard == 0.1
     assert cdfl_personalizer(settings, ev).mixture_guard == 0.1
+    s = CDFL.from_settings(SPEC, apart, proxies, settings, device="cpu")
+    s.join("a")
+    base = apart.mean(0)
+    reply = s.apply(Upload("a", base, tau=0, base=base), alpha=alpha)
+    assert reply.info["personalize"]["start"] == "cluster" and s.counters["mixture_guarded"] == 1
     with pytest.raises(ValueError, match="mixture_guard"):
         DistillPersonalizer(ev, mixture_guard=-1)
 
