@@ -252,7 +252,7 @@ class ProxyEvaluator:
         return self._per_sample(vectors, what, self.x, self.y, rows=(0, self.x.shape[0]))
 
     def per_sample_on(self, vectors: Tensor, x: Tensor, y: Tensor, what: str = "loss") -> Tensor:
-        """[M, n] per-sample results on other data (a client's own samples, in tests)."""
+        """[M, n] per-sample results on other data (a subset of the proxy samples, a client's own)."""
         x = x.to(self.device, torch.float32)
         if self.channels_last and x.ndim == 4:
             x = x.contiguous(memory_format=torch.channels_last)

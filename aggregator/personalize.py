@@ -236,10 +236,8 @@ class DistillPersonalizer(Personalizer):
         gen = torch.Generator().manual_seed(int(request.seed) * 2 + 1)
         idx = torch.multinomial(self._sample_weights(request).cpu(), GUARD_SAMPLES, replacement=True,
                                 generator=gen).to(ev.device)
-        x, y = ev.x[idx], ev.y[idx]
-        with torch.inference_mode():
-            losses = [float(F.cross_entropy(ev._logits(v.to(ev.device), x).float(), y))
-                      for v in (mixture, *request.clusters)]
+        candidates = torch.cat([mixture[None], request.clusters])
+        losses = ev.per_sample_on(candidates, ev.x[idx], ev.y[idx]).mean(1).tolist()
         best = min(range(k), key=lambda j: losses[1 + j])
         if losses[0] <= losses[1 + best] + self.mixture_guard:
             return mixture, {"start": "mixture"}
