@@ -108,20 +108,26 @@ def aggregator(pretrained, tmp_path) -> Iterator[Callable[[Config], Aggregator]]
         agg.stop()
 
 
+def subscribed(port: int, client_id: str, topic: str, on_message: Callable) -> mqtt.Client:
+    """A plain paho client on the test broker, returned once its QoS 1 subscription is granted."""
+    ready = threading.Event()
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id)
+    client.on_message = on_message
+    client.on_subscribe = lambda *a, **k: ready.set()
+    client.connect("127.0.0.1", port)
+    client.loop_start()
+    client.subscribe(topic, qos=1)
+    assert ready.wait(60)
+    return client
+
+
 class Sniffer:
     """Every uplink of the fleet, as the broker delivers it to a plain subscriber."""
 
     def __init__(self, port: int) -> None:
         self.payloads: list[tuple[str, bytes]] = []
         self._lock = threading.Lock()
-        ready = threading.Event()
-        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="sniffer")
-        self.client.on_message = self._on_message
-        self.client.on_subscribe = lambda *a, **k: ready.set()
-        self.client.connect("127.0.0.1", port)
-        self.client.loop_start()
-        self.client.subscribe(f"fedmq/{FLEET}/agents/+/up", qos=1)
-        assert ready.wait(60)
+        self.client = subscribed(port, "sniffer", f"fedmq/{FLEET}/agents/+/up", self._on_message)
 
     def _on_message(self, client, userdata, msg) -> None:
         with self._lock:
@@ -366,14 +372,7 @@ class Refuser:
     def __init__(self, port: int, agent: str, reasons: dict[type, str]) -> None:
         self.agent, self.reasons = agent, reasons
         self.answered: list[str] = []
-        ready = threading.Event()
-        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="refuser")
-        self.client.on_message = self._on_message
-        self.client.on_subscribe = lambda *a, **k: ready.set()
-        self.client.connect("127.0.0.1", port)
-        self.client.loop_start()
-        self.client.subscribe(protocol.uplink(FLEET, agent), qos=1)
-        assert ready.wait(60)
+        self.client = subscribed(port, "refuser", protocol.uplink(FLEET, agent), self._on_message)
 
     def _on_message(self, client, userdata, msg) -> None:
         env = protocol.decode(bytes(msg.payload), max_bytes=1 << 26)
