@@ -92,7 +92,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--scenario",
                    help="rotated-digits (default; with --data-dir: the rotated scenario of the dataset there), rotated-mnist, rotated-fashionmnist, rotated-cifar100, "
                         "rotated-shapes, digits-domains, rotated (the dataset --set data.dataset=NAME names), "
-                        "realsize-shapes or realsize (resnet20-gn, K = 4, >= 400 uploads a run; docs/simulator.md)")
+                        "realsize-shapes or realsize (resnet20-gn, K = 4, >= 400 uploads a run; docs/simulator.md), "
+                        "realsize-shapes-mobilenet (the same fleet, MobileNetV3-small)")
     _add_init_argument(r)
     r.add_argument("--methods", default="cdfl,fedsoft-async,local",
                    help="comma list of cdfl, fedsoft-async, fedasync, fedbuff, local (default cdfl,fedsoft-async,local)")

@@ -48,6 +48,25 @@ def test_the_plan_takes_the_scenarios_fleet_unless_the_command_line_names_one(tm
     assert "K=3:" in done.stdout and "3 runs" in done.stdout  # the paper's scenario keeps the paper's fleet
 
 
+def test_the_mobilenet_scenario_is_the_same_fleet_with_a_pretraining_that_starts_mobilenet(
+        tmp_path, warm_python) -> None:
+    resnet, mobilenet = get_scenario("realsize-shapes"), get_scenario("realsize-shapes-mobilenet")
+    fleet = ("dataset", "kind", "clusters", "agents", "updates_per_agent", "test_samples")
+    assert [getattr(mobilenet, f) for f in fleet] == [getattr(resnet, f) for f in fleet]
+    _, r = configure(RunSpec(scenario="realsize-shapes", clusters=4, agents=20))
+    _, m = configure(RunSpec(scenario="realsize-shapes-mobilenet", clusters=4, agents=20))
+    assert m.model == "torchvision:mobilenet_v3_small"
+    assert (m.data.pretrain_per_cluster, m.aggregator.pretrain_epochs, m.aggregator.pretrain_lr) == (750, 20, 0.01)
+    assert (m.cdfl, m.agent) == (r.cdfl, r.agent)  # the same replies and agents
+    assert (m.data.proxy_per_cluster, m.data.min_samples, m.data.max_samples) == (100, 150, 350)
+    done = run_cli("sim", "run", "--scenario", "realsize-shapes-mobilenet", "--methods", "cdfl,local", "--seeds", "1",
+                   "--out", "out", "--dry-run", cwd=tmp_path, env=cli_env(), warm=warm_python)
+    assert done.returncode == 0, done.stderr
+    assert "model torchvision:mobilenet_v3_small, pre-training 20 epochs at 0.01" in done.stdout
+    assert "per cluster proxy 100, pretrain 750" in done.stdout
+    assert f"2 runs (methods cdfl, local; K 4; seeds 0), {2 * len(make_schedule(0, 20, 22.0))} updates" in done.stdout
+
+
 def write_folder(root: Path, name: str, per_class: tuple[int, int]) -> None:
     """`root/name/{train,test}/<class>/*.png`: 32x32 colour squares, one hue per class."""
     rng = np.random.default_rng(0)
