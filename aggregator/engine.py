@@ -522,7 +522,7 @@ class Engine:
         answered upload was trained from (our latest reply's unless its tau named an earlier)."""
         record = self.agents.setdefault(reply.agent, AgentRecord())
         c = self.cfg.codec
-        name, params = c.downlink_codec()
+        name, params = c.downlink_codec(self.spec.statistics_numel)
         tensors = []
         if reply.kind == "clusters":
             # All K models, each whole: the agent's next upload is a whole vector too.

@@ -273,7 +273,7 @@ class RoundService:
         plan = self.strategy.open_round()
         sizes = {a: self.strategy.agents[a].size for a in plan.selected}
         c = self.cfg.codec
-        name, params = c.downlink_codec()
+        name, params = c.downlink_codec(self.spec.statistics_numel)
         wire = codecs.encode(self.strategy.vector.numpy(), name, zstd=c.zstd, **params)
         self._base = codecs.decode(wire, max_n=self.spec.numel)  # what every invitee will hold
         self._round_bytes_up = 0

@@ -429,7 +429,7 @@ class EdgeAgent:
         c = self.cfg.codec
         base = self.installed.base.numpy() if (c.delta and self.installed.kind != "clusters") else None
         wire = codecs.encode(vector.detach().cpu().numpy(), c.name, base=base, zstd=c.zstd,
-                             feedback=self.feedback, **c.encoder_params())
+                             feedback=self.feedback, **c.encoder_params(statistics=self.spec.statistics_numel))
         if self.local_index is not None:
             self.trained = vector.detach().float().cpu().clone()
         return protocol.Update(agent=self.agent_id, msg_id=protocol.new_msg_id(),

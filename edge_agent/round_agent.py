@@ -261,7 +261,8 @@ class RoundAgent:
         if work.finished and work.vector is not None:
             tensor = codecs.encode(work.vector.detach().cpu().numpy(), c.name,
                                    base=base if c.delta else None, zstd=c.zstd,
-                                   feedback=self.feedback, **c.encoder_params())
+                                   feedback=self.feedback,
+                                   **c.encoder_params(statistics=self.spec.statistics_numel))
         r = work.result
         metrics = {"epochs": float(r.epochs_done), "train_s": float(r.seconds),
                    "eps_s": float(self.learner.uploads.eps), "shard_index": float(work.shard_index)}

@@ -106,6 +106,8 @@ class CodecSettings:
     """Share of entries topk sends; the rest of each vector is not sent. Must be in (0, 1]."""
     error_feedback: bool = True
     """With topk, an agent keeps what it did not send and adds it to its next upload (codecs.ErrorFeedback), so nothing is lost, only delayed; false drops it (the ablation). Downlinks need none: each reply is a delta against what the agent decoded, so its error is corrected by the next."""
+    exact_statistics: bool = True
+    """A lossy codec sends a model's batch-norm running statistics (its vector's tail) as float32: int8 blocks shared with weights zeroed small variances (MobileNetV3-small: 0.80 -> 0.45 accuracy). 0.8 % of its values; none without batch norm. false: coded like the weights."""
     downlink: str = ""
     """Codec of what the aggregator sends (replies, round invites): fp32, fp16, int8 or topk; empty = the same as name. With topk uplinks, int8 here keeps the agents' models whole for about 2x the downlink bytes (docs/codecs.md, "Top-k in a fleet")."""
 
@@ -113,23 +115,25 @@ class CodecSettings:
         """Whether a sender keeps an ErrorFeedback residual for this codec."""
         return self.name == "topk" and self.error_feedback
 
-    def encoder_params(self, name: str | None = None) -> dict[str, Any]:
-        """The keyword arguments `codecs.encode` takes for codec `name` (default: this uplink's)."""
+    def encoder_params(self, name: str | None = None, statistics: int = 0) -> dict[str, Any]:
+        """The keyword arguments `codecs.encode` takes for codec `name` (default: this uplink's),
+        for a model whose vector ends with `statistics` running-statistics values."""
         name = name or self.name
+        exact = {"exact": statistics} if statistics and self.exact_statistics and name != "fp32" else {}
         if name == "int8":
-            return {"block": self.int8_block}
+            return {"block": self.int8_block, **exact}
         if name == "topk":
-            return {"ratio": self.topk_ratio}
-        return {}
+            return {"ratio": self.topk_ratio, **exact}
+        return exact
 
-    def downlink_codec(self) -> tuple[str, dict[str, Any]]:
+    def downlink_codec(self, statistics: int = 0) -> tuple[str, dict[str, Any]]:
         """(codec name, encoder arguments) for what the aggregator sends; ConfigError if unknown."""
         from fedmq.codecs import CODECS
 
         name = self.downlink or self.name
         if name not in CODECS:
             raise ConfigError(f"codec.downlink: unknown codec {name!r}; use {', '.join(CODECS)} (or empty: as codec.name)")
-        return name, self.encoder_params(name)
+        return name, self.encoder_params(name, statistics)
 
 
 @dataclass

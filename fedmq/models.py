@@ -59,6 +59,12 @@ class ModelSpec:
         return sum(math.prod(s) for s in self.shapes[:self.trainable])  # [:None]: all
 
     @property
+    def statistics_numel(self) -> int:
+        """Values of the vector that are running statistics (its tail): what a lossy codec
+        sends as float32 (codec.exact_statistics)."""
+        return self.numel - self.param_numel
+
+    @property
     def head(self) -> tuple[int, int]:
         """[start, end) of the output layer (the last two parameters: its weight and bias)."""
         end = self.param_numel
