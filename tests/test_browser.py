@@ -466,7 +466,12 @@ def codec_cases() -> list[dict]:
                 extra = {"topk_values": "fp16"} if codec == "topk" and zstd else {}
                 wire = codecs.encode(vector, codec, base=base if delta else None, zstd=zstd, block=100, **extra)
                 cases.append({"name": f"{codec} zstd={zstd} delta={delta}", "wire": wire, "base": base if delta else None})
+    for codec in ("fp16", "int8", "topk"):  # a model's running statistics at the tail, as float32
+        for delta in (False, True):
+            wire = codecs.encode(vector, codec, base=base if delta else None, block=100, exact=37)
+            cases.append({"name": f"{codec} exact delta={delta}", "wire": wire, "base": base if delta else None})
     good = codecs.encode(vector, "int8", base=base, zstd=False)
+    cases.append({"name": "exact beyond n", "wire": {**good, "exact": 1001}, "base": base, "refuse": "bad_exact"})
     cases.append({"name": "another base", "wire": good, "base": base + 1, "refuse": "base_mismatch"})
     cases.append({"name": "short payload", "wire": {**good, "data": good["data"][:-1]}, "base": base, "refuse": "bad_length"})
     cases.append({"name": "no base", "wire": good, "base": None, "refuse": "needs_base"})

@@ -26,6 +26,7 @@ from fedmq.codecs import (
     half_to_float32,
     topk_count,
 )
+from fedmq.config import Config
 from fedmq.models import build_model, model_spec, to_vector
 
 F16_MAX = 65504.0
@@ -352,6 +353,11 @@ MALFORMED = {
     "fp32 nan": (with_bytes(valid("fp32"), 8, NAN32), "not_finite"),
     "fp16 inf": (with_bytes(valid("fp16"), 2, np.float16(np.inf).tobytes()), "not_finite"),
     "delta without base": ({**valid("fp32"), "delta": True}, "needs_base"),
+    "exact above n": ({**valid("int8"), "exact": 301}, "bad_exact"),
+    "exact negative": ({**valid("int8"), "exact": -1}, "bad_exact"),
+    "exact bool": ({**valid("topk"), "exact": True}, "bad_exact"),
+    "exact on fp32": ({**valid("fp32"), "exact": 3}, "unknown_key"),
+    "exact without its tail": ({**valid("fp16"), "exact": 10}, "bad_length"),
 }
 
 
@@ -420,7 +426,7 @@ wire_values = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st
 
 @settings(max_examples=300, deadline=None)
 @given(codec=st.sampled_from(CODECS), zstd=st.booleans(), key=st.sampled_from(
-    ["codec", "n", "zstd", "delta", "data", "block", "k", "values", "extra"]),
+    ["codec", "n", "zstd", "delta", "data", "block", "k", "values", "exact", "extra"]),
        value=wire_values, flips=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)),
                                          max_size=4))
 def test_fuzzed_maps_decode_or_raise_codec_error(codec, zstd, key, value, flips) -> None:
@@ -586,3 +592,54 @@ def test_downlink_codec_is_its_own_setting_and_an_unknown_one_stops_the_start(tm
     bad = small_config("mqtt://127.0.0.1:1", other, "f", **{"codec.downlink": "bf16"})
     with pytest.raises(ConfigError, match="codec.downlink: unknown codec 'bf16'"):
         build_engine(bad)
+
+
+@pytest.mark.parametrize("codec", ["fp16", "int8", "topk"])
+@pytest.mark.parametrize("delta", [False, True])
+@pytest.mark.parametrize("zstd", [False, True])
+def test_the_exact_tail_travels_as_float32_and_the_rest_as_the_codec_sends_it(codec, delta, zstd) -> None:
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(1000).astype(np.float32)
+    x[-40:] = rng.uniform(1e-3, 1e-2, 40)  # small variances beside weights ten times larger
+    base = (x + 0.01 * rng.standard_normal(1000)).astype(np.float32) if delta else None
+    feedback = ErrorFeedback()
+    wire = encode(x, codec, base=base, zstd=zstd, block=64, ratio=0.1, exact=40, feedback=feedback)
+    out = decode(wire, base=base)
+    assert wire["exact"] == 40 and out.dtype == np.float32 and out.size == 1000
+    if base is None:
+        assert out[-40:].tobytes() == x[-40:].tobytes()
+        head = decode(encode(x[:-40], codec, zstd=zstd, block=64, ratio=0.1))
+        assert out[:-40].tobytes() == head.tobytes()  # the codec's part is what it sends alone
+    else:  # the delta travels exactly; adding it back rounds once in float32
+        assert np.abs(out[-40:] - x[-40:]).max() <= np.spacing(np.abs(x[-40:])).max()
+    assert not feedback.residual[-40:].any()
+    assert encode(x, codec, block=64, ratio=0.1, exact=0).keys() == encode(x, codec, block=64, ratio=0.1).keys()
+    with pytest.raises(CodecError) as info:
+        encode(x, codec, exact=1001)
+    assert info.value.reason == "bad_exact"
+
+
+def test_a_batch_norm_models_running_statistics_travel_as_float32_by_default() -> None:
+    """Blocks of 256 that share a large variance with small ones zero the small ones; with the
+    statistics sent exact (the default) every one arrives as it was."""
+    spec, model = model_spec("resnet20"), build_model("resnet20", seed=0)
+    stats = sum(b.numel() for n, b in model.named_buffers() if n.endswith(("running_mean", "running_var")))
+    assert spec.statistics_numel == stats > 0 and model_spec("resnet20-gn").statistics_numel == 0
+    rng = np.random.default_rng(1)
+    for name, b in model.named_buffers():  # means of 0.1-0.2, variances of 0.001-0.01 and one of 5
+        if name.endswith(("running_mean", "running_var")):
+            low, high = (0.1, 0.2) if name.endswith("mean") else (1e-3, 1e-2)
+            b.copy_(torch.from_numpy(rng.uniform(low, high, b.numel()).astype(np.float32)))
+        if name.endswith("running_var"):
+            b[0] = 5.0
+    vector = to_vector(model).numpy()
+    codec = Config().codec
+    params = codec.encoder_params(statistics=stats)
+    assert params == {"block": 256, "exact": stats} and codec.downlink_codec(stats) == ("int8", params)
+    out = decode(encode(vector, "int8", **params))
+    assert out[-stats:].tobytes() == vector[-stats:].tobytes() and out[-stats:].all()
+    blocks = decode(encode(vector, "int8", block=256))  # the statistics coded like the weights
+    assert (blocks[-stats:] == 0).sum() > stats // 4, (blocks[-stats:] == 0).sum()
+    codec.exact_statistics = False
+    assert codec.encoder_params(statistics=stats) == {"block": 256}
+    assert Config().codec.encoder_params("fp32", statistics=stats) == {}

@@ -210,6 +210,8 @@ export function floatToHalf(x) {
 
 function payloadSize(codec, n, wire) {
   if (codec === "fp32") return 4 * n;
+  const exact = wire.exact || 0;
+  if (exact) return payloadSize(codec, n - exact, { ...wire, exact: 0 }) + 4 * exact;
   if (codec === "fp16") return 2 * n;
   if (codec === "int8") return 4 * Math.ceil(n / wire.block) + n;
   if (codec === "topk") return wire.k * (4 + (wire.values === "fp16" ? 2 : 4));
@@ -218,7 +220,8 @@ function payloadSize(codec, n, wire) {
 
 /**
  * The float32 vector an encoded tensor map holds (docs/codecs.md): fp32 (XOR with the base
- * when a delta), fp16, int8 (blockwise scales), topk, each optionally zstd-compressed. A
+ * when a delta), fp16, int8 (blockwise scales), topk, each optionally zstd-compressed, a
+ * lossy map's last `exact` values (running statistics) as float32 after its payload. A
  * delta is added to `base` in float32, exactly as the aggregator computes it, so both sides
  * hold the same bits (the next `base` checksum depends on it). ProtocolRefusal on anything
  * malformed or a base that is not the one the map names.
@@ -226,6 +229,9 @@ function payloadSize(codec, n, wire) {
 export function decodeTensor(wire, base = null) {
   const { codec, n } = wire;
   if (!Number.isInteger(n) || n < 0) throw new ProtocolRefusal("bad_n", String(n));
+  const exact = wire.exact === undefined ? 0 : wire.exact;
+  if (!Number.isInteger(exact) || exact < 0 || exact > n || (exact && codec === "fp32")) throw new ProtocolRefusal("bad_exact", String(exact));
+  const coded = n - exact;
   let b = null;
   if (wire.delta) {
     if (!base) throw new ProtocolRefusal("needs_base", "a delta needs the base it was made against");
@@ -255,16 +261,18 @@ export function decodeTensor(wire, base = null) {
     }
   } else {
     const content = new Float32Array(n);
+    const tail = expected - 4 * exact;
+    for (let i = 0; i < exact; i++) content[coded + i] = view.getFloat32(tail + 4 * i, true);
     if (codec === "fp16") {
-      for (let i = 0; i < n; i++) content[i] = halfToFloat(view.getUint16(2 * i, true));
+      for (let i = 0; i < coded; i++) content[i] = halfToFloat(view.getUint16(2 * i, true));
     } else if (codec === "int8") {
-      const blocks = Math.ceil(n / wire.block);
+      const blocks = Math.ceil(coded / wire.block);
       const scales = new Float32Array(blocks);
       for (let j = 0; j < blocks; j++) {
         scales[j] = view.getFloat32(4 * j, true);
         if (!Number.isFinite(scales[j]) || scales[j] < 0) throw new ProtocolRefusal("bad_scale", "int8 scales must be finite and >= 0");
       }
-      for (let i = 0; i < n; i++) {
+      for (let i = 0; i < coded; i++) {
         const q = view.getInt8(4 * blocks + i);
         if (q < -127) throw new ProtocolRefusal("bad_quant", "int8 values lie in -127..127");
         content[i] = q * scales[Math.floor(i / wire.block)];
@@ -276,7 +284,7 @@ export function decodeTensor(wire, base = null) {
         const gap = view.getUint32(4 * j, true);
         if (j > 0 && gap < 1) throw new ProtocolRefusal("duplicate_index", "topk gaps must be >= 1");
         index += gap;
-        if (index >= n) throw new ProtocolRefusal("index_range", `${index} >= ${n}`);
+        if (index >= coded) throw new ProtocolRefusal("index_range", `${index} >= ${coded}`);
         content[index] = wire.values === "fp16" ? halfToFloat(view.getUint16(4 * k + 2 * j, true)) : view.getFloat32(4 * k + 4 * j, true);
       }
     }
