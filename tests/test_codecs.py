@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 import tracemalloc
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -643,3 +645,21 @@ def test_a_batch_norm_models_running_statistics_travel_as_float32_by_default() -
     codec.exact_statistics = False
     assert codec.encoder_params(statistics=stats) == {"block": 256}
     assert Config().codec.encoder_params("fp32", statistics=stats) == {}
+
+
+@pytest.mark.slow
+def test_the_statistics_codec_script_scores_every_row_and_a_model_without_statistics_is_unchanged(tmp_path) -> None:
+    """scripts/statistics_codec.py as docs/codecs.md runs it, on the digits scenario (no batch norm, seconds
+    of pre-training): every row is there, and with no statistics the exact tail sends what int8 sent."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "statistics_codec.py"
+    loaded = importlib.util.spec_from_file_location("statistics_codec", path)
+    script = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(script)
+    assert script.main(["--scenario", "rotated-digits", "--out", str(tmp_path / "t.json")]) == 0
+    table = json.loads((tmp_path / "t.json").read_text())
+    rows = table["accuracy_per_cluster"]
+    assert table["statistics"] == 0 and len(rows) == 6 and all(len(r) == 3 for r in rows.values())
+    assert rows["int8 on everything"] == rows["int8, statistics as float32 (the default)"]
+    assert min(rows["exact (fp32)"]) > 0.5
