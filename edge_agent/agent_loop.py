@@ -59,7 +59,7 @@ from edge_agent.protocol_client import (
 )
 from edge_agent.sources import DatasetSource, DataSource, DirectorySource, LocalBuffer
 from edge_agent.state import AgentState, PendingUpload
-from edge_agent.trainer import evaluate, train_cycle
+from edge_agent.trainer import diverged, evaluate, train_cycle
 from fedmq import protocol
 from fedmq.algorithms import ASYNC_AGENT
 from fedmq.config import AgentSettings, Config
@@ -403,6 +403,12 @@ class DeviceAgent:
         event(log, "train.done", level=PROGRESS, agent=self.agent_id, trigger=trigger, samples=len(y),
               seconds=result.seconds, epochs=result.epochs_done, loss=result.final_loss,
               acc_held=acc_held, acc_trained=acc_trained, stopped_early=result.stopped_early)
+        if diverged(result.vector):  # an outcome, not a crash: the held model stays, nothing is sent
+            self._count("train_diverged")
+            cycle.outcome = "diverged"
+            event(log, "train.diverged", logging.WARNING, agent=self.agent_id, samples=len(y), loss=result.final_loss,
+                  action="model kept, no upload", hint="lower agent.lr if it repeats")
+            return cycle
         if self.agent is None:  # Local: the trained model is the model
             self._install_vector(result.vector, self.state.tau, None, via="local")
             cycle.outcome = "local"

@@ -94,6 +94,12 @@ def estimate_alpha_argmin(model_name: str, cluster_vectors: Sequence[torch.Tenso
     return [float(s) for s in shares]
 
 
+def diverged(vector: torch.Tensor) -> bool:
+    """Whether local training left NaN or Inf in the model: nothing a receiver could decode
+    (the codecs refuse it), so the agent keeps the model it held and sends nothing."""
+    return not bool(torch.isfinite(vector).all())
+
+
 def train_cycle(model_name: str, algorithm: str, held: torch.Tensor, clusters: Sequence[torch.Tensor] | None,
                 x: torch.Tensor, y: torch.Tensor, *, privacy: UplinkPrivacy | None = None, dp_seed: int = 0,
                 **knobs: Any) -> tuple[TrainResult, list[float] | None]:

@@ -118,9 +118,9 @@ class UpdateRecord:
     t: float
     """Seconds since the first event."""
     refused: str = ""
-    """The reason the aggregator refused this upload ('' when applied). A refused cycle is an
-    outcome, not a failure: the agent keeps the model it held (after a re-join for the reasons
-    that need one) and the run goes on."""
+    """The reason the aggregator refused this upload ('' when applied), or "diverged": local
+    training left NaN or Inf and nothing was sent. Either is an outcome, not a failure: the agent
+    keeps the model it held (after a re-join for the reasons that need one) and the run goes on."""
 
 
 @dataclass
@@ -371,7 +371,7 @@ class CyclePlayer:
     def play(self, i: int, a: int, c: int, agent: Any, held: dict[int, torch.Tensor] | None) -> UpdateRecord:
         """`agent` is the EdgeAgent (None for Local, whose models live in `held`)."""
         from edge_agent.protocol_client import AgentError
-        from edge_agent.trainer import train_cycle
+        from edge_agent.trainer import diverged, train_cycle
         from fedmq.training import evaluate
 
         spec, model_name = self.spec, self.model_name
@@ -388,6 +388,12 @@ class CyclePlayer:
             epochs=spec.local_epochs, lr=spec.local_lr, rho=spec.rho, seed=seed)
         compute_s = time.thread_time() - cpu0
         acc_before = evaluate(model_name, result.vector, xt, yt)[0]
+        if diverged(result.vector):  # as a device does: the held model stays and nothing is sent
+            event(log, "sim.train_diverged", level=30, agent=agent_name(a), cycle=c, action="model kept, no upload")
+            tau = 0 if local else agent.installed.epoch
+            return UpdateRecord(i, 0, agent_name(a), c, len(train), tau, tau, 0, acc_held, acc_before, acc_held,
+                                math.nan, train.alpha.tolist(), None, 0, 0, compute_s, 0.0, 0.0, 0.0,
+                                refused="diverged")
         if local:
             held[a] = result.vector
             return UpdateRecord(i, 0, agent_name(a), c, len(train), 0, 0, 0, acc_held, acc_before,

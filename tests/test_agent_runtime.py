@@ -77,6 +77,26 @@ def test_local_mode_trains_on_trigger_installs_and_resumes_after_restart(tmp_pat
         again.close()
 
 
+def test_training_that_diverges_keeps_the_held_model_and_sends_nothing(tmp_path, pools) -> None:
+    """A rate that blows the weights up to Inf/NaN is an outcome (`diverged`, counted), not a
+    crash: the held model stays installed and the agent goes on predicting with it."""
+    cluster_pools, _ = pools
+    cfg = local_cfg(tmp_path, **{"agent.lr": 1e30, "agent.rho": 0.0})  # why: an absurd rate diverges at once
+    device = DeviceAgent(cfg, DatasetSource(cluster_pools, [1.0, 0.0], seed=1)).start()
+    try:
+        start = device.state.vector.clone()
+        device.trigger()
+        cycle = None
+        for _ in range(20):
+            cycle = cycle or device.step()
+        assert cycle is not None and cycle.outcome == "diverged", cycle
+        assert device.counters["train_diverged"] == 1 and device.counters.get("cycles") == 1
+        assert torch.equal(device.state.vector, start) and torch.isfinite(device.state.vector).all()
+        assert device.step() is None  # the loop goes on
+    finally:
+        device.close()
+
+
 def test_drift_waits_for_samples_after_the_detection(tmp_path, pools) -> None:
     cluster_pools, _ = pools
     cfg = local_cfg(tmp_path, **{"agent.min_update_interval_s": 0, "agent.samples_after_drift": 150,

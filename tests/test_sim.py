@@ -194,3 +194,17 @@ def test_refused_uploads_are_outcomes_and_the_run_goes_on(mosquitto, tmp_path):
     assert sum(row["refused"] == "loss_outlier" for row in rows) == len(refused)
     _, _, text = write_report(tmp_path)
     assert f"| CDFL | 2 | {len(refused)} | loss_outlier {len(refused)} |" in text
+
+
+def test_a_cycle_whose_training_diverges_is_an_outcome_and_the_run_goes_on(mosquitto):
+    """CDFL agents whose rate blows their models up to NaN send nothing and keep what they held;
+    the run ends with every cycle counted as `diverged` instead of stopping at the first."""
+    from dataclasses import replace
+
+    cfg = tiny_config()
+    cfg.fleet = "simdiverge"
+    spec = replace(tiny_spec("cdfl"), local_lr=1e30, rho=0.0)  # why: an absurd rate diverges at once
+    run = run_fleet(spec, cfg, broker_url=mosquitto.url)
+    assert len(run.updates) == len(make_schedule(0, 4, 2)) > 0
+    assert all(r.refused == "diverged" and r.acc_after == r.acc_held for r in run.updates)
+    assert run.summary()["refused"] == {"diverged": len(run.updates)}
