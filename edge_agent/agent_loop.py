@@ -406,8 +406,11 @@ class DeviceAgent:
         if diverged(result.vector):  # an outcome, not a crash: the held model stays, nothing is sent
             self._count("train_diverged")
             cycle.outcome = "diverged"
+            # The same model would diverge again: with a server, the next update starts from a join's.
+            self._join_due = self.agent is not None
             event(log, "train.diverged", logging.WARNING, agent=self.agent_id, samples=len(y), loss=result.final_loss,
-                  action="model kept, no upload", hint="lower agent.lr if it repeats")
+                  action="model kept, no upload" + ("; joins again at the next update" if self._join_due else ""),
+                  hint="lower agent.lr if it repeats")
             return cycle
         if self.agent is None:  # Local: the trained model is the model
             self._install_vector(result.vector, self.state.tau, None, via="local")

@@ -388,12 +388,16 @@ class CyclePlayer:
             epochs=spec.local_epochs, lr=spec.local_lr, rho=spec.rho, seed=seed)
         compute_s = time.thread_time() - cpu0
         acc_before = evaluate(model_name, result.vector, xt, yt)[0]
-        if diverged(result.vector):  # as a device does: the held model stays and nothing is sent
-            event(log, "sim.train_diverged", level=30, agent=agent_name(a), cycle=c, action="model kept, no upload")
-            tau = 0 if local else agent.installed.epoch
-            return UpdateRecord(i, 0, agent_name(a), c, len(train), tau, tau, 0, acc_held, acc_before, acc_held,
-                                math.nan, train.alpha.tolist(), None, 0, 0, compute_s, 0.0, 0.0, 0.0,
-                                refused="diverged")
+        if diverged(result.vector):  # as a device does: nothing is sent, and it joins again
+            event(log, "sim.train_diverged", level=30, agent=agent_name(a), cycle=c,
+                  action="model kept, no upload" + ("" if local else ", joins again"))
+            if local:
+                return UpdateRecord(i, 0, agent_name(a), c, len(train), 0, 0, 0, acc_held, acc_before, acc_held,
+                                    math.nan, train.alpha.tolist(), None, 0, 0, compute_s, 0.0, 0.0, 0.0,
+                                    refused="diverged")
+            return self._refused(i, c, agent, AgentError("diverged", "local training left NaN or Inf", refused=True),
+                                 train, xt, yt, agent.installed.epoch, acc_held, acc_before, None, 0, 0,
+                                 compute_s, 0.0, 0.0)
         if local:
             held[a] = result.vector
             return UpdateRecord(i, 0, agent_name(a), c, len(train), 0, 0, 0, acc_held, acc_before,
@@ -426,15 +430,17 @@ class CyclePlayer:
                  yt: torch.Tensor, tau: int, acc_held: float, acc_before: float,
                  alpha_own: list[float] | None, up: int, down: int, compute_s: float,
                  encode_s: float, round_trip: float) -> UpdateRecord:
-        """The record of a refused upload: the trained model is dropped and the agent keeps the
-        one it held, as a device does (edge_agent/agent_loop.py); after a refusal that says the
-        two sides disagree on that model (RESYNC_REASONS) it joins again and holds the join's."""
+        """The record of a refused upload (or of a training that diverged): the trained model is
+        dropped and the agent keeps the one it held, as a device does (edge_agent/agent_loop.py);
+        after a refusal that says the two sides disagree on that model (RESYNC_REASONS), or a
+        divergence, it joins again and holds the join's."""
         from edge_agent.protocol_client import RESYNC_REASONS, AgentError
         from fedmq.training import evaluate
 
-        rejoined = e.reason in RESYNC_REASONS
-        event(log, "sim.upload_refused", level=30, agent=agent.agent_id, cycle=c, reason=e.reason,
-              detail=e.detail, action="join again" if rejoined else "model kept")
+        rejoined = e.reason in RESYNC_REASONS or e.reason == "diverged"  # a diverged model trains to NaN again
+        if e.reason != "diverged":
+            event(log, "sim.upload_refused", level=30, agent=agent.agent_id, cycle=c, reason=e.reason,
+                  detail=e.detail, action="join again" if rejoined else "model kept")
         if rejoined:
             j0, g0 = agent.channel.bytes_sent, agent.channel.bytes_received
             try:
