@@ -84,7 +84,7 @@ REALSIZE_FLEET = {"clusters": 4, "agents": 20, "updates_per_agent": 22.0, "test_
 # MobileNetV3-small (1.5 M parameters, batch norm) learns nothing from the ResNet-20 fleet's
 # pre-training: at rate 0.05 its shared model ends at chance's loss, and 300 images per cluster
 # for 5 epochs are too few steps. 750 per cluster for 20 epochs at 0.01 start its clusters at
-# 0.88 on shapes (docs/results_realsize.md); the fleet, replies and agents are the same.
+# 0.90 on shapes (docs/results_realsize.md); the fleet, replies and agents are the same.
 MOBILENET_DEFAULTS = (("model", "torchvision:mobilenet_v3_small"),
                       *((k, v) for k, v in REALSIZE_DEFAULTS
                         if k not in ("model", "data.pretrain_per_cluster", "aggregator.pretrain_epochs")),
