@@ -398,7 +398,10 @@ def assert_no_honest_refusals(scratch: Path, steps: list[str]) -> None:
         assert summaries, f"{steps[-1]!r} wrote no summary.json under {scratch}"
     for path in summaries:
         summary = json.loads(path.read_text())
-        assert not summary.get("refused"), f"{path.parent.name}: honest uploads refused {summary['refused']}"
+        # "diverged" is no refusal: the agent's own training failed and it sent nothing (a collapsed
+        # MobileNetV3 run that docs/results_realsize.md reports as such).
+        refused = {k: n for k, n in (summary.get("refused") or {}).items() if k != "diverged"}
+        assert not refused, f"{path.parent.name}: honest uploads refused {refused}"
         assert summary.get("updates", 1) > 0, f"{path.parent.name}: no update applied"
 
 
