@@ -432,6 +432,30 @@ def test_a_refused_join_keeps_the_model_and_the_agent_joins_when_its_next_update
         device.close()
 
 
+def test_a_diverged_training_sends_nothing_and_the_agent_joins_again_at_its_next_update(
+        mosquitto, aggregator, tmp_path) -> None:
+    """A local training that ends in NaN is an outcome: nothing is sent, the held model stays,
+    and the next due update starts with a join instead of retraining the model that diverged."""
+    cfg = make_cfg(mosquitto.url, tmp_path, **{"agent.lr": 1e30, "agent.rho": 0.0})  # why: an absurd rate diverges
+    aggregator(cfg)
+    _, pools = rotated_pools(cfg, np.random.default_rng(11), 300)
+    device = DeviceAgent(cfg, DatasetSource(pools, [0.5, 0.5], seed=12)).start()
+    try:
+        before = device.state.vector.clone()
+        joins = device.agent.counters["joins"]
+        device.trigger()
+        cycle = step_until_cycle(device)
+        assert cycle.outcome == "diverged" and device.counters["train_diverged"] == 1, cycle
+        assert device.state.pending is None and not device.counters.get("uploads")
+        assert torch.equal(device.state.vector, before) and device.agent.counters["joins"] == joins
+        device.trigger()
+        cycle = step_until_cycle(device)  # joins first, then trains from the join's model: diverges again
+        assert device.agent.counters["joins"] == joins + 1 and cycle.outcome == "diverged", cycle
+        assert device.counters["train_diverged"] == 2 and not device.counters.get("uploads")
+    finally:
+        device.close()
+
+
 def test_aggregator_that_lost_its_state_refuses_and_the_agent_joins_again(mosquitto, aggregator, pretrained,
                                                                           tmp_path) -> None:
     """An aggregator restarted without its state no longer knows the agent (`unknown_agent`): the
