@@ -504,10 +504,12 @@ def _decode(wire: Any, base: Any, max_n: int) -> np.ndarray:
         _require_finite(out, "decoded vector")
         return out
     exact = params.get("exact", 0)
-    coded = n - exact
-    content = LOSSY[codec].decode(raw[:len(raw) - 4 * exact], coded, params)
-    if exact:
-        content = np.concatenate([content, np.frombuffer(raw, dtype=_F32, offset=len(raw) - 4 * exact)])
+    if not exact:
+        content = LOSSY[codec].decode(raw, n, params)
+    else:  # slicing copies the payload: only a map with a tail pays for it
+        cut = len(raw) - 4 * exact
+        content = np.concatenate([LOSSY[codec].decode(raw[:cut], n - exact, params),
+                                  np.frombuffer(raw, dtype=_F32, offset=cut)])
     out = content + b if b is not None else content
     _require_finite(out, "decoded vector")
     return out

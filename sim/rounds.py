@@ -303,7 +303,7 @@ def simulate_fleet(algorithm: str, spec: FleetSpec, settings: CataFedSettings, *
     target = settings.target_accuracy if target is None else target
     fedavg = fedavg or FedAvgSettings.like(settings)
     model_name = resolve_model_name(model, dataset)
-    exact = {"exact": model_spec(model_name).statistics_numel} if codec != "fp32" else {}
+    exact = model_spec(model_name).statistics_numel  # float32 under a lossy codec (fp32 sends all exact)
     rng = np.random.default_rng([seed, 0xD20F])  # presence events: same for every algorithm
     train_set = load_dataset(dataset, data_dir=data_dir)
     test = load_dataset(dataset, data_dir=data_dir, train=False)
@@ -337,7 +337,7 @@ def simulate_fleet(algorithm: str, spec: FleetSpec, settings: CataFedSettings, *
                 d.online = True
                 strategy.set_online(a, True)
         plan = strategy.open_round()
-        wire = codecs.encode(strategy.vector.numpy(), codec, **exact)
+        wire = codecs.encode(strategy.vector.numpy(), codec, exact=exact)
         base_np = codecs.decode(wire)
         base = torch.from_numpy(base_np.copy())
         down_bytes = codecs.encoded_size(wire)
@@ -356,7 +356,7 @@ def simulate_fleet(algorithm: str, spec: FleetSpec, settings: CataFedSettings, *
                 dog.left)
             run.compute_s += local()
             if work.finished and work.vector is not None:
-                up = codecs.encode(work.vector.numpy(), codec, base=base_np, **exact)
+                up = codecs.encode(work.vector.numpy(), codec, base=base_np, exact=exact)
                 up_bytes = codecs.encoded_size(up)
                 vector = torch.from_numpy(codecs.decode(up, base=base_np).copy())
             else:
