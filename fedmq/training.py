@@ -109,9 +109,12 @@ def fit(model_name: str, start: torch.Tensor, x: torch.Tensor, y: torch.Tensor, 
         raise ValueError(f"{model_name}: DP-SGD needs per-sample gradients, which batch norm does not have "
                          "(it mixes the samples of a batch); use a model without it (e.g. GroupNorm)")
     noise = torch.Generator().manual_seed(dp.seed) if dp is not None else None
-    if spec.param_numel < spec.numel and len(starts) > 1 and n - starts[-1] == 1:
-        # Batch norm cannot train on one sample (one value per channel after pooling): the
-        # last sample joins the batch before it. Zoo models (no statistics) keep their draws.
+    if spec.param_numel < spec.numel and len(starts) > 1 and n - starts[-1] < short_batch(batch_size):
+        # Batch norm normalizes each channel over the batch: on a handful of samples (one value
+        # per channel after MobileNetV3's pooling) its gradients explode. A tail of 2 took a
+        # pre-trained MobileNetV3 from 0.81 to chance in one update, 3-4 to 0.41-0.45
+        # (docs/models.md). A short tail joins the batch before it; models without statistics
+        # keep their draws.
         starts.pop()
     ends = starts[1:] + [n]
     for epoch in range(epochs):
@@ -148,6 +151,11 @@ def fit(model_name: str, start: torch.Tensor, x: torch.Tensor, y: torch.Tensor, 
             break
     return TrainResult(to_vector(model), epochs_done, samples_seen, time.perf_counter() - t0,
                        final_loss, stopped_early, steps)
+
+
+def short_batch(batch_size: int) -> int:
+    """Batch-norm models train no batch smaller than this (half the batch size, at least 2)."""
+    return max(2, batch_size // 2)
 
 
 def _fold_anchors(anchors: Sequence[tuple[torch.Tensor, float]]) -> tuple[torch.Tensor | None, float]:
