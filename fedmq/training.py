@@ -60,7 +60,8 @@ def fit(model_name: str, start: torch.Tensor, x: torch.Tensor, y: torch.Tensor, 
         anchors: Sequence[tuple[torch.Tensor, float]] = (), epochs: int = 1, batch_size: int = 32,
         lr: float = 0.01, optimizer: str = "sgd", momentum: float = 0.9, weight_decay: float = 0.0,
         seed: int = 0, max_seconds: float | None = None,
-        on_epoch: EpochCallback | None = None, dp: DpSgd | None = None) -> TrainResult:
+        on_epoch: EpochCallback | None = None, dp: DpSgd | None = None,
+        min_batch: int | None = None) -> TrainResult:
     """Train from `start` on (x, y); each anchor (w, c) adds (c/2)||v - w||^2 to the loss.
 
     Anchors are folded into one proximal centre: sum_k c_k (v - w_k) = C (v - w_bar) with
@@ -69,7 +70,9 @@ def fit(model_name: str, start: torch.Tensor, x: torch.Tensor, y: torch.Tensor, 
     Deterministic given `seed`. `max_seconds` stops at the first batch boundary past the
     budget; `on_epoch(epoch, mean_loss)` may return False to stop after that epoch. `dp`:
     DP-SGD (fedmq/privacy.py), per-sample gradients clipped and noised; `steps` in the result
-    counts the mini-batches, what the privacy accountant charges.
+    counts the mini-batches, what the privacy accountant charges. `min_batch`: a batch-norm
+    model's shortest last batch (a shorter one joins the batch before it); None: half the
+    batch size (`short_batch`), never under 2.
     """
     center, rho = _fold_anchors(anchors)
     _check_data(model_name, x, y)
@@ -109,7 +112,7 @@ def fit(model_name: str, start: torch.Tensor, x: torch.Tensor, y: torch.Tensor, 
         raise ValueError(f"{model_name}: DP-SGD needs per-sample gradients, which batch norm does not have "
                          "(it mixes the samples of a batch); use a model without it (e.g. GroupNorm)")
     noise = torch.Generator().manual_seed(dp.seed) if dp is not None else None
-    if spec.param_numel < spec.numel and len(starts) > 1 and n - starts[-1] < short_batch(batch_size):
+    if spec.param_numel < spec.numel and len(starts) > 1 and n - starts[-1] < max(2, min_batch or short_batch(batch_size)):
         # Batch norm normalizes each channel over the batch: on a handful of samples (one value
         # per channel after MobileNetV3's pooling) its gradients explode. A tail of 2 took a
         # pre-trained MobileNetV3 from 0.81 to chance in one update, 3-4 to 0.41-0.45
