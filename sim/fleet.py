@@ -35,7 +35,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,9 +46,6 @@ from fedmq.logs import event, get_logger
 from fedmq.privacy import UplinkPrivacy
 from fedmq.transport import NetworkLoop, use_network
 from sim.scenarios import Scenario, apply_defaults, build_clusters, draw_cycle, get_scenario
-
-if TYPE_CHECKING:
-    from edge_agent.protocol_client import AgentError
 
 log = get_logger("sim")
 
@@ -370,7 +367,7 @@ class CyclePlayer:
 
     def play(self, i: int, a: int, c: int, agent: Any, held: dict[int, torch.Tensor] | None) -> UpdateRecord:
         """`agent` is the EdgeAgent (None for Local, whose models live in `held`)."""
-        from edge_agent.protocol_client import AgentError
+        from edge_agent.protocol_client import RESYNC_REASONS, AgentError
         from edge_agent.trainer import diverged, train_cycle
         from fedmq.training import evaluate
 
@@ -395,9 +392,9 @@ class CyclePlayer:
                 return UpdateRecord(i, 0, agent_name(a), c, len(train), 0, 0, 0, acc_held, acc_before, acc_held,
                                     math.nan, train.alpha.tolist(), None, 0, 0, compute_s, 0.0, 0.0, 0.0,
                                     refused="diverged")
-            return self._refused(i, c, agent, AgentError("diverged", "local training left NaN or Inf", refused=True),
-                                 train, xt, yt, agent.installed.epoch, acc_held, acc_before, None, 0, 0,
-                                 compute_s, 0.0, 0.0)
+            # a diverged model trains to NaN again: the agent joins again
+            return self._refused(i, c, agent, "diverged", True, train, xt, yt, agent.installed.epoch,
+                                 acc_held, acc_before, None, 0, 0, compute_s, 0.0, 0.0)
         if local:
             held[a] = result.vector
             return UpdateRecord(i, 0, agent_name(a), c, len(train), 0, 0, 0, acc_held, acc_before,
@@ -414,7 +411,10 @@ class CyclePlayer:
         except AgentError as e:
             if not e.refused:
                 raise  # no answer at all: the aggregator is gone, the run cannot go on
-            return self._refused(i, c, agent, e, train, xt, yt, tau, acc_held, acc_before, alpha_own,
+            rejoin = e.reason in RESYNC_REASONS
+            event(log, "sim.upload_refused", level=30, agent=agent.agent_id, cycle=c, reason=e.reason,
+                  detail=e.detail, action="join again" if rejoin else "model kept")
+            return self._refused(i, c, agent, e.reason, rejoin, train, xt, yt, tau, acc_held, acc_before, alpha_own,
                                  agent.channel.bytes_sent - sent0, agent.channel.bytes_received - got0,
                                  compute_s, encode_s, time.perf_counter() - r0)
         round_trip = time.perf_counter() - r0
@@ -426,21 +426,18 @@ class CyclePlayer:
                             train.alpha.tolist(), [float(v) for v in alpha_est] if alpha_est else None,
                             up, installed.bytes_down, compute_s, encode_s, round_trip, 0.0)
 
-    def _refused(self, i: int, c: int, agent: Any, e: AgentError, train: Any, xt: torch.Tensor,
+    def _refused(self, i: int, c: int, agent: Any, reason: str, rejoin: bool, train: Any, xt: torch.Tensor,
                  yt: torch.Tensor, tau: int, acc_held: float, acc_before: float,
                  alpha_own: list[float] | None, up: int, down: int, compute_s: float,
                  encode_s: float, round_trip: float) -> UpdateRecord:
-        """The record of a refused upload (or of a training that diverged): the trained model is
-        dropped and the agent keeps the one it held, as a device does (edge_agent/agent_loop.py);
-        after a refusal that says the two sides disagree on that model (RESYNC_REASONS), or a
-        divergence, it joins again and holds the join's."""
-        from edge_agent.protocol_client import RESYNC_REASONS, AgentError
+        """The record of an upload that was refused, or never sent (`reason` "diverged"): the
+        trained model is dropped and the agent keeps the one it held, as a device does
+        (edge_agent/agent_loop.py); with `rejoin` (the two sides disagree on that model, or it
+        diverged) it joins again and holds the join's."""
+        from edge_agent.protocol_client import AgentError
         from fedmq.training import evaluate
 
-        rejoined = e.reason in RESYNC_REASONS or e.reason == "diverged"  # a diverged model trains to NaN again
-        if e.reason != "diverged":
-            event(log, "sim.upload_refused", level=30, agent=agent.agent_id, cycle=c, reason=e.reason,
-                  detail=e.detail, action="join again" if rejoined else "model kept")
+        rejoined = rejoin
         if rejoined:
             j0, g0 = agent.channel.bytes_sent, agent.channel.bytes_received
             try:
@@ -459,7 +456,7 @@ class CyclePlayer:
         return UpdateRecord(i, 0, agent.agent_id, c, len(train), tau, kept.epoch, 0, acc_held,
                             acc_before, acc_after, kl, train.alpha.tolist(),
                             [float(v) for v in alpha_own] if alpha_own else None, up, down,
-                            compute_s, encode_s, round_trip, 0.0, refused=e.reason)
+                            compute_s, encode_s, round_trip, 0.0, refused=reason)
 
 
 def play_events(dispatcher: _Dispatcher, player: CyclePlayer, agents: dict[int, Any],

@@ -259,3 +259,21 @@ def test_the_delta_rule_mixes_statistics_and_never_makes_a_variance_negative(bar
     for k, b in enumerate((0.5 * 0.8, 0.5 * 0.2)):
         torch.testing.assert_close(strategy.clusters[k, :p], clusters[k, :p] + b * step)
         torch.testing.assert_close(strategy.clusters[k, var], torch.full((int(var.sum()),), (1 - b) * 0.1 + b * 0.5))
+
+
+@pytest.mark.slow
+def test_the_batch_tail_script_trains_every_tail_and_leaves_a_model_without_statistics_alone(tmp_path) -> None:
+    """scripts/batch_tail.py as docs/models.md runs it, on the digits scenario (no batch norm, seconds of
+    pre-training): every tail and draw has both rules, and without statistics the two train alike."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "batch_tail.py"
+    loaded = importlib.util.spec_from_file_location("batch_tail", path)
+    script = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(script)
+    assert script.main(["--scenario", "rotated-digits", "--batches", "2", "--out", str(tmp_path / "t.json")]) == 0
+    rows = json.loads((tmp_path / "t.json").read_text())["rows"]
+    assert len(rows) == 2 * len(script.TAILS) * script.DRAWS
+    for kept, now in zip(rows[::2], rows[1::2], strict=True):
+        assert (kept["rule"], now["rule"]) == ("tail kept", "fit") and kept["tail"] == now["tail"]
+        assert kept["steps"] == now["steps"] and kept["accuracy"] == now["accuracy"] > 0.1
