@@ -42,16 +42,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--batches", type=int, default=7, help="full batches before the tail (default 7)")
     p.add_argument("--out", help="also write the table as JSON here")
+    p.add_argument("--dry-run", action="store_true", help="print the plan, compute nothing")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # the fleets' pre-training cache is keyed by the thread count
     scenario = get_scenario(args.scenario)
     _, cfg = configure(RunSpec(scenario=args.scenario, clusters=scenario.clusters, seed=args.seed))
     model = resolve_model_name(cfg.model, cfg.data.dataset)
+    a = cfg.agent
+    print(f"{args.scenario} seed {args.seed}: {model}, tails {', '.join(map(str, TAILS))} after {args.batches} "
+          f"batches of {a.batch_size}, {DRAWS} draws, {a.epochs} epochs at {a.lr}"
+          + (" (dry run: nothing computed)" if args.dry_run else ""), flush=True)
+    if args.dry_run:
+        return 0
     data = build_clusters(scenario, cfg, scenario.clusters)
     start = torch.stack(pretrain_clusters(cfg, data, model)).mean(0)
     tests = [data.test(k, TEST_PER_CLUSTER) for k in range(scenario.clusters)]
     pools = [data.proxy(k) for k in range(scenario.clusters)]
-    a = cfg.agent
 
     def accuracy(v: torch.Tensor) -> float:
         if not bool(torch.isfinite(v).all()):

@@ -104,7 +104,7 @@ RULES: list[Rule] = [
          "sim.ablation and sketch_kl commands on them"),
     # Experiments: minutes to hours on this machine's CPU.
     Rule(r"(^|\n)(OMP_NUM_THREADS=1 )?(\.venv/bin/)?python (-m sim\.(ablation|attacks|rounds|rounds_sweep|rounds_live)"
-         r"|scripts/(reply_step_stats|sketch_kl)\.py) ", "plan", "an experiment of minutes to hours"),
+         r"|scripts/(reply_step_stats|sketch_kl|batch_tail)\.py) ", "plan", "an experiment of minutes to hours"),
     Rule(r"(^|\n)fedmq sim (run|aggregator|agents) ", "plan", "an experiment of minutes to hours"),
     # Long-running processes.
     Rule(r"^fedmq broker --config broker_config/prod\.conf", "serve", proof=r"^url: mqtts://",
