@@ -513,7 +513,7 @@ class AgentSettings:
     epochs: int = 2
     """Local epochs per update. Must be >= 1."""
     batch_size: int = 32
-    """Local mini-batch size. Must be >= 1."""
+    """Local mini-batch size. Must be >= 1. A batch-norm model's last batch, if under half of this, joins the one before it (docs/models.md#batch-norm-what-travels-what-is-averaged-what-stays-local)."""
     lr: float = 0.01
     """Local learning rate. Must be > 0."""
     optimizer: str = "sgd"
