@@ -112,10 +112,11 @@ def fit(model_name: str, start: torch.Tensor, x: torch.Tensor, y: torch.Tensor, 
         raise ValueError(f"{model_name}: DP-SGD needs per-sample gradients, which batch norm does not have "
                          "(it mixes the samples of a batch); use a model without it (e.g. GroupNorm)")
     noise = torch.Generator().manual_seed(dp.seed) if dp is not None else None
-    if spec.param_numel < spec.numel and len(starts) > 1 and n - starts[-1] < max(2, min_batch or short_batch(batch_size)):
+    shortest = short_batch(batch_size) if min_batch is None else max(2, min_batch)
+    if spec.param_numel < spec.numel and len(starts) > 1 and n - starts[-1] < shortest:
         # Batch norm normalizes each channel over the batch: on a handful of samples (one value
         # per channel after MobileNetV3's pooling) its gradients explode. A tail of 2 took a
-        # pre-trained MobileNetV3 from 0.81 to chance in one update, 3-4 to 0.41-0.45
+        # pre-trained MobileNetV3 from 0.81 to chance in one update, 3-4 to 0.31-0.66
         # (docs/models.md). A short tail joins the batch before it; models without statistics
         # keep their draws.
         starts.pop()
