@@ -385,21 +385,19 @@ class CyclePlayer:
             epochs=spec.local_epochs, lr=spec.local_lr, rho=spec.rho, seed=seed)
         compute_s = time.thread_time() - cpu0
         acc_before = evaluate(model_name, result.vector, xt, yt)[0]
-        if diverged(result.vector):  # as a device does: nothing is sent, and it joins again
+        bad = diverged(result.vector)
+        if bad:  # as a device does: nothing is sent, and it joins again
             event(log, "sim.train_diverged", level=30, agent=agent_name(a), cycle=c,
                   action="model kept, no upload" + ("" if local else ", joins again"))
-            if local:
-                return UpdateRecord(i, 0, agent_name(a), c, len(train), 0, 0, 0, acc_held, acc_before, acc_held,
-                                    math.nan, train.alpha.tolist(), None, 0, 0, compute_s, 0.0, 0.0, 0.0,
-                                    refused="diverged")
-            # a diverged model trains to NaN again: the agent joins again
+        if local:
+            if not bad:
+                held[a] = result.vector
+            return UpdateRecord(i, 0, agent_name(a), c, len(train), 0, 0, 0, acc_held, acc_before,
+                                acc_held if bad else acc_before, math.nan, train.alpha.tolist(), None, 0, 0,
+                                compute_s, 0.0, 0.0, 0.0, refused="diverged" if bad else "")
+        if bad:  # a diverged model trains to NaN again: the agent joins again
             return self._refused(i, c, agent, "diverged", True, train, xt, yt, agent.installed.epoch,
                                  acc_held, acc_before, None, 0, 0, compute_s, 0.0, 0.0)
-        if local:
-            held[a] = result.vector
-            return UpdateRecord(i, 0, agent_name(a), c, len(train), 0, 0, 0, acc_held, acc_before,
-                                acc_before, math.nan, train.alpha.tolist(), None, 0, 0, compute_s,
-                                0.0, 0.0, 0.0)
         tau = agent.installed.epoch
         e0 = time.perf_counter()
         env = agent.update_envelope(result.vector, len(train), alpha=alpha_own, inputs=x)
