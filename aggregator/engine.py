@@ -62,6 +62,18 @@ class Rejected(Exception):
         self.detail = detail
 
 
+class NotFinite(Rejected):
+    """Finite uploads whose batch, applied, left a reply or a server model NaN or Inf (a value
+    of 1e20 passes every codec check and still overflows a forward pass). Raised out of
+    `Engine.handle` before anything is journaled: the strategy's memory is spoiled, so the
+    caller recovers (`Engine.recover`) and, for a batch of several, retries each alone to find
+    the one to refuse."""
+
+    def __init__(self, agents: list[str]) -> None:
+        super().__init__("not_finite", f"applying the upload of {', '.join(sorted(set(agents)))} left "
+                                       f"a model with NaN or Inf values; nothing of it was kept")
+
+
 @dataclass
 class AgentRecord:
     """What the aggregator remembers of one agent."""
@@ -364,6 +376,7 @@ class Engine:
             t0 = time.perf_counter()
             replies = self.strategy.update_many([u for _, u in updates])
             seconds = time.perf_counter() - t0
+            _require_finite(updates, replies, self.strategy.server_models())
             # A trained reply (CDFL finetune) is journaled too: replay then re-encodes it
             # instead of training every reply again (restart time, docs/reliability.md).
             keep_sent = getattr(self.strategy, "reply_is_trained", False)
@@ -467,12 +480,15 @@ class Engine:
         """The upload as applied and its step: a step longer than the bound is scaled down to it,
         not refused, so an honest outlier (a drifting or new agent) still contributes and a
         boosted one contributes no more than the bound. A zero bound (a fleet of zero steps)
-        leaves it."""
-        sent = float(torch.linalg.vector_norm(v - start))
+        leaves it. In float64: the step between two finite float32 vectors can overflow float32
+        (3e38 from -3e38), and a length of inf would scale it to nothing yet enter the fleet's
+        window at the bound."""
+        step = v.double() - start.double()
+        sent = float(torch.linalg.vector_norm(step))
         bound, rule = self.step_bound()
         if rule is None or not 0 < bound < sent:
             return v, Step(sent, sent)
-        return start + (v - start) * (bound / sent), Step(sent, bound, rule)
+        return (start.double() + step * (bound / sent)).float(), Step(sent, bound, rule)
 
     def _check_descent(self, base: torch.Tensor | None, vector: torch.Tensor) -> None:
         """`loss_margin`: the upload must not raise the best proxy loss by more than the margin
@@ -546,6 +562,15 @@ class Engine:
         record.recent.append(in_reply_to)
         record.high_water = max(record.high_water, in_reply_to)
         return env
+
+
+def _require_finite(updates: list[tuple[protocol.Update, Upload]], replies: list[Reply],
+                    models: torch.Tensor) -> None:
+    """NotFinite when a reply or a server model holds NaN or Inf after the batch was applied."""
+    bad = [env.agent for (env, _), reply in zip(updates, replies, strict=True)
+           if not all(bool(torch.isfinite(v).all()) for v in reply.vectors)]
+    if bad or not bool(torch.isfinite(models).all()):
+        raise NotFinite(bad or [env.agent for env, _ in updates])
 
 
 def _decode_sketch(env: protocol.Update) -> np.ndarray | None:

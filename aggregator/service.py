@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from aggregator.engine import Engine, Inbound
+from aggregator.engine import Engine, Inbound, Rejected
 from aggregator.inbox import FairInbox
 from aggregator.journal import JournalError
 from aggregator.receipts import ReplyClock
@@ -752,13 +752,20 @@ class AggregatorService:
                 delay = min(delay * 2, 30.0)
 
     def _poison(self, got: Received, error: Exception) -> None:
-        """A message that makes the engine fail: refuse it with a reason and ack it."""
-        self.counters["refused.internal_error"] += 1
-        log.exception("message %s from %s failed the engine; refused", got.envelope.msg_id,
-                      got.envelope.agent, exc_info=error)
+        """A message that makes the engine fail: refuse it with a reason and ack it. A refusal
+        the engine could only make after applying (NotFinite) is an outcome, logged as one; any
+        other exception is a bug, logged with its traceback as internal_error."""
+        if isinstance(error, Rejected):
+            reason, detail = error.reason, error.detail
+            event(log, "uplink.rejected", level=30, agent=got.envelope.agent,
+                  msg_id=got.envelope.msg_id, reason=reason, detail=detail)
+        else:
+            reason, detail = "internal_error", f"{type(error).__name__}: {error}"
+            log.exception("message %s from %s failed the engine; refused", got.envelope.msg_id,
+                          got.envelope.agent, exc_info=error)
+        self.counters[f"refused.{reason}"] += 1
         err = protocol.Error(agent=got.envelope.agent, msg_id=protocol.new_msg_id(),
-                             sent_at=protocol.now(), reason="internal_error",
-                             detail=f"{type(error).__name__}: {error}"[:4096],
+                             sent_at=protocol.now(), reason=reason, detail=detail[:4096],
                              in_reply_to=got.envelope.msg_id)
         self.channel.send(protocol.downlink(self.fleet, got.envelope.agent), err)
         self.receipts.answered(got.envelope.agent, got.envelope.msg_id)

@@ -329,6 +329,31 @@ def test_a_message_that_breaks_the_strategy_is_refused_and_the_queue_moves_on(se
         a.close()
 
 
+def test_finite_values_that_overflow_the_models_are_refused_not_finite(service, mosquitto) -> None:
+    """1e20 passes every codec check and overflows the reply's forward pass: the upload is
+    refused `not_finite` (an outcome, not internal_error), nothing of it is kept, and the
+    agent's next upload is applied."""
+    a = RawAgent(mosquitto.port, FLEET, "car-huge")
+    try:
+        a.join(SPEC.hash)
+        before = clusters_of(service)
+        huge = a.base.copy()
+        huge[123] = 1e20
+        up = a.update_envelope(huge, SPEC.hash, codec="fp32")
+        a.send(up)
+        err = a.expect(up.msg_id)
+        assert isinstance(err, protocol.Error) and err.reason == "not_finite", err
+        assert all(torch.equal(x, y) for x, y in zip(before, clusters_of(service), strict=True))
+        assert service.engine.strategy.uploads_applied == 0
+        assert service.counters["refused.not_finite"] == 1 and service.counters["refused.internal_error"] == 0
+        good = a.update_envelope(a.base + 0.01, SPEC.hash)
+        a.send(good)
+        assert isinstance(a.expect(good.msg_id), protocol.Model)
+        assert service.engine.counters["applied.update"] == 1
+    finally:
+        a.close()
+
+
 def test_a_flooding_agent_neither_starves_nor_stales_another(service, mosquitto) -> None:
     """car-2 fires 20 valid updates at once before each of car-1's (a 20x rate): car-1 is
     answered every time, none of its updates is judged stale (staleness counts each agent at

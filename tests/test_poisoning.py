@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from aggregator.bootstrap import build_engine
-from aggregator.engine import Engine
+from aggregator.engine import Engine, NotFinite
 from fedmq import codecs, protocol
 from fedmq.config import CDFLSettings, load_config
 from fedmq.models import model_spec
@@ -96,6 +96,39 @@ def test_non_finite_values_are_refused(pretrained, tmp_path, value) -> None:
     assert refused(reply, "codec_not_finite"), reply
     assert_unchanged(before, engine)
     assert engine.counters["rejected.codec_not_finite"] == 1
+
+
+@pytest.mark.parametrize("size", [1e20, 3e38])
+def test_finite_values_that_overflow_a_model_raise_not_finite_before_the_journal(pretrained, tmp_path, size) -> None:
+    """No codec check can refuse 1e20 (it is finite); the models it makes are not. The engine
+    raises NotFinite before journaling, and a recovery leaves the state as it was."""
+    engine = make_engine(pretrained, tmp_path)
+    c = Client(engine, "car-9")
+    before = fingerprint(engine)
+    vec = c.base.copy()
+    vec[::2] = size
+    with pytest.raises(NotFinite) as caught:
+        c.send(c.update(codecs.encode(vec, "fp32", base=c.base)))
+    assert caught.value.reason == "not_finite" and "car-9" in caught.value.detail
+    engine.recover()
+    assert_unchanged(before, engine)
+    c.install(c.send(c.step(1.0, seed=3)))  # the agent carries on
+    assert engine.counters["applied.update"] == 1
+
+
+def test_a_step_float32_cannot_measure_is_bounded_along_its_direction(pretrained, tmp_path) -> None:
+    """A step of 3e38 has a float32 norm of inf: measured in float64 it is scaled to the
+    absolute bound along its own direction (not to nothing) and applied."""
+    engine = make_engine(pretrained, tmp_path, **{"aggregator.norm_bound": 5.0})
+    c = Client(engine, "car-10")
+    before = fingerprint(engine)[0]
+    vec = c.base.copy()
+    vec[7] = 3e38
+    c.install(c.send(c.update(codecs.encode(vec, "fp32", base=c.base))))
+    assert applied_step(engine) == pytest.approx(5.0, rel=1e-4)
+    assert engine.counters["bounded.norm_bound"] == 1
+    moved = max(float(abs(b[7] - a[7])) for a, b in zip(before, fingerprint(engine)[0], strict=True))
+    assert moved > 1.0  # cluster updates take the step's share; a zeroed step moves ~1e-2
 
 
 def test_wrong_spec_and_shape_are_refused(pretrained, tmp_path) -> None:
