@@ -197,10 +197,14 @@ class SimDevice:
     online: bool = True
 
 
-def non_iid_fleet(spec: FleetSpec, train: Dataset, seed: int) -> list[SimDevice]:
-    """The same devices and data for every algorithm given the seed."""
+def non_iid_fleet(spec: FleetSpec, train: Dataset, seed: int, held_out: int = 0) -> list[SimDevice]:
+    """The same devices and data for every algorithm given the seed; the `held_out` images of
+    `start_pool` are never an agent's."""
     rng = np.random.default_rng([seed, 0xF1EE7])
-    by_label = [np.flatnonzero(train.y.numpy() == c) for c in range(train.num_classes)]
+    labels = train.y.numpy()
+    pool = np.ones(len(labels), dtype=bool)
+    pool[start_pool(len(labels), seed, held_out)] = False
+    by_label = [np.flatnonzero((labels == c) & pool) for c in range(train.num_classes)]
     slow = np.zeros(spec.agents, dtype=bool)
     slow[rng.permutation(spec.agents)[: int(round(spec.slow_share * spec.agents))]] = True
     devices = []
@@ -218,6 +222,27 @@ def non_iid_fleet(spec: FleetSpec, train: Dataset, seed: int) -> list[SimDevice]
         t = torch.from_numpy(idx)
         devices.append(SimDevice(f"dev-{i:03d}", speed, bw, bool(slow[i]), train.x[t], train.y[t]))
     return devices
+
+
+def start_pool(n: int, seed: int, held_out: int) -> np.ndarray:
+    """Indices of the `held_out` training images the shared start is trained on (`--pretrain`):
+    a seeded draw over the whole training set, so every label is in it."""
+    if not 0 <= held_out < n:
+        raise UsageError(f"--pretrain must be in [0, {n - 1}] (the training set has {n} images), got {held_out}")
+    return np.random.default_rng([seed, 0x5747]).permutation(n)[:held_out]
+
+
+def start_vector(model_name: str, train: Dataset, seed: int, held_out: int = 0, epochs: int = 20,
+                 lr: float = 0.01) -> torch.Tensor:
+    """The model every algorithm and the alone control start from: the seeded random init, or
+    (held_out > 0) that init trained centrally on the held-out images, as a team starts a fleet
+    from its own pre-trained weights. SGD, momentum 0.9, batches of 32."""
+    init = to_vector(build_model(model_name, seed=seed))
+    if held_out == 0:
+        return init
+    idx = torch.from_numpy(start_pool(len(train.y), seed, held_out))
+    return fit(model_name, init, train.x[idx], train.y[idx], epochs=epochs, lr=lr, momentum=0.9,
+               batch_size=32, seed=seed).vector
 
 
 @dataclass
@@ -288,16 +313,22 @@ class Task:
     data_dir: str | None = None
     model: str = "auto"
     codec: str = "int8"
+    start: torch.Tensor | None = None
+    """The shared start (`start_vector`); None: the seeded random init."""
+    held_out: int = 0
+    """Training images the start was trained on, which no agent holds."""
 
 
 def simulate_fleet(algorithm: str, spec: FleetSpec, settings: CataFedSettings, *, seed: int = 0,
               rounds: int | None = None, target: float | None = None, until_s: float = math.inf,
               codec: str = "int8", dataset: str = "digits", data_dir: str | None = None,
               model: str = "auto", fedavg: FedAvgSettings | None = None,
-              tifl: TiflSettings | None = None, label: str | None = None) -> SimRun:
+              tifl: TiflSettings | None = None, label: str | None = None,
+              start: torch.Tensor | None = None, held_out: int = 0) -> SimRun:
     """One algorithm on one seeded fleet, for `rounds` rounds or until `until_s` simulated s.
 
-    The time to `target` is when the test accuracy first reaches it; the run goes on."""
+    The time to `target` is when the test accuracy first reaches it; the run goes on. `start`
+    (default the seeded init) and `held_out` as in Task."""
     t_wall = time.perf_counter()
     rounds = settings.rounds if rounds is None else rounds
     target = settings.target_accuracy if target is None else target
@@ -307,14 +338,15 @@ def simulate_fleet(algorithm: str, spec: FleetSpec, settings: CataFedSettings, *
     rng = np.random.default_rng([seed, 0xD20F])  # presence events: same for every algorithm
     train_set = load_dataset(dataset, data_dir=data_dir)
     test = load_dataset(dataset, data_dir=data_dir, train=False)
-    fleet = non_iid_fleet(spec, train_set, seed)
+    fleet = non_iid_fleet(spec, train_set, seed, held_out)
     devices = {d.agent: d for d in fleet}
     learners = {d.agent: DeadlineLearner(
         d.x, d.y, settings, algorithm=algorithm, seed=seed * 1000 + i,
         epochs=None if algorithm == "catafed" else fedavg.epochs, model_name=model_name)
         for i, d in enumerate(fleet)}
-    strategy = make_round_strategy(algorithm, settings, to_vector(build_model(model_name, seed=seed)),
-                             seed=seed, fedavg=fedavg, tifl=tifl)
+    if start is None:
+        start = to_vector(build_model(model_name, seed=seed))
+    strategy = make_round_strategy(algorithm, settings, start.clone(), seed=seed, fedavg=fedavg, tifl=tifl)
     for a, learner in learners.items():
         strategy.register(a, learner.shard_size)
     if algorithm == "catafed":
@@ -400,7 +432,8 @@ def simulate_alone(spec: FleetSpec, settings: CataFedSettings, *, seed: int = 0,
                    rounds: int | None = None, target: float | None = None,
                    until_s: float = math.inf, dataset: str = "digits", data_dir: str | None = None,
                    model: str = "auto", fedavg: FedAvgSettings | None = None,
-                   label: str | None = None) -> SimRun:
+                   label: str | None = None, start: torch.Tensor | None = None,
+                   held_out: int = 0) -> SimRun:
     """The control for "does federation help": every agent of the seeded fleet trains alone.
 
     Each agent starts from the model the federated runs start from (`build_model(seed)`; no
@@ -421,12 +454,13 @@ def simulate_alone(spec: FleetSpec, settings: CataFedSettings, *, seed: int = 0,
     model_name = resolve_model_name(model, dataset)
     train_set = load_dataset(dataset, data_dir=data_dir)
     test = load_dataset(dataset, data_dir=data_dir, train=False)
-    fleet = non_iid_fleet(spec, train_set, seed)
+    fleet = non_iid_fleet(spec, train_set, seed, held_out)
     learners = [DeadlineLearner(d.x, d.y, settings, algorithm="fedavg", seed=seed * 1000 + i,
                                 epochs=fedavg.epochs, model_name=model_name)
                 for i, d in enumerate(fleet)]
     train = TrainSettings(model_name, fedavg.lr, fedavg.batch_size, 0.0, seed, fedavg.momentum)
-    start = to_vector(build_model(model_name, seed=seed))
+    if start is None:
+        start = to_vector(build_model(model_name, seed=seed))
     vectors = [start.clone() for _ in fleet]
     clock = SimClock()
     run = SimRun(label or ALONE, seed, strategy=ALONE)
@@ -460,11 +494,12 @@ def run_task(task: Task) -> SimRun:
         return simulate_alone(task.spec, catafed, seed=task.seed, rounds=task.rounds,
                               target=task.target, until_s=task.until_s, dataset=task.dataset,
                               data_dir=task.data_dir, model=task.model, fedavg=fedavg,
-                              label=task.variant.label)
+                              label=task.variant.label, start=task.start, held_out=task.held_out)
     return simulate_fleet(task.variant.algorithm, task.spec, catafed, seed=task.seed,
                      rounds=task.rounds, target=task.target, until_s=task.until_s,
                      codec=task.codec, dataset=task.dataset, data_dir=task.data_dir,
-                     model=task.model, fedavg=fedavg, tifl=tifl, label=task.variant.label)
+                     model=task.model, fedavg=fedavg, tifl=tifl, label=task.variant.label,
+                     start=task.start, held_out=task.held_out)
 
 
 # ----------------------------------------------------------------------------- report
@@ -729,6 +764,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m sim.rounds") -> i
                    help="stop each run at this simulated time (same for every algorithm)")
     p.add_argument("--jobs", type=int, default=1,
                    help="worker processes, one run each; 0: one per CPU core (default 1)")
+    p.add_argument("--pretrain", type=int, default=0, metavar="N",
+                   help="start every algorithm and the alone control from the seeded init trained "
+                        "centrally on N training images that no agent holds (as a team starts from its "
+                        "own pre-trained weights); default 0: the random init")
+    p.add_argument("--pretrain-epochs", type=int, default=20, metavar="E",
+                   help="epochs of that training (SGD at 0.01, momentum 0.9, batches of 32; default 20)")
     a = p.parse_args(argv)
     a.dataset = dataset_for_data_dir(a.dataset, a.data_dir)
     torch.set_num_threads(1)
@@ -744,6 +785,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m sim.rounds") -> i
     settings = checked_settings(variants, base)  # not a traceback in a worker later
     model_name = resolve_model_name(a.model, a.dataset)
     train = load_dataset(a.dataset, data_dir=a.data_dir)
+    start_pool(len(train.y), 0, a.pretrain)  # a bad --pretrain is a usage error before anything runs
+    if a.pretrain_epochs < 1:
+        raise UsageError(f"--pretrain-epochs must be >= 1, got {a.pretrain_epochs}")
     if a.dry_run:
         print(f"{', '.join(v.label for v in variants)} x seeds {seeds} on {a.dataset} ({train!r}, "
               f"{model_name}): {spec}, until {a.until} s / {a.rounds} rounds; output {a.out or '-'} "
@@ -752,7 +796,19 @@ def main(argv: list[str] | None = None, prog: str = "python -m sim.rounds") -> i
     if a.jobs < 0:
         raise UsageError(f"--jobs must be >= 1, or 0 for one per CPU core, got {a.jobs}")
     a.jobs = a.jobs or os.cpu_count() or 1
-    tasks = [Task(v, spec, base, seed, a.rounds, a.until, a.target, a.dataset, a.data_dir, a.model)
+    starts = {}
+    test = load_dataset(a.dataset, data_dir=a.data_dir, train=False) if a.pretrain else None
+    for seed in seeds:
+        if a.pretrain:
+            print(f"seed {seed}: training the shared start on {a.pretrain} held-out images, "
+                  f"{a.pretrain_epochs} epochs", flush=True)
+            starts[seed] = start_vector(model_name, train, seed, a.pretrain, a.pretrain_epochs)
+            acc, _ = evaluate(model_name, starts[seed], test.x, test.y)
+            print(f"seed {seed}: start accuracy {acc:.3f} on the test set", flush=True)
+        else:
+            starts[seed] = None
+    tasks = [Task(v, spec, base, seed, a.rounds, a.until, a.target, a.dataset, a.data_dir, a.model,
+                  start=starts[seed], held_out=a.pretrain)
              for seed in seeds for v in variants]
     runs: list[SimRun] = []
     done = 0
@@ -791,6 +847,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m sim.rounds") -> i
         (out / "results.json").write_text(json.dumps(
             {"fleet": asdict(spec), "settings": settings_json, "dataset": a.dataset,
              "model": model_name, "until_s": None if math.isinf(a.until) else a.until,
+             "pretrain": {"images": a.pretrain, "epochs": a.pretrain_epochs} if a.pretrain else None,
              "reference": references,
              "variants": [asdict(v) for v in variants], "summary": rows, "paired": pairs,
              "runs": [{**{k: v for k, v in asdict(r).items() if k != "rounds"},
