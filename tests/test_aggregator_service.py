@@ -318,15 +318,23 @@ def test_a_message_that_breaks_the_strategy_is_refused_and_the_queue_moves_on(se
 
         service.engine.strategy.update_many = breaks_on_poison
         poison = protocol.Update(**{**a.update_envelope(a.base, SPEC.hash).__dict__, "n_samples": 666})
-        a.send(poison)
-        err = a.expect(poison.msg_id)
-        assert isinstance(err, protocol.Error) and err.reason == "internal_error", err
-        good = a.update_envelope(a.base + 0.01, SPEC.hash)
-        a.send(good)
-        assert isinstance(a.expect(good.msg_id), protocol.Model)
-        assert service.engine.counters["applied.update"] == 1
+        refused_then_applied(service, a, poison, "internal_error")
     finally:
         a.close()
+
+
+def refused_then_applied(svc: AggregatorService, a: RawAgent, up: protocol.Update, reason: str) -> None:
+    """`up` is refused with `reason` and changes nothing; the agent's next upload is applied."""
+    before = clusters_of(svc)
+    a.send(up)
+    err = a.expect(up.msg_id)
+    assert isinstance(err, protocol.Error) and err.reason == reason, err
+    assert all(torch.equal(x, y) for x, y in zip(before, clusters_of(svc), strict=True))
+    assert svc.engine.strategy.uploads_applied == 0 and svc.counters[f"refused.{reason}"] == 1
+    good = a.update_envelope(a.base + 0.01, SPEC.hash)
+    a.send(good)
+    assert isinstance(a.expect(good.msg_id), protocol.Model)
+    assert svc.engine.counters["applied.update"] == 1
 
 
 def test_finite_values_that_overflow_the_models_are_refused_not_finite(service, mosquitto) -> None:
@@ -336,20 +344,10 @@ def test_finite_values_that_overflow_the_models_are_refused_not_finite(service, 
     a = RawAgent(mosquitto.port, FLEET, "car-huge")
     try:
         a.join(SPEC.hash)
-        before = clusters_of(service)
         huge = a.base.copy()
         huge[123] = 1e20
-        up = a.update_envelope(huge, SPEC.hash, codec="fp32")
-        a.send(up)
-        err = a.expect(up.msg_id)
-        assert isinstance(err, protocol.Error) and err.reason == "not_finite", err
-        assert all(torch.equal(x, y) for x, y in zip(before, clusters_of(service), strict=True))
-        assert service.engine.strategy.uploads_applied == 0
-        assert service.counters["refused.not_finite"] == 1 and service.counters["refused.internal_error"] == 0
-        good = a.update_envelope(a.base + 0.01, SPEC.hash)
-        a.send(good)
-        assert isinstance(a.expect(good.msg_id), protocol.Model)
-        assert service.engine.counters["applied.update"] == 1
+        refused_then_applied(service, a, a.update_envelope(huge, SPEC.hash, codec="fp32"), "not_finite")
+        assert service.counters["refused.internal_error"] == 0
     finally:
         a.close()
 
