@@ -67,7 +67,7 @@ def fit(model_name: str, start: torch.Tensor, x: torch.Tensor, y: torch.Tensor, 
     Anchors are folded into one proximal centre: sum_k c_k (v - w_k) = C (v - w_bar) with
     C = sum_k c_k and w_bar = sum_k c_k w_k / C, and that gradient is added to the
     parameters' gradients directly (no second pass); `final_loss` is the data loss alone.
-    Deterministic given `seed`. `max_seconds` stops at the first batch boundary past the
+    Deterministic given `seed`, dropout included. `max_seconds` stops at the first batch boundary past the
     budget; `on_epoch(epoch, mean_loss)` may return False to stop after that epoch. `dp`:
     DP-SGD (fedmq/privacy.py), per-sample gradients clipped and noised; `steps` in the result
     counts the mini-batches, what the privacy accountant charges. `min_batch`: a batch-norm
@@ -121,38 +121,42 @@ def fit(model_name: str, start: torch.Tensor, x: torch.Tensor, y: torch.Tensor, 
         # keep their draws.
         starts.pop()
     ends = starts[1:] + [n]
-    for epoch in range(epochs):
-        order = torch.randperm(n, generator=generator)
-        total, count = 0.0, 0
-        for i, end in zip(starts, ends, strict=True):
-            if max_seconds is not None and time.perf_counter() - t0 >= max_seconds:
-                stopped_early = True
+    # Dropout draws from torch's global generator: seeded here and restored after, so that a
+    # model with dropout (MobileNetV3's classifier) trains the same for the same seed.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for epoch in range(epochs):
+            order = torch.randperm(n, generator=generator)
+            total, count = 0.0, 0
+            for i, end in zip(starts, ends, strict=True):
+                if max_seconds is not None and time.perf_counter() - t0 >= max_seconds:
+                    stopped_early = True
+                    break
+                idx = order[i:end]
+                opt.zero_grad(set_to_none=True)
+                if dp is not None:
+                    assert noise is not None
+                    loss = private_gradients(model, x[idx], y[idx], dp, noise)
+                else:
+                    loss = loss_fn(model(x[idx]), y[idx])
+                    loss.backward()
+                steps += 1
+                if centers:
+                    with torch.no_grad():
+                        for p, c in zip(params, centers, strict=True):
+                            p.grad.add_(p - c, alpha=rho)
+                opt.step()
+                total += float(loss.detach()) * len(idx)
+                count += len(idx)
+            samples_seen += count
+            if count:
+                final_loss = total / count
+            if stopped_early:
                 break
-            idx = order[i:end]
-            opt.zero_grad(set_to_none=True)
-            if dp is not None:
-                assert noise is not None
-                loss = private_gradients(model, x[idx], y[idx], dp, noise)
-            else:
-                loss = loss_fn(model(x[idx]), y[idx])
-                loss.backward()
-            steps += 1
-            if centers:
-                with torch.no_grad():
-                    for p, c in zip(params, centers, strict=True):
-                        p.grad.add_(p - c, alpha=rho)
-            opt.step()
-            total += float(loss.detach()) * len(idx)
-            count += len(idx)
-        samples_seen += count
-        if count:
-            final_loss = total / count
-        if stopped_early:
-            break
-        epochs_done += 1
-        if on_epoch is not None and on_epoch(epoch, final_loss) is False:
-            stopped_early = epochs_done < epochs
-            break
+            epochs_done += 1
+            if on_epoch is not None and on_epoch(epoch, final_loss) is False:
+                stopped_early = epochs_done < epochs
+                break
     return TrainResult(to_vector(model), epochs_done, samples_seen, time.perf_counter() - t0,
                        final_loss, stopped_early, steps)
 

@@ -13,7 +13,9 @@ from edge_agent.trainer import (
     train_fedsoft,
     train_local,
 )
-from fedmq.models import build_model, to_vector
+from fedmq.data import load_dataset
+from fedmq.models import build_model, resolve_model_name, to_vector
+from fedmq.training import fit
 
 MODEL = "digits-cnn"
 
@@ -71,6 +73,25 @@ def test_deterministic_given_seed(digits, partly_trained) -> None:
     assert torch.equal(a.vector, b.vector) and a.final_loss == b.final_loss
     assert not torch.equal(a.vector, c.vector)
     assert a.epochs_done == 2 and a.samples_seen == 800 and not a.stopped_early
+
+
+def test_a_model_with_dropout_trains_the_same_for_the_same_seed() -> None:
+    """MobileNetV3's classifier draws dropout masks from torch's global generator: fit seeds
+    it, whatever drew from it before, and leaves the caller's stream where it was."""
+    name = resolve_model_name("torchvision:mobilenet_v3_small", "shapes")
+    data = load_dataset("shapes")
+    x, y, start = data.x[:96], data.y[:96], to_vector(build_model(name, seed=0))
+    torch.manual_seed(123)
+    a = fit(name, start, x, y, epochs=1, seed=5)
+    after = torch.rand(3)
+    torch.manual_seed(999)
+    b = fit(name, start, x, y, epochs=1, seed=5)  # another global stream: the same model
+    c = fit(name, start, x, y, epochs=1, seed=6)
+    assert torch.equal(a.vector, b.vector)
+    assert not torch.equal(a.vector, c.vector)
+    torch.manual_seed(123)
+    fit(name, start, x, y, epochs=1, seed=5)
+    assert torch.equal(torch.rand(3), after)  # the caller's generator is restored
 
 
 def test_default_training_improves_local_accuracy(digits, partly_trained) -> None:
