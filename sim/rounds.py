@@ -345,7 +345,7 @@ def simulate_fleet(algorithm: str, spec: FleetSpec, settings: CataFedSettings, *
         epochs=None if algorithm == "catafed" else fedavg.epochs, model_name=model_name)
         for i, d in enumerate(fleet)}
     if start is None:
-        start = to_vector(build_model(model_name, seed=seed))
+        start = start_vector(model_name, train_set, seed)
     strategy = make_round_strategy(algorithm, settings, start.clone(), seed=seed, fedavg=fedavg, tifl=tifl)
     for a, learner in learners.items():
         strategy.register(a, learner.shard_size)
@@ -460,7 +460,7 @@ def simulate_alone(spec: FleetSpec, settings: CataFedSettings, *, seed: int = 0,
                 for i, d in enumerate(fleet)]
     train = TrainSettings(model_name, fedavg.lr, fedavg.batch_size, 0.0, seed, fedavg.momentum)
     if start is None:
-        start = to_vector(build_model(model_name, seed=seed))
+        start = start_vector(model_name, train_set, seed)
     vectors = [start.clone() for _ in fleet]
     clock = SimClock()
     run = SimRun(label or ALONE, seed, strategy=ALONE)
