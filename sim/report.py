@@ -6,6 +6,9 @@ reads DIR/runs/*/summary.json (and updates.csv) and writes DIR/report.md with
 - Table 1: client and cluster accuracy, mean +- std over seeds, per method and K;
 - a cost table: KL(true || estimated), bytes down and up per update, agent compute per update,
   uploads refused; where the aggregator refused any, how many by reason;
+- client accuracy through the run, in fifths of its uploads, and the first method against each
+  other one paired by seed (whole run and last fifth, 95 % t intervals): a method that starts
+  behind and ends ahead shows as such, not as one mean;
 and the figures DIR/figures/SCENARIO_accuracy_over_time.png (Figure 3), _kl.png (Figure 5)
 and _relative_cost.png (Figure 6: download bytes and client compute relative to CDFL).
 A split run's parts (DIR/parts/, see sim/split.py) are merged into DIR/runs/ first.
@@ -21,6 +24,7 @@ import csv
 import json
 import math
 from collections import defaultdict
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +32,7 @@ import numpy as np
 
 from fedmq.algorithms import ASYNC_SERVER, DISPLAY
 from sim.figures import figure_legend, method_color, pyplot, save_figure
+from sim.stats import paired_interval
 
 METHOD_ORDER = (*ASYNC_SERVER, "local")
 METHOD_NAMES = DISPLAY
@@ -105,7 +110,72 @@ def tables(runs: list[dict[str, Any]]) -> str:
                     f"{sum(sum(_refused(r).values()) for r in g)} |")
         out.append("")
         out += _refusal_table(groups, scenario, ks, methods)
+        out += _stage_tables(groups, scenario, ks, methods)
     return "\n".join(out)
+
+
+STAGES = 5
+"""The run's uploads, in order, split into this many equal parts for the stage table."""
+
+
+def stage_means(accuracies: list[float], stages: int = STAGES) -> list[float]:
+    """Mean of each of `stages` consecutive, near-equal parts of a run's per-upload accuracies
+    (nan for a part a short run leaves empty)."""
+    if stages < 1:
+        raise ValueError(f"stages must be >= 1, got {stages}")
+    edges = [round(i * len(accuracies) / stages) for i in range(stages + 1)]
+    return [float(np.mean(accuracies[a:b])) if b > a else math.nan for a, b in pairwise(edges)]
+
+
+def _received(run: dict[str, Any]) -> list[float]:
+    """The accuracy of the model each upload left the agent with, in upload order."""
+    return [float(r["acc_after"]) for r in _updates(run)]
+
+
+def _stage_tables(groups: dict[tuple[str, str, int], list[dict[str, Any]]], scenario: str,
+                  ks: list[int], methods: list[str]) -> list[str]:
+    """Client accuracy in fifths of the run, and the first method paired against the others."""
+    out: list[str] = []
+    for k in ks:
+        present = [m for m in methods if groups.get((scenario, m, k))]
+        stages: dict[str, dict[int, list[float]]] = {}
+        for m in present:
+            stages[m] = {r["spec"]["seed"]: stage_means(_received(r)) for r in groups[(scenario, m, k)]}
+        out.append(f"### {scenario}, K={k}: client accuracy through the run (fifths of its uploads, "
+                   "mean ± std over seeds)\n")
+        out.append("| method | " + " | ".join(f"{i + 1}/{STAGES}" for i in range(STAGES)) + " |")
+        out.append("|---|" + "---|" * STAGES)
+        for m in present:
+            cells = [_ms([v[i] for v in stages[m].values()]) for i in range(STAGES)]
+            out.append(f"| {METHOD_NAMES.get(m, m)} | " + " | ".join(cells) + " |")
+        out.append("")
+        rows = []
+        reference = present[0] if present else None
+        for m in present[1:]:
+            seeds = sorted(set(stages[reference]) & set(stages[m]))
+            if not seeds:
+                continue
+            whole = {s: 100 * (_whole(groups, scenario, reference, k, s) - _whole(groups, scenario, m, k, s))
+                     for s in seeds}
+            last = {s: 100 * (stages[reference][s][-1] - stages[m][s][-1]) for s in seeds}
+            rows.append(f"| {METHOD_NAMES.get(reference, reference)} - {METHOD_NAMES.get(m, m)} | "
+                        f"{', '.join(map(str, seeds))} | {_paired(whole)} | {_paired(last)} |")
+        if rows:
+            out += [f"### {scenario}, K={k}: paired by seed (the same fleet), client accuracy in pp\n",
+                    "| comparison | seeds | whole run: per seed (mean ± 95 % t) | last fifth: per seed "
+                    "(mean ± 95 % t) |", "|---|---|---|---|", *rows, ""]
+    return out
+
+
+def _whole(groups: dict[tuple[str, str, int], list[dict[str, Any]]], scenario: str, method: str, k: int,
+           seed: int) -> float:
+    return next(float(r["client_acc"]) for r in groups[(scenario, method, k)] if r["spec"]["seed"] == seed)
+
+
+def _paired(diffs: dict[int, float]) -> str:
+    mean, half = paired_interval(list(diffs.values()))
+    each = " / ".join(f"{d:+.1f}" for d in diffs.values())
+    return f"{each} ({mean:+.1f} ± {half:.1f})" if len(diffs) > 1 else each
 
 
 def _refused(run: dict[str, Any]) -> dict[str, int]:

@@ -111,6 +111,7 @@ def test_tiny_fleet_end_to_end_over_mosquitto(mosquitto, tmp_path):
 
     report, figures, text = write_report(tmp_path, "fedmq sim run ...")
     assert "| CDFL |" in text and "| FedSoft-Async |" in text and "| Local |" in text
+    assert "| CDFL - FedSoft-Async | 0 |" in text and "| CDFL - Local | 0 |" in text  # paired by seed
     assert {p.name for p in figures} == {"rotated-digits_accuracy_over_time.png", "rotated-digits_kl.png",
                                          "rotated-digits_relative_cost.png"}
     assert all(p.stat().st_size > 5000 for p in figures)

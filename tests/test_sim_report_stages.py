@@ -1,0 +1,58 @@
+"""`fedmq sim report`'s stage tables: client accuracy in fifths of the run, and paired by seed.
+
+A method that starts behind and ends ahead must show as such; the runs here are written as
+`fedmq sim run` writes them (summary.json and updates.csv), with accuracies chosen so that
+every figure in the tables can be worked out by hand."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from sim.report import load_runs, stage_means, tables
+
+
+def write_run(out: Path, method: str, seed: int, received: list[float]) -> None:
+    d = out / "runs" / f"rotated-digits_K2_{method}_s{seed}"
+    d.mkdir(parents=True)
+    with open(d / "updates.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["event", "acc_after"])
+        w.writeheader()
+        w.writerows({"event": i, "acc_after": a} for i, a in enumerate(received))
+    mean = sum(received) / len(received)
+    (d / "summary.json").write_text(json.dumps({
+        "spec": {"scenario": "rotated-digits", "method": method, "clusters": 2, "seed": seed},
+        "client_acc": mean, "cluster_acc": None, "client_acc_before": mean, "client_acc_held": mean,
+        "kl": None, "bytes_down_per_update": 0, "bytes_up_per_update": 0, "compute_s_per_update": 1.0,
+        "staleness_mean": 0.0, "updates": len(received)}))
+
+
+def test_stage_means_split_a_run_into_near_equal_consecutive_parts():
+    assert stage_means([0.0] * 5 + [1.0] * 5, stages=2) == [0.0, 1.0]
+    assert stage_means(list(range(10)), stages=5) == [0.5, 2.5, 4.5, 6.5, 8.5]
+    assert stage_means([1.0, 2.0, 3.0], stages=2) == [1.5, 3.0]  # 3 uploads: 2 then 1
+    with pytest.raises(ValueError):
+        stage_means([], stages=0)
+
+
+def test_a_method_behind_early_and_ahead_late_shows_both(tmp_path):
+    # CDFL: 0.5 for the first three fifths, 0.9 for the last two; Local flat at 0.7 (+0.1 on seed 1)
+    for seed, bump in ((0, 0.0), (1, 0.1)):
+        write_run(tmp_path, "cdfl", seed, [0.5] * 60 + [0.9] * 40)
+        write_run(tmp_path, "local", seed, [0.7 + bump] * 100)
+    text = tables(load_runs(tmp_path))
+    assert "| CDFL | 0.500 ± 0.000 | 0.500 ± 0.000 | 0.500 ± 0.000 | 0.900 ± 0.000 | 0.900 ± 0.000 |" in text
+    assert "| Local | 0.750 ± 0.050 | 0.750 ± 0.050 |" in text
+    # whole run: CDFL 0.66 against 0.7 / 0.8; last fifth: 0.9 against 0.7 / 0.8 (t interval, 1 df: 12.7 x 5 / sqrt 2)
+    row = next(line for line in text.splitlines() if line.startswith("| CDFL - Local |"))
+    assert row == "| CDFL - Local | 0, 1 | -4.0 / -14.0 (-9.0 ± 63.5) | +20.0 / +10.0 (+15.0 ± 63.5) |"
+
+
+def test_one_method_or_no_common_seed_pairs_nothing(tmp_path):
+    write_run(tmp_path, "cdfl", 0, [0.5] * 10)
+    assert "paired by seed" not in tables(load_runs(tmp_path))
+    write_run(tmp_path, "local", 1, [0.5] * 10)
+    assert "paired by seed" not in tables(load_runs(tmp_path))
