@@ -278,7 +278,7 @@ def run_experiments(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             result = run_fleet(sp, cfg, broker_url=cfg.broker.url if args.broker else None,
                                progress=bar.update)
-            write_run(result, args.out)
+            write_run(result, args.out, command)
             if isinstance(bar, LogProgress):  # no bar in a log: one line per finished run too
                 refused = result.summary()["refused"]
                 print(f"run {i + 1}/{len(specs)} {sp.label}: {len(result.updates)} updates in "

@@ -605,8 +605,10 @@ def _time_engine(engine: Any, busy: dict[str, float],
 UPDATE_COLUMNS = [f for f in UpdateRecord.__dataclass_fields__]
 
 
-def write_run(result: RunResult, out: Path) -> Path:
-    """updates.csv, clusters.csv, agents.csv and summary.json under out/runs/LABEL/."""
+def write_run(result: RunResult, out: Path, command: str | None = None) -> Path:
+    """updates.csv, clusters.csv, agents.csv and summary.json under out/runs/LABEL/; `command`,
+    the command line that made the run, goes into summary.json: a run's label does not say
+    which `--set` overrides it ran with, and two dirs of the same method differ only by them."""
     import csv
 
     d = out / "runs" / result.spec.label
@@ -628,5 +630,6 @@ def write_run(result: RunResult, out: Path) -> Path:
         w.writerow(["agent", "bytes_up", "bytes_down"])
         for a, b in sorted(result.agent_bytes.items()):
             w.writerow([a, b["up"], b["down"]])
-    (d / "summary.json").write_text(json.dumps(result.summary(), indent=1, default=float) + "\n")
+    summary = result.summary() if command is None else {**result.summary(), "command": command}
+    (d / "summary.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
     return d

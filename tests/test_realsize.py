@@ -108,3 +108,5 @@ def test_a_short_run_of_the_batch_norm_resnet20_with_fedbn_agents(tmp_path, warm
     summary = json.loads((out / "runs" / "realsize-shapes_K2_cdfl_s0" / "summary.json").read_text())
     assert summary["updates"] == len(make_schedule(0, 3, 1.0)) > 0 and not summary.get("refused"), summary
     assert np.isfinite(summary["client_acc"]) and np.isfinite(summary["cluster_acc"])
+    assert summary["command"].startswith("fedmq sim run --scenario realsize-shapes ")  # what made it, overrides too
+    assert "agent.keep_local_bn=true" in summary["command"]
