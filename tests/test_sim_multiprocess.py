@@ -92,7 +92,8 @@ def test_aggregator_and_two_agent_processes_merge_into_one_run(mosquitto, tmp_pa
         assert int(a["bytes_down"]) > sum(int(r["bytes_down"]) for r in mine)  # + the whole model
     assert all(int(r["bytes_up"]) > 0 and int(r["bytes_down"]) > 0 for r in rows)
     assert summary["updates"] == len(schedule)
-    assert "| CDFL |" in text and text.rstrip().endswith(f"| {len(schedule)} | 0 |")  # updates, refused
+    cost = [line for line in text.splitlines() if line.startswith("| CDFL | 2 |")]  # the cost table's row
+    assert len(cost) == 1 and cost[0].endswith(f"| {len(schedule)} | 0 |")  # updates, refused
     assert {p.name for p in figures} >= {"rotated-digits_accuracy_over_time.png", "rotated-digits_kl.png"}
 
     # a part missing, or a range run twice, is refused, not merged into a smaller run
