@@ -15,7 +15,7 @@ import pytest
 from sim.report import load_runs, stage_means, tables
 
 
-def write_run(out: Path, method: str, seed: int, received: list[float]) -> None:
+def write_run_files(out: Path, method: str, seed: int, received: list[float]) -> None:
     d = out / "runs" / f"rotated-digits_K2_{method}_s{seed}"
     d.mkdir(parents=True)
     with open(d / "updates.csv", "w", newline="") as f:
@@ -41,8 +41,8 @@ def test_stage_means_split_a_run_into_near_equal_consecutive_parts():
 def test_a_method_behind_early_and_ahead_late_shows_both(tmp_path):
     # CDFL: 0.5 for the first three fifths, 0.9 for the last two; Local flat at 0.7 (+0.1 on seed 1)
     for seed, bump in ((0, 0.0), (1, 0.1)):
-        write_run(tmp_path, "cdfl", seed, [0.5] * 60 + [0.9] * 40)
-        write_run(tmp_path, "local", seed, [0.7 + bump] * 100)
+        write_run_files(tmp_path, "cdfl", seed, [0.5] * 60 + [0.9] * 40)
+        write_run_files(tmp_path, "local", seed, [0.7 + bump] * 100)
     text = tables(load_runs(tmp_path))
     assert "| CDFL | 0.500 ± 0.000 | 0.500 ± 0.000 | 0.500 ± 0.000 | 0.900 ± 0.000 | 0.900 ± 0.000 |" in text
     assert "| Local | 0.750 ± 0.050 | 0.750 ± 0.050 |" in text
@@ -52,7 +52,7 @@ def test_a_method_behind_early_and_ahead_late_shows_both(tmp_path):
 
 
 def test_one_method_or_no_common_seed_pairs_nothing(tmp_path):
-    write_run(tmp_path, "cdfl", 0, [0.5] * 10)
+    write_run_files(tmp_path, "cdfl", 0, [0.5] * 10)
     assert "paired by seed" not in tables(load_runs(tmp_path))
-    write_run(tmp_path, "local", 1, [0.5] * 10)
+    write_run_files(tmp_path, "local", 1, [0.5] * 10)
     assert "paired by seed" not in tables(load_runs(tmp_path))
