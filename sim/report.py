@@ -150,8 +150,8 @@ def _stage_tables(groups: dict[tuple[str, str, int], list[dict[str, Any]]], scen
             out.append(f"| {METHOD_NAMES.get(m, m)} | " + " | ".join(cells) + " |")
         out.append("")
         rows = []
-        reference = present[0] if present else None
-        for m in present[1:]:
+        reference, *others = present  # ks come from the groups: every K has a method
+        for m in others:
             seeds = sorted(set(stages[reference]) & set(stages[m]))
             if not seeds:
                 continue
