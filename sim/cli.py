@@ -114,6 +114,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     rep = sub.add_parser("report", help="table (paper's Table 1) and figures from a run's output dir "
                                         "(sim run, a split run's parts, or sim rounds)")
     rep.add_argument("out", type=Path, help="the --out dir of `fedmq sim run`, `sim agents` or `sim rounds`")
+    rep.add_argument("--with", dest="with_dirs", metavar="DIR", type=Path, action="append", default=[],
+                     help="another `sim run` dir (a control: the same fleet with other --set values) whose "
+                          "runs join the tables as rows named by that dir, paired by seed (repeatable)")
     rounds = sub.add_parser("rounds", add_help=False, prefix_chars="+",
                             help="CATA-Fed vs FedAvg/FedProx deadline rounds on a simulated clock "
                                  "(fedmq sim rounds --help)")
@@ -142,7 +145,11 @@ def run(args: argparse.Namespace) -> int:
     from sim.report import write_report
 
     if args.sim_command == "report":
-        report, paths, text = write_report(args.out)
+        command = None
+        if args.with_dirs:  # the report then holds more than its dir's own runs: say what made it
+            command = " ".join(["fedmq sim report", shlex.quote(str(args.out)),
+                                *(f"--with {shlex.quote(str(d))}" for d in args.with_dirs)])
+        report, paths, text = write_report(args.out, command, args.with_dirs)
         print(text)
         print(f"report: {report}")
         for p in paths:

@@ -13,6 +13,12 @@ and the figures DIR/figures/SCENARIO_accuracy_over_time.png (Figure 3), _kl.png 
 and _relative_cost.png (Figure 6: download bytes and client compute relative to CDFL).
 A split run's parts (DIR/parts/, see sim/split.py) are merged into DIR/runs/ first.
 
+    fedmq sim report DIR --with DIR-frozen
+
+adds another dir's runs as rows of their own, named by that dir (less DIR's name: `CDFL
+(frozen)`), paired by seed with DIR's first method: a control run with other `--set` values
+into its own dir is compared in the same tables as the run it controls.
+
 For a `fedmq sim rounds` dir (DIR/results.json) it writes sim.rounds' table (time to the
 target accuracy, wasted work, finishers / stragglers / late / dropouts per round) and
 figures/rounds_accuracy.png (sim.rounds' plot) and rounds_cost.png.
@@ -31,27 +37,70 @@ from typing import Any
 import numpy as np
 
 from fedmq.algorithms import ASYNC_SERVER, DISPLAY
+from fedmq.errors import UsageError
 from sim.figures import figure_legend, method_color, pyplot, save_figure
 from sim.stats import paired_interval
 
 METHOD_ORDER = (*ASYNC_SERVER, "local")
 METHOD_NAMES = DISPLAY
-def load_runs(out: Path) -> list[dict[str, Any]]:
+def load_runs(out: Path, variant: str = "") -> list[dict[str, Any]]:
+    """DIR/runs/*/summary.json; `variant` names them apart from another dir's runs of the same
+    method (`--with`)."""
     runs = []
     for p in sorted((out / "runs").glob("*/summary.json")):
         s = json.loads(p.read_text())
         s["dir"] = p.parent
+        s["variant"] = variant
         runs.append(s)
     if not runs:
         raise FileNotFoundError(f"no runs under {out / 'runs'} (expected runs/*/summary.json)")
     return runs
 
 
+def variant_name(out: Path, other: Path) -> str:
+    """What `--with OTHER` calls its runs: OTHER's name less OUT's name and a separator
+    (results/x and results/x-frozen: frozen), else OTHER's whole name."""
+    base, name = out.resolve().name, other.resolve().name
+    rest = name[len(base):].lstrip("-_.") if name.startswith(base) else ""
+    return rest or name
+
+
+def load_with(out: Path, others: list[Path]) -> list[dict[str, Any]]:
+    """OUT's runs and each other dir's, named by `variant_name`."""
+    runs = load_runs(out)
+    names: dict[str, Path] = {}
+    for other in others:
+        if other.resolve() == out.resolve():
+            raise UsageError(f"--with {other}: that is the report's own dir")
+        name = variant_name(out, other)
+        if name in names:
+            raise UsageError(f"--with {other} and --with {names[name]} would both be named {name!r}")
+        names[name] = other
+        runs += load_runs(other, name)
+    return runs
+
+
+def _key(run: dict[str, Any]) -> str:
+    """A run's row: its method, and its dir's name where it came in by `--with`."""
+    method = run["spec"]["method"]
+    return f"{method} ({run['variant']})" if run.get("variant") else method
+
+
+def _base(method: str) -> str:
+    return method.split(" (", 1)[0]
+
+
+def _name(method: str) -> str:
+    """The row's display name: CDFL, or CDFL (frozen) for a `--with` dir's."""
+    base = _base(method)
+    return METHOD_NAMES.get(base, base) + method[len(base):]
+
+
 def _group(runs: list[dict[str, Any]]) -> dict[tuple[str, str, int], list[dict[str, Any]]]:
     groups: dict[tuple[str, str, int], list[dict[str, Any]]] = defaultdict(list)
     for r in runs:
         sp = r["spec"]
-        groups[(sp["scenario"], sp["method"], sp["clusters"])].append(r)
+        groups[(sp["scenario"], _key(r), sp["clusters"])].append(r)
     return groups
 
 
@@ -65,8 +114,10 @@ def _ms(values: list[float], digits: int = 3) -> str:
 
 
 def _methods(groups: dict[tuple[str, str, int], Any], scenario: str) -> list[str]:
+    """The paper's order, each `--with` row right after its method's own."""
     present = {m for (s, m, _) in groups if s == scenario}
-    return [m for m in METHOD_ORDER if m in present] + sorted(present - set(METHOD_ORDER))
+    order = {m: i for i, m in enumerate(METHOD_ORDER)}
+    return sorted(present, key=lambda m: (order.get(_base(m), len(order)), _base(m), m != _base(m), m))
 
 
 def tables(runs: list[dict[str, Any]]) -> str:
@@ -85,7 +136,7 @@ def tables(runs: list[dict[str, Any]]) -> str:
                 g = groups.get((scenario, m, k), [])
                 cells.append(_ms([r["client_acc"] for r in g]))
                 cells.append(_ms([r["cluster_acc"] for r in g]))
-            out.append(f"| {METHOD_NAMES.get(m, m)} | " + " | ".join(cells) + " |")
+            out.append(f"| {_name(m)} | " + " | ".join(cells) + " |")
         out.append("")
         out.append("Client accuracy: the model an agent holds after its download (Local: after its "
                    "own training), on that cycle's test mixture, averaged over all updates. "
@@ -101,7 +152,7 @@ def tables(runs: list[dict[str, Any]]) -> str:
                 if not g:
                     continue
                 out.append(
-                    f"| {METHOD_NAMES.get(m, m)} | {k} | {_ms([r['client_acc_before'] for r in g])} | "
+                    f"| {_name(m)} | {k} | {_ms([r['client_acc_before'] for r in g])} | "
                     f"{_ms([r['client_acc_held'] for r in g])} | {_ms([r['kl'] for r in g], 4)} | "
                     f"{_ms([r['bytes_down_per_update'] for r in g], 0)} | "
                     f"{_ms([r['bytes_up_per_update'] for r in g], 0)} | "
@@ -147,7 +198,7 @@ def _stage_tables(groups: dict[tuple[str, str, int], list[dict[str, Any]]], scen
         out.append("|---|" + "---|" * STAGES)
         for m in present:
             cells = [_ms([v[i] for v in stages[m].values()]) for i in range(STAGES)]
-            out.append(f"| {METHOD_NAMES.get(m, m)} | " + " | ".join(cells) + " |")
+            out.append(f"| {_name(m)} | " + " | ".join(cells) + " |")
         out.append("")
         rows = []
         reference, *others = present  # ks come from the groups: every K has a method
@@ -158,7 +209,7 @@ def _stage_tables(groups: dict[tuple[str, str, int], list[dict[str, Any]]], scen
             whole = {s: 100 * (_whole(groups, scenario, reference, k, s) - _whole(groups, scenario, m, k, s))
                      for s in seeds}
             last = {s: 100 * (stages[reference][s][-1] - stages[m][s][-1]) for s in seeds}
-            rows.append(f"| {METHOD_NAMES.get(reference, reference)} - {METHOD_NAMES.get(m, m)} | "
+            rows.append(f"| {_name(reference)} - {_name(m)} | "
                         f"{', '.join(map(str, seeds))} | {_paired(whole)} | {_paired(last)} |")
         if rows:
             out += [f"### {scenario}, K={k}: paired by seed (the same fleet), client accuracy in pp\n",
@@ -198,7 +249,7 @@ def _refusal_table(groups: dict[tuple[str, str, int], list[dict[str, Any]]], sce
                     total[reason] += int(n)
             if total:
                 reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(total.items()))
-                rows.append(f"| {METHOD_NAMES.get(m, m)} | {k} | {sum(total.values())} | {reasons} |")
+                rows.append(f"| {_name(m)} | {k} | {sum(total.values())} | {reasons} |")
     if not rows:
         return []
     return [f"### {scenario}: refused uploads (summed over seeds)\n",
@@ -237,8 +288,8 @@ def figures(runs: list[dict[str, Any]], fig_dir: Path) -> list[Path]:
                 if curves:
                     n = min(len(c) for c in curves)
                     y = np.mean([c[:n] for c in curves], axis=0)
-                    ax.plot(np.linspace(0, 1, n), y, marker="o", ms=3, label=METHOD_NAMES.get(m, m),
-                            color=method_color(m))
+                    ax.plot(np.linspace(0, 1, n), y, marker="o", ms=3, label=_name(m),
+                            color=method_color(_base(m)), linestyle="--" if m != _base(m) else "-")
             ax.set_title(f"K = {k}")
             ax.set_xlabel("fraction of the run's updates")
             ax.set_ylabel("client accuracy")
@@ -256,8 +307,8 @@ def figures(runs: list[dict[str, Any]], fig_dir: Path) -> list[Path]:
             for j, m in enumerate(kl_methods):
                 means = [np.mean([r["kl"] for r in groups.get((scenario, m, k), [])] or [np.nan]) for k in ks]
                 stds = [np.std([r["kl"] for r in groups.get((scenario, m, k), [])] or [np.nan]) for k in ks]
-                ax.bar(np.arange(len(ks)) + j * width, means, width, yerr=stds, label=METHOD_NAMES.get(m, m),
-                       color=method_color(m))
+                ax.bar(np.arange(len(ks)) + j * width, means, width, yerr=stds, label=_name(m),
+                       color=method_color(_base(m)), hatch="//" if m != _base(m) else None)
             ax.set_xticks(np.arange(len(ks)) + width * (len(kl_methods) - 1) / 2, [f"K={k}" for k in ks])
             ax.set_ylabel("mean KL(true ‖ estimated)")
             figure_legend(fig, ax)
@@ -278,8 +329,8 @@ def figures(runs: list[dict[str, Any]], fig_dir: Path) -> list[Path]:
                         base = np.mean([r[key] for r in groups.get((scenario, "cdfl", k), [])] or [np.nan])
                         val = np.mean([r[key] for r in groups.get((scenario, m, k), [])] or [np.nan])
                         ratios.append(val / base if base else np.nan)
-                    ax.bar(np.arange(len(ks)) + j * width, ratios, width, label=METHOD_NAMES.get(m, m),
-                           color=method_color(m))
+                    ax.bar(np.arange(len(ks)) + j * width, ratios, width, label=_name(m),
+                           color=method_color(_base(m)), hatch="//" if m != _base(m) else None)
                 ax.axhline(1.0, color=method_color("cdfl"), lw=1.0, ls="--", label="CDFL (= 1)")
                 ax.set_xticks(np.arange(len(ks)) + width * (len(series) - 1) / 2, [f"K={k}" for k in ks])
                 ax.set_title(title)
@@ -354,11 +405,13 @@ def _rounds_cost_figure(rows: list[dict[str, Any]], target: float, path: Path) -
     save_figure(fig, path)
 
 
-def write_report(out: Path, command: str | None = None) -> tuple[Path, list[Path], str]:
+def write_report(out: Path, command: str | None = None,
+                 with_dirs: list[Path] | None = None) -> tuple[Path, list[Path], str]:
     """report.md and the figures; returns (report path, figure paths, the tables' markdown).
 
     Reads a `fedmq sim run` dir (runs/; a split run's parts/ are merged into runs/ first) and
-    a `fedmq sim rounds` dir (results.json); a dir may hold both.
+    a `fedmq sim rounds` dir (results.json); a dir may hold both. `with_dirs`: other `sim run`
+    dirs whose runs join the fleet tables as rows of their own (`load_with`).
     """
     sections: list[str] = []
     paths: list[Path] = []
@@ -371,8 +424,10 @@ def write_report(out: Path, command: str | None = None) -> tuple[Path, list[Path
     if not fleet_runs and not rounds:
         raise FileNotFoundError(f"{out}: neither runs/*/summary.json (fedmq sim run), parts/ (a split "
                                 f"run) nor {ROUNDS_RESULTS} (fedmq sim rounds)")
+    if with_dirs and not fleet_runs:
+        raise UsageError(f"--with needs {out} to hold a `fedmq sim run` (runs/*/summary.json)")
     if fleet_runs:
-        runs = load_runs(out)
+        runs = load_with(out, list(with_dirs or []))
         sections.append(tables(runs))
         paths += figures(runs, out / "figures")
     if rounds:

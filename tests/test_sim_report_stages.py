@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from pathlib import Path
 
 import pytest
 
-from sim.report import load_runs, stage_means, tables
+from fedmq.errors import UsageError
+from sim.report import load_runs, load_with, stage_means, tables, variant_name, write_report
 
 
 def write_run_files(out: Path, method: str, seed: int, received: list[float]) -> None:
@@ -25,8 +27,8 @@ def write_run_files(out: Path, method: str, seed: int, received: list[float]) ->
     mean = sum(received) / len(received)
     (d / "summary.json").write_text(json.dumps({
         "spec": {"scenario": "rotated-digits", "method": method, "clusters": 2, "seed": seed},
-        "client_acc": mean, "cluster_acc": None, "client_acc_before": mean, "client_acc_held": mean,
-        "kl": None, "bytes_down_per_update": 0, "bytes_up_per_update": 0, "compute_s_per_update": 1.0,
+        "client_acc": mean, "cluster_acc": math.nan, "client_acc_before": mean, "client_acc_held": mean,
+        "kl": math.nan, "bytes_down_per_update": 0, "bytes_up_per_update": 0, "compute_s_per_update": 1.0,
         "staleness_mean": 0.0, "updates": len(received)}))
 
 
@@ -56,3 +58,34 @@ def test_one_method_or_no_common_seed_pairs_nothing(tmp_path):
     assert "paired by seed" not in tables(load_runs(tmp_path))
     write_run_files(tmp_path, "local", 1, [0.5] * 10)
     assert "paired by seed" not in tables(load_runs(tmp_path))
+
+
+def test_a_control_in_its_own_dir_is_paired_with_the_run_it_controls(tmp_path):
+    # the run: CDFL 0.8 flat; its frozen control, written by a `--set` run into DIR-frozen: 0.75 / 0.7
+    run, control = tmp_path / "fleet", tmp_path / "fleet-frozen"
+    for seed, drop in ((0, 0.05), (1, 0.1)):
+        write_run_files(run, "cdfl", seed, [0.8] * 50)
+        write_run_files(run, "local", seed, [0.7] * 50)
+        write_run_files(control, "cdfl", seed, [0.8 - drop] * 50)
+    report, _, text = write_report(run, "fedmq sim report fleet --with fleet-frozen", [control])
+    assert "| CDFL (frozen) | 0.725 ± 0.025 |" in text  # Table 1, right below CDFL
+    assert text.index("| CDFL |") < text.index("| CDFL (frozen) |") < text.index("| Local |")
+    assert "| CDFL - CDFL (frozen) | 0, 1 | +5.0 / +10.0 (+7.5 ± 31.8) | +5.0 / +10.0 (+7.5 ± 31.8) |" in text
+    assert "fedmq sim report fleet --with fleet-frozen" in report.read_text()
+    # the control's own dir is read, never written
+    assert not (control / "report.md").exists() and not (control / "figures").exists()
+
+
+def test_with_refuses_its_own_dir_a_dir_without_runs_and_two_of_one_name(tmp_path):
+    run = tmp_path / "fleet"
+    write_run_files(run, "cdfl", 0, [0.8] * 10)
+    for other in ("a/x", "b/x"):
+        write_run_files(tmp_path / other, "cdfl", 0, [0.7] * 10)
+    assert variant_name(run, tmp_path / "fleet-frozen") == "frozen"
+    assert variant_name(run, tmp_path / "other") == "other"
+    with pytest.raises(UsageError, match="own dir"):
+        load_with(run, [run])
+    with pytest.raises(FileNotFoundError, match="no runs under"):
+        load_with(run, [tmp_path / "empty"])
+    with pytest.raises(UsageError, match="both be named 'x'"):
+        load_with(run, [tmp_path / "a/x", tmp_path / "b/x"])
