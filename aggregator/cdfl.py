@@ -13,6 +13,7 @@ staleness rule and step 3); they differ only in where alpha comes from and what 
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -482,7 +483,12 @@ class CDFL(SoftClusters):
             # The refresh trains with batch norm in eval mode, against running statistics that
             # uploads mix and codecs round: on ResNet-20 a weight went from 1 to 571 in two
             # uploads and the replies turned NaN. Such models take the paper's rule alone.
-            event(log, "cluster_refresh.off", reason="the model keeps batch-norm statistics", arch=spec.arch)
+            # A user who set the refresh themselves hears it at the default level (a sim's too).
+            asked = (refresh, settings.cluster_refresh_lr) != (CDFLSettings.cluster_refresh_steps,
+                                                               CDFLSettings.cluster_refresh_lr)
+            event(log, "cluster_refresh.off", logging.WARNING if asked else logging.INFO,
+                  reason="the model keeps batch-norm statistics", arch=spec.arch,
+                  ignored=f"cdfl.cluster_refresh_steps={refresh} cdfl.cluster_refresh_lr={settings.cluster_refresh_lr}")
             refresh = 0
         if "evaluator" not in kwargs:
             kwargs["evaluator"] = cdfl_evaluator(spec, proxies, settings, device)

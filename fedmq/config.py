@@ -267,7 +267,7 @@ class CDFLSettings:
     direction_guard: float = 0.1
     """delta rule: a step pointing against its clusters' recent direction, below the fleet's cosine floor (0, or lower where honest cosines spread wide), is scaled by 1 + (cos - floor) / this, at least a tenth. >= 0 (0 = off). Limits sign flips; costs honest fleets 0.4-1.3 pp (docs/reliability.md)."""
     cluster_refresh_steps: int = 1
-    """SGD mini-batches (64 samples) a moved cluster takes on its own proxy set after each upload, keeping the clusters specialists (integer >= 0; 0 = off, the paper's rule; ~0.04 s per upload). Always off for batch-norm models (logged as cluster_refresh.off). docs/results_cdfl.md#cluster-updates."""
+    """SGD mini-batches (64 samples) a moved cluster takes on its own proxy set after each upload, keeping the clusters specialists (integer >= 0; 0 = off, the paper's rule; ~0.04 s an upload). Off for batch-norm models (cluster_refresh.off; a warning if set by hand). docs/results_cdfl.md#cluster-updates."""
     cluster_refresh_lr: float = 0.05
     """Largest learning rate of the cluster refresh (plain SGD): a step raising its batch's loss is retried at half, up to 4 times, then skipped. Must be > 0. docs/results_realsize.md#collapsed-replies-the-servers-proxy-refresh-was-unstable-on-resnet-20."""
     cluster_average: float = 0.995

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 import math
 
 import pytest
@@ -341,3 +342,20 @@ def test_a_model_with_batch_norm_statistics_takes_no_proxy_refresh() -> None:
         start = torch.stack([to_vector(build_model(arch, seed=i)) for i in range(2)])
         s = CDFL.from_settings(spec, start, data, shipped, device="cpu")
         assert (s.refresh_steps == shipped.cluster_refresh_steps) is refreshed, arch
+
+
+def test_a_refresh_the_user_asked_for_on_batch_norm_is_refused_aloud(caplog) -> None:
+    """The shipped refresh goes off quietly on a batch-norm model; one set by hand (it cannot
+    apply) is a warning, so a `--set` that changes nothing says so at a sim's log level."""
+    spec = model_spec("resnet20")
+    data = [(torch.randn(16, *spec.input_shape), torch.randint(0, spec.num_classes, (16,))) for _ in range(2)]
+    start = torch.stack([to_vector(build_model("resnet20", seed=i)) for i in range(2)])
+    levels = {}
+    for steps in (CDFLSettings.cluster_refresh_steps, 5):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="fedmq"):
+            s = CDFL.from_settings(spec, start, data, CDFLSettings(clusters=2, cluster_refresh_steps=steps),
+                                   device="cpu")
+        assert s.refresh_steps == 0
+        levels[steps] = [r.levelno for r in caplog.records if "cluster_refresh.off" in r.getMessage()]
+    assert levels == {CDFLSettings.cluster_refresh_steps: [logging.INFO], 5: [logging.WARNING]}
