@@ -222,7 +222,7 @@ def run_part(args: argparse.Namespace) -> int:
     if args.sim_command == "aggregator":
         stop = threading.Event()
         SignalRelay({signal.SIGTERM: stop.set, signal.SIGINT: stop.set})
-        d = run_aggregator_part(spec, cfg, args.out, stop=stop)
+        d = run_aggregator_part(spec, cfg, args.out, stop=stop, command=invoked_command())
         import json
 
         complete = json.loads((d / "part.json").read_text())["complete"]
@@ -235,11 +235,19 @@ def run_part(args: argparse.Namespace) -> int:
     bar = progress_bar(events)
     try:
         d = run_agents_part(spec, cfg, args.out, first=args.first_agent, count=count, wait_s=args.wait,
-                            progress=bar.update)
+                            progress=bar.update, command=invoked_command())
     finally:
         bar.close()
     print(f"part: {d}", flush=True)
     return 0
+
+
+def invoked_command() -> str | None:
+    """This process's `fedmq sim ...` command line, as a run records it, a broker password
+    masked (None when not run so)."""
+    if "sim" not in sys.argv:
+        return None
+    return mask_secrets("fedmq sim " + " ".join(shlex.quote(a) for a in sys.argv[sys.argv.index("sim") + 1:]))
 
 
 def run_experiments(args: argparse.Namespace) -> int:
@@ -276,8 +284,7 @@ def run_experiments(args: argparse.Namespace) -> int:
               "(dry run: nothing started)")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
-    command = "fedmq sim " + " ".join(shlex.quote(a) for a in sys.argv[sys.argv.index("sim") + 1:]) \
-        if "sim" in sys.argv else None
+    command = invoked_command()
     bar = progress_bar(total)
     try:
         for i, sp in enumerate(specs):

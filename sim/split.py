@@ -117,11 +117,12 @@ def wait_for_aggregator(cfg: Config, timeout_s: float) -> None:
 
 
 def run_aggregator_part(spec: RunSpec, base: Config, out: Path, *, stop: threading.Event | None = None,
-                        ready: threading.Event | None = None) -> Path:
+                        ready: threading.Event | None = None, command: str | None = None) -> Path:
     """Serve one split run's aggregator until every update is answered and all agents left.
 
     `stop` ends it early (the part is then written with complete = false); `ready` is set
-    once the aggregator is online. Returns the part's directory.
+    once the aggregator is online; `command`, the process's command line, goes into the
+    part and the merged run's `commands`. Returns the part's directory.
     """
     from fedmq.models import resolve_model_name
     from fedmq.training import evaluate
@@ -189,7 +190,7 @@ def run_aggregator_part(spec: RunSpec, base: Config, out: Path, *, stop: threadi
     (d / "part.json").write_text(json.dumps({
         "role": "aggregator", "spec": asdict(spec), "fleet": cfg.fleet, "broker": mask_secrets(cfg.broker.url),
         "complete": complete, "settings": _fingerprint(cfg), "t_start_unix": t_start,
-        "t_end_unix": time.time(), "cluster_acc": cluster_acc, "joined": len(joined), **info,
+        "t_end_unix": time.time(), "cluster_acc": cluster_acc, "joined": len(joined), "command": command, **info,
     }, indent=1, default=float) + "\n")
     return d
 
@@ -198,8 +199,9 @@ def run_aggregator_part(spec: RunSpec, base: Config, out: Path, *, stop: threadi
 
 
 def run_agents_part(spec: RunSpec, base: Config, out: Path, *, first: int, count: int,
-                    wait_s: float = 300.0, progress: Any = None) -> Path:
-    """Play agents first..first+count-1 of the seeded fleet against an external aggregator."""
+                    wait_s: float = 300.0, progress: Any = None, command: str | None = None) -> Path:
+    """Play agents first..first+count-1 of the seeded fleet against an external aggregator
+    (`command`: as run_aggregator_part's)."""
     from aggregator.bootstrap import pretrain_clusters
     from fedmq.models import resolve_model_name
 
@@ -236,7 +238,7 @@ def run_agents_part(spec: RunSpec, base: Config, out: Path, *, first: int, count
     (d / "part.json").write_text(json.dumps({
         "role": "agents", "spec": asdict(spec), "fleet": cfg.fleet, "broker": mask_secrets(cfg.broker.url),
         "first": first, "count": count, "settings": _fingerprint(cfg), "t_start_unix": t_start,
-        "t_first_unix": t_first, "t_end_unix": time.time(), "agent_bytes": agent_bytes,
+        "t_first_unix": t_first, "t_end_unix": time.time(), "agent_bytes": agent_bytes, "command": command,
     }, indent=1, default=float) + "\n")
     return d
 
@@ -333,7 +335,9 @@ def merge_run(part_root: Path, out: Path) -> Path:
     agg = parts.get(AGGREGATOR_PART)
     info: dict[str, Any] = {"events": len(schedule), "agents": n_agents, "split": True,
                             "agent_processes": len(agent_parts),
-                            "workers_per_process": sorted({p["spec"]["workers"] for p in agent_parts.values()})}
+                            "workers_per_process": sorted({p["spec"]["workers"] for p in agent_parts.values()}),
+                            # each process's command line, by part (an in-process run's `command`)
+                            "commands": {n: p["command"] for n, p in parts.items() if p.get("command")}}
     cluster_acc: list[dict[str, Any]] = []
     starts = [p["t_start_unix"] for p in parts.values()]
     ends = [p["t_end_unix"] for p in parts.values()]

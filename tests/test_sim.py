@@ -210,3 +210,14 @@ def test_a_cycle_whose_training_diverges_is_an_outcome_and_the_run_goes_on(mosqu
     assert len(run.updates) == len(make_schedule(0, 4, 2)) > 0
     assert all(r.refused == "diverged" and r.bytes_down > 0 for r in run.updates)  # each joined again
     assert run.summary()["refused"] == {"diverged": len(run.updates)}
+
+
+def test_a_recorded_command_line_masks_the_broker_password(monkeypatch):
+    from sim.cli import invoked_command
+
+    monkeypatch.setattr("sys.argv", ["fedmq", "sim", "run", "--broker", "mqtts://agg:s3cret@host:8883",
+                                     "--set", "cdfl.server_lr=0.5", "--out", "out dir/"])
+    assert invoked_command() == ("fedmq sim run --broker mqtts://agg:***@host:8883 --set cdfl.server_lr=0.5 "
+                                 "--out 'out dir/'")
+    monkeypatch.setattr("sys.argv", ["python", "-c"])
+    assert invoked_command() is None

@@ -78,6 +78,11 @@ def test_aggregator_and_two_agent_processes_merge_into_one_run(mosquitto, tmp_pa
     assert summary["aggregator_counters"]["applied.join"] == 4
     assert summary["strategy_counters"]["joins"] == 4
     assert summary["split"] is True and summary["agent_processes"] == 2 and summary["aggregator_complete"]
+    # each process's command line, by part: what a control run differs by is on record
+    assert sorted(summary["commands"]) == ["agents-00000-00001", "agents-00002-00003", "aggregator"]
+    assert summary["commands"]["aggregator"].startswith("fedmq sim aggregator ")
+    assert "aggregator.pretrain_epochs=2" in summary["commands"]["aggregator"]
+    assert "--first-agent 2" in summary["commands"]["agents-00002-00003"]
     checkpoints = list(csv.DictReader((run / "clusters.csv").read_text().splitlines()))
     assert int(checkpoints[0]["events"]) == 0 and int(checkpoints[-1]["events"]) == len(schedule)
     # bytes: what the agents counted is what crossed the broker; per-update bytes + the joins
