@@ -341,6 +341,8 @@ class ModelReference:
                 model = tvm.get_model(self.name, weights=None, **dict(self.kwargs))
             except (TypeError, ValueError) as exc:
                 raise UsageError(f"model {self}: torchvision refused its arguments: {exc}") from None
+            if self.input_shape:
+                _fit_stem(model, self.input_shape[0])
         else:
             factory = import_factory(self.name)
             try:
@@ -354,6 +356,21 @@ class ModelReference:
                 if isinstance(m, nn.modules.batchnorm._BatchNorm):
                     m.momentum = self.bn_momentum
         return model
+
+
+def _fit_stem(model: nn.Module, channels: int) -> None:
+    """Give a torchvision model's first convolution the dataset's channel count (MNIST's one,
+    where torchvision builds for RGB), as it would be written for such data: the model trains
+    from scratch, so the stem has no weights to keep. Seeded by the caller's fork."""
+    for name, conv in model.named_modules():
+        if isinstance(conv, nn.Conv2d):
+            if conv.in_channels == channels or conv.in_channels != 3 or conv.groups != 1:
+                return
+            parent, _, attr = name.rpartition(".")
+            stem = nn.Conv2d(channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+                             conv.dilation, bias=conv.bias is not None, padding_mode=conv.padding_mode)
+            setattr(model.get_submodule(parent) if parent else model, attr, stem)
+            return
 
 
 def _parse_value(text: str) -> bool | int | float | str:

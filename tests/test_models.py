@@ -49,12 +49,24 @@ def test_a_torchvision_reference_takes_the_datasets_shape_and_its_hash_covers_th
     assert model_spec("digits-cnn").hash == "5a9e7b9f05416da4"
 
 
+def test_a_torchvision_model_takes_a_one_channel_dataset_with_a_stem_of_its_own() -> None:
+    """torchvision builds for RGB; on MNIST-shaped data the first convolution takes one channel,
+    the rest of the network as torchvision builds it. An RGB model is built exactly as before."""
+    gray = model_spec(resolve_model_name(MOBILENET, "mnist"))
+    rgb = model_spec(resolve_model_name(MOBILENET, "shapes"))
+    assert gray.input_shape == (1, 28, 28) and rgb.numel - gray.numel == 2 * 16 * 3 * 3  # two channels fewer
+    model = build_model(gray.arch, seed=3).eval()
+    assert model(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
+    assert torch.equal(to_vector(build_model(gray.arch, seed=3)), to_vector(model))  # the stem is seeded too
+    assert rgb.hash == "efd9a0da6e54d6f9"  # as before one-channel stems: RGB state files and caches keep
+
+
 @pytest.mark.parametrize("model, dataset, says", [
     ("torchvision:nosuchnet", "shapes", "torchvision has no model 'nosuchnet'"),
     ("nosuchpkg.nets:make", "shapes", "cannot import 'nosuchpkg.nets'"),
     ("recipes.my_fleet:nothing", "shapes", "no callable 'nothing'"),
     ("recipes.my_fleet:make_model?width=eight", "digits", "refused its arguments"),
-    ("torchvision:mobilenet_v3_small", "digits", "forward pass on inputs (N, 1, 8, 8) failed"),
+    ("torchvision:squeezenet1_1", "digits", "forward pass on inputs (N, 1, 8, 8) failed"),
     ("recipes.my_fleet:make_model", BARS_DATA, "add input=CxHxW"),
     ("torchvision:resnet18?input=3x", "shapes", "input must be CxHxW"),
     ("torchvision:resnet18?depth", "shapes", "'depth' is not key=value"),
