@@ -935,9 +935,16 @@ def config_from_args(args: Any, extra: dict[str, str] | None = None) -> Config:
         raise
     data_dir = getattr(args, "data_dir", None)
     if data_dir and getattr(args, "scenario", None) is None:  # a scenario names its own dataset
-        named = "data.dataset" in overrides or "data.dataset" in _file_keys(getattr(args, "config", None))
-        cfg.data.dataset = dataset_for_data_dir(cfg.data.dataset if named else None, data_dir)
+        cfg.data.dataset = dataset_for_data_dir(cfg.data.dataset if dataset_named(args) else None, data_dir)
     return cfg
+
+
+def dataset_named(args: Any) -> bool:
+    """Whether the command line or its config file names data.dataset (`--dataset`, `--set
+    data.dataset=...`, a `--config` that sets it): else an explicit `--data-dir` picks it."""
+    flags = {key for attr, key in COMMON_FLAGS.items() if getattr(args, attr, None) is not None}
+    keys = flags | set(parse_overrides(getattr(args, "set", None)))
+    return "data.dataset" in keys or "data.dataset" in _file_keys(getattr(args, "config", None))
 
 
 def _file_keys(path: str | os.PathLike[str] | None) -> set[str]:

@@ -90,8 +90,8 @@ def dataset_for_data_dir(named: str | None, data_dir: str | None, *, default: st
     if len(found) == 1:
         return found[0]
     if found:
-        raise UsageError(f"--data-dir {data_dir} holds {', '.join(found)}: name one (--dataset NAME, "
-                         f"or --scenario rotated-NAME)")
+        raise UsageError(f"--data-dir {data_dir} holds {', '.join(found)}: name one (--dataset NAME or "
+                         f"--set data.dataset=NAME; in fedmq sim, --scenario rotated-NAME)")
     raise UsageError(f"--data-dir {data_dir} holds {_none_here()}: put one there, or drop --data-dir to run on "
                      f"{default} (offline)")
 
@@ -102,7 +102,8 @@ def offline_with_data_dir(what: str, data_dir: str) -> str:
     found = datasets_in(data_dir)
     holds = ", ".join(found) if found else _none_here()
     return (f"{what} is made offline and reads nothing from --data-dir {data_dir}, which holds {holds}: "
-            "name the dataset there (--dataset NAME or --scenario rotated-NAME), or drop --data-dir")
+            "name the dataset there (--dataset NAME or --set data.dataset=NAME; in fedmq sim, "
+            "--scenario rotated-NAME), or drop --data-dir")
 
 
 def _none_here() -> str:

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from aggregator.bootstrap import sketch_references  # noqa: E402
 from aggregator.estimators import kl_divergence, normalize_simplex  # noqa: E402
-from fedmq.config import add_config_arguments, config_from_args  # noqa: E402
+from fedmq.config import add_config_arguments, config_from_args, dataset_named  # noqa: E402
 from fedmq.errors import ArgumentParser, run_main  # noqa: E402
 from fedmq.sketch import SketchFit, check_shrinkage, data_sketch  # noqa: E402
 from sim.ablation import AblationSpec  # noqa: E402
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     add_config_arguments(p, ("data_dir", "seed"))
     args = p.parse_args(argv)
     cfg = config_from_args(args)
-    scenario = resolve_scenario(args.scenario, cfg, args.data_dir).name
+    scenario = resolve_scenario(args.scenario, cfg, args.data_dir, dataset_named(args)).name
     shrinkages = [float(s) for s in args.shrinkage.split(",") if s.strip()]
     try:
         shrinkages = [check_shrinkage(s, "--shrinkage") for s in shrinkages]

@@ -48,7 +48,14 @@ import numpy as np
 import torch
 
 from fedmq.algorithms import ASYNC_AGENT
-from fedmq.config import AgentSettings, Config, add_config_arguments, config_from_args, load_config
+from fedmq.config import (
+    AgentSettings,
+    Config,
+    add_config_arguments,
+    config_from_args,
+    dataset_named,
+    load_config,
+)
 from fedmq.errors import ArgumentParser, run_main
 from fedmq.host import describe_host
 from fedmq.logs import event, get_logger, setup_logging
@@ -897,7 +904,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim.ablation"
         return 0
     cfg = config_from_args(args)
     setup_logging(cfg.log.level, cfg.log.json)
-    args.scenario = resolve_scenario(args.scenario, cfg, args.data_dir).name
+    args.scenario = resolve_scenario(args.scenario, cfg, args.data_dir, dataset_named(args)).name
     try:
         variants = [Variant.parse(v) for v in (args.variant or DEFAULT_VARIANTS)]
         controls = [c.strip() for c in args.controls.split(",") if c.strip() and c.strip() != "none"]

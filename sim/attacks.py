@@ -61,7 +61,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedmq.config import Config, PrivacySettings, add_config_arguments, config_from_args
+from fedmq.config import (
+    Config,
+    PrivacySettings,
+    add_config_arguments,
+    config_from_args,
+    dataset_named,
+)
 from fedmq.errors import ArgumentParser, UsageError, run_main
 from fedmq.logs import setup_logging
 
@@ -949,7 +955,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim.attacks")
     command = " ".join(["python -m sim.attacks", *(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))])
     cfg = config_from_args(args)
     setup_logging(cfg.log.level, cfg.log.json)
-    args.scenario = resolve_scenario(args.scenario, cfg, args.data_dir).name
+    args.scenario = resolve_scenario(args.scenario, cfg, args.data_dir, dataset_named(args)).name
     sizes = tuple(int_list(args.sizes or (QUICK["sizes"] if args.quick else "10,100,1000"), "--sizes", minimum=1))
     epsilons = parse_epsilons(args.epsilons or (QUICK["epsilons"] if args.quick else "none,16,4,1"))
     clients = args.clients if args.clients is not None else (QUICK["clients"] if args.quick else 0)

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fedmq.config import Config, add_config_arguments, config_from_args
+from fedmq.config import Config, add_config_arguments, config_from_args, dataset_named
 from fedmq.logs import mask_secrets, setup_logging
 from fedmq.signals import SignalRelay
 from sim.log_progress import LogProgress, progress_bar
@@ -93,7 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rotated-digits (default; with --data-dir: the rotated scenario of the dataset there), rotated-mnist, rotated-fashionmnist, rotated-cifar100, "
                         "rotated-shapes, digits-domains, rotated (the dataset --set data.dataset=NAME names), "
                         "realsize-shapes or realsize (resnet20-gn, K = 4, >= 400 uploads a run; docs/simulator.md), "
-                        "realsize-shapes-mobilenet (the same fleet, MobileNetV3-small)")
+                        "realsize-shapes-mobilenet (the same fleet, MobileNetV3-small) or realsize-mobilenet; "
+                        "an offline scenario with --data-dir runs its fleet on the dataset there")
     _add_init_argument(r)
     r.add_argument("--methods", default="cdfl,fedsoft-async,local",
                    help="comma list of cdfl, fedsoft-async, fedasync, fedbuff, local (default cdfl,fedsoft-async,local)")
@@ -205,7 +206,7 @@ def run_part(args: argparse.Namespace) -> int:
         print(f"fedmq sim {args.sim_command}: unknown method {args.method!r}; one of {', '.join(METHODS)}",
               file=sys.stderr)
         return 2
-    scenario = resolve_scenario(args.scenario, cfg, args.data_dir)
+    scenario = resolve_scenario(args.scenario, cfg, args.data_dir, dataset_named(args))
     check_init(cfg, scenario)
     fleet_defaults(args, scenario)
     spec = RunSpec(scenario=scenario.name, method=args.method, clusters=int(args.clusters), agents=args.agents,
@@ -260,7 +261,7 @@ def run_experiments(args: argparse.Namespace) -> int:
     if args.fleet is None:
         cfg.fleet = "sim"
     setup_logging(cfg.log.level, cfg.log.json)
-    scenario = resolve_scenario(args.scenario, cfg, args.data_dir)
+    scenario = resolve_scenario(args.scenario, cfg, args.data_dir, dataset_named(args))
     check_init(cfg, scenario)
     fleet_defaults(args, scenario)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]

@@ -15,7 +15,9 @@ of the same seed, whatever the thread timing.
   to finish within the hour per method and seed on a 2-core machine; `realsize-shapes` is
   offline, `realsize` takes data.dataset (CIFAR-10 through --data-dir, a folder dataset).
   `realsize-shapes-mobilenet` is the same fleet with MobileNetV3-small and a pre-training
-  large enough to start it.
+  large enough to start it, `realsize-mobilenet` that on data.dataset.
+- With an explicit `--data-dir`, a scenario made offline runs its fleet on the dataset found
+  there (`Scenario.on_data_dir`): a results page's command runs unchanged on other data.
 - `digits-domains`: three digit sources, which offline means scikit-learn's digits as
   printed, inverted (a night camera) and bold (dilated strokes: a different pen). A car's
   mixture moves along its route: the share of each domain follows a cosine of the car's
@@ -25,6 +27,7 @@ of the same seed, whatever the thread timing.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from dataclasses import dataclass
 
@@ -35,8 +38,11 @@ from fedmq.config import Config
 from fedmq.data import AgentData, RotatedClusters, clusters_from_settings, draw_agent, load_dataset
 from fedmq.data.mixtures import sample_agent_data
 from fedmq.data.sources import OFFLINE, Dataset, offline_with_data_dir
-from fedmq.dataset_names import canonical_dataset
+from fedmq.dataset_names import canonical_dataset, dataset_for_data_dir
 from fedmq.errors import UsageError
+from fedmq.logs import event, get_logger
+
+log = get_logger("sim")
 
 DOMAINS: tuple[str, ...] = ("printed", "inverted", "bold")
 
@@ -61,6 +67,9 @@ class Scenario:
     """Mean uploads per agent when `--updates-per-agent` is not given (25: the paper's)."""
     test_samples: int = 300
     """Test samples per agent and cycle when `--test-samples` is not given."""
+    on_data_dir: str = ""
+    """The scenario that runs this one's fleet on the dataset under an explicit `--data-dir`
+    ({dataset} is filled in; empty: refused beside --data-dir)."""
 
 
 # scikit-learn's digits has 1257 training images: the server's proxy and pre-training sets
@@ -95,30 +104,35 @@ MOBILENET_DEFAULTS = (("model", "torchvision:mobilenet_v3_small"),
 SCENARIOS: dict[str, Scenario] = {
     "rotated-digits": Scenario("rotated-digits", "digits", "rotated",
                                "scikit-learn digits (offline), cluster k rotated by k*360/K",
-                               defaults=DIGITS_DEFAULTS),
+                               defaults=DIGITS_DEFAULTS, on_data_dir="rotated-{dataset}"),
     "rotated-mnist": Scenario("rotated-mnist", "mnist", "rotated", "MNIST rotated by k*360/K"),
     "rotated-fashionmnist": Scenario("rotated-fashionmnist", "fashionmnist", "rotated",
                                      "FashionMNIST rotated by k*360/K"),
     "rotated-cifar100": Scenario("rotated-cifar100", "cifar100", "rotated", "CIFAR-100 rotated by k*360/K"),
     "rotated-shapes": Scenario("rotated-shapes", "shapes", "rotated",
                                "generated 32x32 colour shapes (offline), cluster k rotated by k*360/K: "
-                               "the scenario for real-sized models (docs/models.md)"),
+                               "the scenario for real-sized models (docs/models.md)", on_data_dir="rotated-{dataset}"),
     "rotated": Scenario("rotated", "", "rotated",
                         "the dataset data.dataset names (--set data.dataset=NAME: folder:NAME or "
                         "module.path:factory too), cluster k rotated by k*360/K"),
     "realsize-shapes": Scenario("realsize-shapes", "shapes", "rotated",
                                 "the real-size fleet: resnet20-gn on generated 32x32 colour shapes (offline), "
                                 "K = 4 rotations, 20 agents, >= 400 uploads a run (docs/simulator.md)",
-                                defaults=REALSIZE_DEFAULTS, **REALSIZE_FLEET),
+                                defaults=REALSIZE_DEFAULTS, on_data_dir="realsize", **REALSIZE_FLEET),
     "realsize-shapes-mobilenet": Scenario(
         "realsize-shapes-mobilenet", "shapes", "rotated",
         "the real-size fleet with MobileNetV3-small (torchvision, 1.5 M parameters) and a pre-training "
         "that starts it: 750 images per cluster, 20 epochs at 0.01 (docs/simulator.md)",
-        defaults=MOBILENET_DEFAULTS, **REALSIZE_FLEET),
+        defaults=MOBILENET_DEFAULTS, on_data_dir="realsize-mobilenet", **REALSIZE_FLEET),
     "realsize": Scenario("realsize", "", "rotated",
                          "the real-size fleet on the dataset data.dataset names (cifar10 or svhn through "
                          "--data-dir, folder:NAME): resnet20-gn, K = 4 rotations, >= 400 uploads a run",
-                         defaults=REALSIZE_DEFAULTS, **REALSIZE_FLEET),
+                         defaults=REALSIZE_DEFAULTS, on_data_dir="realsize", **REALSIZE_FLEET),
+    "realsize-mobilenet": Scenario(
+        "realsize-mobilenet", "", "rotated",
+        "realsize-shapes-mobilenet's fleet, model and pre-training on the dataset data.dataset names "
+        "(the one under --data-dir)", defaults=MOBILENET_DEFAULTS, on_data_dir="realsize-mobilenet",
+        **REALSIZE_FLEET),
     "digits-domains": Scenario("digits-domains", "digits", "domains",
                                "digits printed / inverted / bold, mixed along each car's route",
                                fixed_clusters=3, defaults=DIGITS_DEFAULTS),
@@ -135,11 +149,16 @@ def get_scenario(name: str) -> Scenario:
 DEFAULT_SCENARIO = "rotated-digits"
 
 
-def resolve_scenario(name: str | None, cfg: Config, data_dir: str | None) -> Scenario:
+def resolve_scenario(name: str | None, cfg: Config, data_dir: str | None, dataset_named: bool = False) -> Scenario:
     """The scenario a command runs: the one named, else the rotated scenario of the dataset
     found under an explicit `--data-dir` (config_from_args put it in cfg.data.dataset), else
-    rotated-digits. An offline scenario named beside `--data-dir` is refused: the files there
-    would be silently ignored."""
+    rotated-digits.
+
+    A scenario made offline, named beside an explicit `--data-dir`, runs its fleet on the data
+    there (`Scenario.on_data_dir`: realsize-shapes -> realsize on the dataset found, which goes
+    into cfg.data.dataset), so an experiment's command runs unchanged on other data; with
+    `dataset_named` (`config.dataset_named`) on the dataset the command names. One without such
+    a twin, or an offline dataset named, is refused: the files would be silently ignored."""
     if name is None:
         name = DEFAULT_SCENARIO
         if data_dir:
@@ -147,7 +166,15 @@ def resolve_scenario(name: str | None, cfg: Config, data_dir: str | None) -> Sce
             name = found if found in SCENARIOS else "rotated"
     scenario = get_scenario(name)
     if data_dir and canonical_dataset(scenario.dataset or cfg.data.dataset) in OFFLINE:
-        raise UsageError(offline_with_data_dir(f"scenario {name!r}", data_dir))
+        if not scenario.on_data_dir:
+            raise UsageError(offline_with_data_dir(f"scenario {name!r}", data_dir))
+        dataset = dataset_for_data_dir(cfg.data.dataset if dataset_named else None, data_dir)
+        twin = scenario.on_data_dir.format(dataset=dataset)
+        scenario = get_scenario(twin if twin in SCENARIOS else "rotated")
+        cfg.data.dataset = dataset
+        # said at a sim's level: the scenario named is not the one that runs
+        event(log, "scenario.data_dir", logging.WARNING, named=name, runs=scenario.name, dataset=dataset,
+              data_dir=data_dir)
     return scenario
 
 

@@ -15,6 +15,7 @@ from fedmq.config import Config
 from sim.fleet import RunSpec, configure, make_schedule
 from sim.scenarios import get_scenario
 from tests.cli_process import cli_env
+from tests.test_data import write_mnist_like
 from tests.test_models import run_cli
 
 
@@ -91,6 +92,33 @@ def test_realsize_runs_on_a_folder_dataset_under_data_dir(tmp_path, warm_python)
                    cwd=tmp_path, env=cli_env(), warm=warm_python)
     assert done.returncode == 0, done.stderr
     assert "dataset folder:tiles" in done.stdout and "K=4: 300 train / 50 test images" in done.stdout
+
+
+def test_an_offline_scenario_runs_its_fleet_on_the_data_under_data_dir(tmp_path, warm_python) -> None:
+    """The results' commands run unchanged on other data by adding --data-dir: the real-size
+    scenarios on the dataset found there (MNIST-shaped here), the rotated ones as rotated-NAME."""
+    write_mnist_like(tmp_path / "data", "MNIST", n_train=7000, n_test=100)
+
+    def plan(*flags: str) -> tuple[int, str]:
+        done = run_cli("sim", "run", *flags, "--data-dir", str(tmp_path / "data"), "--methods", "cdfl,local",
+                       "--out", "out", "--dry-run", cwd=tmp_path, env=cli_env(), warm=warm_python)
+        return done.returncode, done.stdout + done.stderr
+
+    code, out = plan("--scenario", "realsize-shapes-mobilenet")
+    assert code == 0, out
+    assert "scenario realsize-mobilenet:" in out and "dataset mnist from" in out
+    assert "model torchvision:mobilenet_v3_small, pre-training 20 epochs at 0.01" in out
+    assert "per cluster proxy 100, pretrain 750" in out and "K 4" in out
+    code, out = plan("--scenario", "realsize-shapes")
+    assert code == 0 and "scenario realsize:" in out and "dataset mnist from" in out and "model resnet20-gn" in out
+    assert "scenario.data_dir" in out  # the swap is said, not silent
+    code, out = plan("--scenario", "rotated-shapes")
+    assert code == 0 and "scenario rotated-mnist:" in out, out
+    # named: the dataset the command names; an offline one named, or a scenario without a twin: one line
+    code, out = plan("--scenario", "realsize", "--set", "data.dataset=digits")
+    assert code == 2 and "'digits' is made offline" in out and len(out.strip().splitlines()) == 1, out
+    code, out = plan("--scenario", "digits-domains")
+    assert code == 2 and "'digits-domains' is made offline" in out and len(out.strip().splitlines()) == 1, out
 
 
 @pytest.mark.slow
