@@ -259,8 +259,11 @@ def _refusal_table(groups: dict[tuple[str, str, int], list[dict[str, Any]]], sce
 
 
 def _updates(run: dict[str, Any]) -> list[dict[str, str]]:
-    with open(Path(run["dir"]) / "updates.csv", newline="") as f:
-        return list(csv.DictReader(f))
+    """A run's updates.csv rows, read once (the stage table and the figures both take them)."""
+    if "updates_rows" not in run:
+        with open(Path(run["dir"]) / "updates.csv", newline="") as f:
+            run["updates_rows"] = list(csv.DictReader(f))
+    return run["updates_rows"]
 
 
 def figures(runs: list[dict[str, Any]], fig_dir: Path) -> list[Path]:
