@@ -204,7 +204,7 @@ class ResNet20(nn.Module):
     parameters). `norm="group"` swaps batch norm for GroupNorm, which keeps no running
     statistics: nothing per device to average or keep local (Hsieh et al., 2020)."""
 
-    def __init__(self, num_classes: int = 10, norm: str = "batch") -> None:
+    def __init__(self, num_classes: int = 10, norm: str = "batch", in_channels: int = 3) -> None:
         super().__init__()
         if norm == "batch":
             make_norm: Callable[[int], nn.Module] = nn.BatchNorm2d
@@ -212,7 +212,7 @@ class ResNet20(nn.Module):
             make_norm = lambda c: nn.GroupNorm(GROUPNORM_GROUPS, c)  # noqa: E731
         else:
             raise ValueError(f"norm must be batch or group, got {norm!r}")
-        self.conv1 = nn.Conv2d(3, 16, 3, padding=1, bias=False)
+        self.conv1 = nn.Conv2d(in_channels, 16, 3, padding=1, bias=False)
         self.bn1 = make_norm(16)
         blocks: list[nn.Module] = []
         cin = 16
@@ -471,8 +471,7 @@ def resolve_model_name(model: str, dataset: str) -> str:
     reference gets the dataset's input shape (and torchvision its class count) unless it
     names them, and is built once to check it; an unknown name is a clear error."""
     if model == "auto" or is_reference(model):
-        key = dataset.lower().replace("-", "").replace("_", "") if dataset not in DEFAULT_MODEL_FOR_DATASET else dataset
-        default = DEFAULT_MODEL_FOR_DATASET.get(key)
+        default = DEFAULT_MODEL_FOR_DATASET.get(_dataset_key(dataset))
         if model == "auto":
             if default is None:
                 canonical_dataset(dataset)  # an unknown dataset is named as such, with the known ones
@@ -494,7 +493,37 @@ def resolve_model_name(model: str, dataset: str) -> str:
         return name
     if model not in ZOO:
         raise UsageError(f"unknown model {model!r}; use {MODEL_HELP}")
-    return model
+    return _zoo_for_dataset(model, dataset)
+
+
+def _dataset_key(dataset: str) -> str:
+    return dataset if dataset in DEFAULT_MODEL_FOR_DATASET else dataset.lower().replace("-", "").replace("_", "")
+
+
+RESHAPEABLE = {"resnet20": "batch", "resnet20-gn": "group"}
+"""Zoo models that any image shape fits (convolutions and a global pool): on a dataset of other
+channels or classes they are built for it, by reference (`fedmq.models:ResNet20?...`)."""
+
+
+def _zoo_for_dataset(model: str, dataset: str) -> str:
+    """A zoo name on a dataset of its shape and class count, as it is; a ResNet-20 on another
+    (MNIST's 1x28x28) as the same network built for it; another zoo model there is one clear
+    error, not a failed first training step. A dataset of unknown shape (a folder) is the user's."""
+    default = DEFAULT_MODEL_FOR_DATASET.get(_dataset_key(dataset))
+    entry = ZOO[model]
+    if default is None or (ZOO[default].input_shape, ZOO[default].num_classes) == (entry.input_shape,
+                                                                                     entry.num_classes):
+        return model
+    shape, classes = ZOO[default].input_shape, ZOO[default].num_classes
+    if model not in RESHAPEABLE:
+        raise UsageError(f"model {model} takes {'x'.join(map(str, entry.input_shape))} inputs of "
+                         f"{entry.num_classes} classes; {dataset} has {'x'.join(map(str, shape))} of {classes}: "
+                         f"use --model auto ({default}), resnet20-gn or a torchvision model")
+    ref = ModelReference("fedmq.models:ResNet20", "fedmq.models:ResNet20",
+                         (("in_channels", shape[0]), ("norm", RESHAPEABLE[model]), ("num_classes", classes)), shape)
+    name = str(ref)
+    model_spec(name)
+    return name
 
 
 def resolve_dataset_and_model(dataset: str, model: str) -> dict[str, str | int]:

@@ -61,6 +61,22 @@ def test_a_torchvision_model_takes_a_one_channel_dataset_with_a_stem_of_its_own(
     assert rgb.hash == "efd9a0da6e54d6f9"  # as before one-channel stems: RGB state files and caches keep
 
 
+def test_a_resnet20_is_built_for_the_datasets_shape_and_other_zoo_models_say_they_do_not_fit() -> None:
+    """The real-size fleet's ResNet-20 on MNIST (1x28x28) or CIFAR-100 (100 classes) is the same
+    network built for it, by reference; on its own shape it is the zoo entry, hash unchanged."""
+    assert resolve_model_name("resnet20-gn", "shapes") == "resnet20-gn"
+    assert model_spec("resnet20-gn").hash == "f077db48948878f2"
+    gray = resolve_model_name("resnet20-gn", "mnist")
+    assert gray == "fedmq.models:ResNet20?in_channels=1&input=1x28x28&norm=group&num_classes=10"
+    assert build_model(gray, seed=0)(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
+    many = model_spec(resolve_model_name("resnet20", "cifar100"))
+    assert many.num_classes == 100 and many.numel > model_spec("resnet20").numel  # a wider head, batch norm kept
+    with pytest.raises(UsageError) as err:
+        resolve_model_name("cnn32-10", "mnist")
+    assert "takes 3x32x32 inputs of 10 classes; mnist has 1x28x28" in str(err.value) and "auto (cnn28)" in str(err.value)
+    assert resolve_model_name("cnn32-10", "folder:tiles") == "cnn32-10"  # a folder's shape is the user's to know
+
+
 @pytest.mark.parametrize("model, dataset, says", [
     ("torchvision:nosuchnet", "shapes", "torchvision has no model 'nosuchnet'"),
     ("nosuchpkg.nets:make", "shapes", "cannot import 'nosuchpkg.nets'"),
