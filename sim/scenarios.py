@@ -114,7 +114,7 @@ SCENARIOS: dict[str, Scenario] = {
                                "the scenario for real-sized models (docs/models.md)", on_data_dir="rotated-{dataset}"),
     "rotated": Scenario("rotated", "", "rotated",
                         "the dataset data.dataset names (--set data.dataset=NAME: folder:NAME or "
-                        "module.path:factory too), cluster k rotated by k*360/K"),
+                        "module.path:factory too), cluster k rotated by k*360/K", on_data_dir="rotated"),
     "realsize-shapes": Scenario("realsize-shapes", "shapes", "rotated",
                                 "the real-size fleet: resnet20-gn on generated 32x32 colour shapes (offline), "
                                 "K = 4 rotations, 20 agents, >= 400 uploads a run (docs/simulator.md)",
@@ -172,9 +172,9 @@ def resolve_scenario(name: str | None, cfg: Config, data_dir: str | None, datase
         twin = scenario.on_data_dir.format(dataset=dataset)
         scenario = get_scenario(twin if twin in SCENARIOS else "rotated")
         cfg.data.dataset = dataset
-        # said at a sim's level: the scenario named is not the one that runs
-        event(log, "scenario.data_dir", logging.WARNING, named=name, runs=scenario.name, dataset=dataset,
-              data_dir=data_dir)
+        # said at a sim's level where the scenario named is not the one that runs
+        event(log, "scenario.data_dir", logging.WARNING if scenario.name != name else logging.INFO, named=name,
+              runs=scenario.name, dataset=dataset, data_dir=data_dir)
     return scenario
 
 

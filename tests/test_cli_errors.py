@@ -159,6 +159,9 @@ def test_experiment_without_its_dataset_is_one_line_and_exit_1(tmp_path) -> None
     ("sim.ablation", ("--clusters", "2", "--seeds", "1", "--out", "OUT"), "scenario rotated-mnist"),
     ("fedmq.cli", ("sim", "run", "--clusters", "2", "--out", "OUT"), "scenario rotated-mnist"),
     ("sim.rounds", (), "on mnist ("),
+    # a scenario made offline runs its fleet on the data there
+    ("sim.ablation", ("--scenario", "rotated-digits", "--clusters", "2", "--seeds", "1", "--out", "OUT"),
+     "scenario rotated-mnist"),
 ])
 def test_data_dir_alone_runs_a_documented_command_on_the_data_there(module, argv, plan, tmp_path) -> None:
     """What acceptance does: a command as documented, plus --data-dir at an MNIST root."""
@@ -172,7 +175,8 @@ def test_data_dir_alone_runs_a_documented_command_on_the_data_there(module, argv
 
 
 @pytest.mark.parametrize("module, argv, names", [
-    ("sim.ablation", ("--scenario", "rotated-digits", "--out", "OUT"), ("'rotated-digits'", "offline", "holds mnist")),
+    ("sim.ablation", ("--scenario", "rotated", "--set", "data.dataset=digits", "--out", "OUT"),
+     ("'digits'", "offline", "holds mnist")),
     ("sim.rounds", ("--dataset", "synthetic"), ("'synthetic'", "offline", "holds mnist")),
     ("fedmq.cli", ("agent", "--id", "a1", "--dataset", "digits"), ("fedmq agent", "'digits'", "holds mnist")),
 ])
