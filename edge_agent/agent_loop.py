@@ -59,7 +59,7 @@ from edge_agent.protocol_client import (
 )
 from edge_agent.sources import DatasetSource, DataSource, DirectorySource, LocalBuffer
 from edge_agent.state import AgentState, PendingUpload
-from edge_agent.trainer import diverged, evaluate, train_cycle
+from edge_agent.trainer import agent_knobs, diverged, evaluate, train_cycle
 from fedmq import protocol
 from fedmq.algorithms import ASYNC_AGENT
 from fedmq.config import AgentSettings, Config
@@ -385,9 +385,7 @@ class DeviceAgent:
         acc_held, _ = evaluate(self.model_name, held, x, y)
         privacy = self.agent.privacy if self.agent is not None else None
         seed = self.cfg.seed + self.counters.get("cycles", 0)
-        knobs = dict(epochs=s.epochs, batch_size=s.batch_size, lr=s.lr, optimizer=s.optimizer,
-                     momentum=s.momentum, weight_decay=s.weight_decay, rho=s.rho, seed=seed,
-                     max_seconds=s.max_train_seconds or None,
+        knobs = dict(agent_knobs(s), seed=seed, max_seconds=s.max_train_seconds or None,
                      on_epoch=lambda _epoch, _loss: not self._stop.is_set())
         event(log, "train.started", agent=self.agent_id, trigger=trigger, samples=len(y), tau=self.state.tau)
         clusters = (self.agent.installed.clusters if self.kind.trains_from == "cluster_mixture" and self.agent is not None

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from edge_agent.agent_algorithms import agent_algorithm
+from fedmq.config import AgentSettings
 from fedmq.privacy import DpSgd, UplinkPrivacy
 from fedmq.training import (
     EVAL_BATCH,
@@ -98,6 +99,14 @@ def diverged(vector: torch.Tensor) -> bool:
     """Whether local training left NaN or Inf in the model: nothing a receiver could decode
     (the codecs refuse it), so the agent keeps the model it held and sends nothing."""
     return not bool(torch.isfinite(vector).all())
+
+
+def agent_knobs(settings: AgentSettings) -> dict[str, Any]:
+    """train_local's knobs from `[agent]`: one mapping for the device, the simulator and the
+    ablation, so a `--set agent.*` reaches every agent that trains."""
+    return dict(epochs=settings.epochs, batch_size=settings.batch_size, lr=settings.lr,
+                optimizer=settings.optimizer, momentum=settings.momentum, weight_decay=settings.weight_decay,
+                rho=settings.rho)
 
 
 def train_cycle(model_name: str, algorithm: str, held: torch.Tensor, clusters: Sequence[torch.Tensor] | None,

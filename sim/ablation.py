@@ -360,7 +360,7 @@ def run_variant(fleet: Fleet, variant: Variant, estimators: Sequence[str] = ()) 
     from aggregator.cdfl import estimator_options
     from aggregator.estimators import EstimationBatch, SketchEstimator, make_estimator
     from aggregator.strategy import Upload
-    from edge_agent.trainer import train_cycle
+    from edge_agent.trainer import agent_knobs, train_cycle
     from fedmq.training import evaluate
 
     spec, name = fleet.spec, fleet.model_name
@@ -411,8 +411,7 @@ def run_variant(fleet: Fleet, variant: Variant, estimators: Sequence[str] = ()) 
         cpu0 = time.thread_time()
         result, alpha_own = train_cycle(name, variant.method, held[a], held_clusters.get(a), x, y,
                                         privacy=privacy.get(a), dp_seed=dp_seed(spec.seed, a, c),
-                                        epochs=local.epochs, batch_size=local.batch_size, lr=local.lr,
-                                        momentum=local.momentum, rho=local.rho, seed=seed)
+                                        **agent_knobs(local), seed=seed)
         rows["compute"].append(time.thread_time() - cpu0)
         acc_trained = evaluate(name, result.vector, xt, yt)[0]
         rows["trained"].append(acc_trained)

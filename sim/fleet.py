@@ -70,6 +70,8 @@ class RunSpec:
     eval_every: int = 0
     """Events between cluster-accuracy checkpoints (0: about ten per run)."""
     local_epochs: int = 2
+    """The agents' local training (`agent.epochs`, `agent.lr`, `agent.rho`: `from_config`); the
+    other `agent.*` knobs come from the run's config."""
     local_lr: float = 0.01
     rho: float = 0.1
 
@@ -368,7 +370,7 @@ class CyclePlayer:
     def play(self, i: int, a: int, c: int, agent: Any, held: dict[int, torch.Tensor] | None) -> UpdateRecord:
         """`agent` is the EdgeAgent (None for Local, whose models live in `held`)."""
         from edge_agent.protocol_client import RESYNC_REASONS, AgentError
-        from edge_agent.trainer import diverged, train_cycle
+        from edge_agent.trainer import agent_knobs, diverged, train_cycle
         from fedmq.training import evaluate
 
         spec, model_name = self.spec, self.model_name
@@ -382,7 +384,8 @@ class CyclePlayer:
         result, alpha_own = train_cycle(
             model_name, spec.method, start, None if local else agent.installed.clusters, x, y,
             privacy=None if local else agent.privacy, dp_seed=dp_seed(spec.seed, a, c),
-            epochs=spec.local_epochs, lr=spec.local_lr, rho=spec.rho, seed=seed)
+            **{**agent_knobs(self.cfg.agent), "epochs": spec.local_epochs, "lr": spec.local_lr, "rho": spec.rho},
+            seed=seed)
         compute_s = time.thread_time() - cpu0
         acc_before = evaluate(model_name, result.vector, xt, yt)[0]
         bad = diverged(result.vector)
