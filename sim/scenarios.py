@@ -266,12 +266,20 @@ def describe_plan(scenario_name: str, cfg: Config, clusters: list[int]) -> str:
     so a `--dry-run` fails here, in seconds, on a missing dataset, an unknown scenario or
     server set sizes that do not fit, instead of an hour into an experiment.
     """
+    from fedmq.models import ZOO, resolve_model_name
+
     scenario = get_scenario(scenario_name)
     cfg = copy.deepcopy(cfg)
     apply_defaults(scenario, cfg)
+    model = cfg.model
+    if model in ZOO:  # a zoo model that does not fit the dataset is refused here, or built for it
+        built = resolve_model_name(model, cfg.data.dataset)
+        model += f" (built for {cfg.data.dataset}: {built})" if built != model else ""
+    elif model == "auto":
+        model += f" ({resolve_model_name(model, cfg.data.dataset)})"
     lines = [f"scenario {scenario.name}: {scenario.description}; dataset {cfg.data.dataset}"
              + ("" if canonical_dataset(cfg.data.dataset) in OFFLINE else f" from {cfg.data.data_dir}")
-             + f"; model {cfg.model}, pre-training {cfg.aggregator.pretrain_epochs or 'auto'} epochs at "
+             + f"; model {model}, pre-training {cfg.aggregator.pretrain_epochs or 'auto'} epochs at "
              f"{cfg.aggregator.pretrain_lr:g}"]
     for k in clusters:
         c = build_clusters(scenario, cfg, k)

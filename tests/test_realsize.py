@@ -110,7 +110,8 @@ def test_an_offline_scenario_runs_its_fleet_on_the_data_under_data_dir(tmp_path,
     assert "model torchvision:mobilenet_v3_small, pre-training 20 epochs at 0.01" in out
     assert "per cluster proxy 100, pretrain 750" in out and "K 4" in out
     code, out = plan("--scenario", "realsize-shapes")
-    assert code == 0 and "scenario realsize:" in out and "dataset mnist from" in out and "model resnet20-gn" in out
+    assert code == 0 and "scenario realsize:" in out and "dataset mnist from" in out
+    assert "model resnet20-gn (built for mnist: fedmq.models:ResNet20?in_channels=1&input=1x28x28" in out
     assert "scenario.data_dir" in out  # the swap is said, not silent
     code, out = plan("--scenario", "rotated-shapes")
     assert code == 0 and "scenario rotated-mnist:" in out, out
