@@ -15,8 +15,8 @@ A split run's parts (DIR/parts/, see sim/split.py) are merged into DIR/runs/ fir
 
     fedmq sim report DIR --with DIR-frozen
 
-adds another dir's runs as rows of their own, named by that dir (less DIR's name: `CDFL
-(frozen)`), paired by seed with DIR's first method: a control run with other `--set` values
+adds another dir's runs as rows of their own, named by that dir (less what its name shares
+with DIR's: `CDFL (frozen)`), paired by seed with DIR's first method: a control run with other `--set` values
 into its own dir is compared in the same tables as the run it controls.
 
 For a `fedmq sim rounds` dir (DIR/results.json) it writes sim.rounds' table (time to the
@@ -29,6 +29,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 from collections import defaultdict
 from itertools import pairwise
 from pathlib import Path
@@ -58,11 +59,13 @@ def load_runs(out: Path, variant: str = "") -> list[dict[str, Any]]:
 
 
 def variant_name(out: Path, other: Path) -> str:
-    """What `--with OTHER` calls its runs: OTHER's name less OUT's name and a separator
-    (results/x and results/x-frozen: frozen), else OTHER's whole name."""
+    """What `--with OTHER` calls its runs: OTHER's name less what it shares with OUT's, cut at a
+    separator (x and x-frozen: frozen; x-server-lr and x-fedsoft: fedsoft), else OTHER's name."""
     base, name = out.resolve().name, other.resolve().name
-    rest = name[len(base):].lstrip("-_.") if name.startswith(base) else ""
-    return rest or name
+    common = os.path.commonprefix([base, name])
+    if common != base:
+        common = common[:max(common.rfind(c) for c in "-_.") + 1]
+    return name[len(common):].lstrip("-_.") or name
 
 
 def load_with(out: Path, others: list[Path]) -> list[dict[str, Any]]:

@@ -83,6 +83,8 @@ def test_with_refuses_its_own_dir_a_dir_without_runs_and_two_of_one_name(tmp_pat
         write_run_files(tmp_path / other, "cdfl", 0, [0.7] * 10)
     assert variant_name(run, tmp_path / "fleet-frozen") == "frozen"
     assert variant_name(run, tmp_path / "other") == "other"
+    assert variant_name(tmp_path / "x-server-lr", tmp_path / "x-fedsoft") == "fedsoft"  # cut at a separator
+    assert variant_name(tmp_path / "x-one", tmp_path / "x-other") == "other"
     with pytest.raises(UsageError, match="own dir"):
         load_with(run, [run])
     with pytest.raises(FileNotFoundError, match="no runs under"):
