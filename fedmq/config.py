@@ -253,7 +253,7 @@ class CDFLSettings:
     update_power: float = 2.0
     """sharpen: the power applied to alpha before renormalizing. Must be > 0."""
     server_lr: float = 1.0
-    """delta rule: w_k += server_lr * alpha_k * s(d) * (v - base), the agent's own step added to each cluster in its share (beta0 is the pull rule's rate). Must be >= 0."""
+    """delta rule: w_k += server_lr * alpha_k * s(d) * (v - base), the agent's own step added to each cluster in its share (>= 0). From strong pre-trained clusters 0.25 kept them specialists: docs/results_realsize.md#a-smaller-server-step."""
     delta_hinge_a: float = 0.1
     """delta rule: staleness slope, s(d) = 1 / (a (d - hinge_b) + 1) past hinge_b (the pull rule's 10 would all but ignore a 20-agent fleet's uploads). Must be >= 0."""
     delta_tau0: int = 0
