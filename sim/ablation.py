@@ -61,7 +61,15 @@ from fedmq.host import describe_host
 from fedmq.logs import event, get_logger, setup_logging
 from fedmq.sketch import data_sketch
 from sim.figures import epsilon_figure
-from sim.fleet import RunSpec, agent_privacy, configure, dp_seed, kl_divergence, make_schedule
+from sim.fleet import (
+    RunSpec,
+    agent_privacy,
+    configure,
+    dp_seed,
+    kl_divergence,
+    local_training,
+    make_schedule,
+)
 from sim.scenarios import build_clusters, draw_cycle, resolve_scenario
 from sim.seeds import int_list, seed_list
 from sim.stats import paired_interval
@@ -171,11 +179,9 @@ class AblationSpec:
 
     def run_spec(self, method: str, cfg: Config | None = None) -> RunSpec:
         """The fleet runner's spec; local training (epochs, lr, rho) is the variant's `agent.*`."""
-        agent = (cfg or Config()).agent
         return RunSpec(scenario=self.scenario, method=method, clusters=self.clusters, agents=self.agents,
                        seed=self.seed, updates_per_agent=self.updates_per_agent,
-                       test_samples=self.test_samples, local_epochs=agent.epochs,
-                       local_lr=agent.lr, rho=agent.rho)
+                       test_samples=self.test_samples, **local_training((cfg or Config()).agent))
 
 
 @dataclass

@@ -146,11 +146,8 @@ def run(args: argparse.Namespace) -> int:
     from sim.report import write_report
 
     if args.sim_command == "report":
-        command = None
-        if args.with_dirs:  # the report then holds more than its dir's own runs: say what made it
-            command = " ".join(["fedmq sim report", shlex.quote(str(args.out)),
-                                *(f"--with {shlex.quote(str(d))}" for d in args.with_dirs)])
-        report, paths, text = write_report(args.out, command, args.with_dirs)
+        # with --with the report holds more than its dir's own runs: say what made it
+        report, paths, text = write_report(args.out, invoked_command() if args.with_dirs else None, args.with_dirs)
         print(text)
         print(f"report: {report}")
         for p in paths:
@@ -193,7 +190,7 @@ def run_part(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from sim.fleet import METHODS, RunSpec, fleet_name, make_schedule
+    from sim.fleet import METHODS, RunSpec, fleet_name, local_training, make_schedule
     from sim.scenarios import resolve_scenario
     from sim.split import run_agents_part, run_aggregator_part
 
@@ -211,7 +208,7 @@ def run_part(args: argparse.Namespace) -> int:
     fleet_defaults(args, scenario)
     spec = RunSpec(scenario=scenario.name, method=args.method, clusters=int(args.clusters), agents=args.agents,
                    seed=cfg.seed, updates_per_agent=args.updates_per_agent,
-                   workers=getattr(args, "workers", 1), test_samples=args.test_samples, **local_training(cfg))
+                   workers=getattr(args, "workers", 1), test_samples=args.test_samples, **local_training(cfg.agent))
     print(f"run {spec.label}: fleet {fleet_name(cfg.fleet, spec)} on {mask_secrets(cfg.broker.url)}", flush=True)
     if args.dry_run:
         from sim.scenarios import describe_plan
@@ -243,11 +240,6 @@ def run_part(args: argparse.Namespace) -> int:
     return 0
 
 
-def local_training(cfg: Config) -> dict[str, float]:
-    """RunSpec's local training from `[agent]`: `--set agent.lr=...` reaches the simulated agents."""
-    return {"local_epochs": cfg.agent.epochs, "local_lr": cfg.agent.lr, "rho": cfg.agent.rho}
-
-
 def invoked_command() -> str | None:
     """This process's `fedmq sim ...` command line, as a run records it, a broker password
     masked (None when not run so)."""
@@ -257,7 +249,7 @@ def invoked_command() -> str | None:
 
 
 def run_experiments(args: argparse.Namespace) -> int:
-    from sim.fleet import METHODS, RunSpec, make_schedule, run_fleet, write_run
+    from sim.fleet import METHODS, RunSpec, local_training, make_schedule, run_fleet, write_run
     from sim.report import write_report
     from sim.scenarios import resolve_scenario
 
@@ -278,7 +270,7 @@ def run_experiments(args: argparse.Namespace) -> int:
     clusters = int_list(args.clusters, "--clusters", minimum=1)
     specs = [RunSpec(scenario=scenario.name, method=m, clusters=k, agents=args.agents, seed=s,
                      updates_per_agent=args.updates_per_agent, workers=args.workers,
-                     test_samples=args.test_samples, **local_training(cfg))
+                     test_samples=args.test_samples, **local_training(cfg.agent))
              for k in clusters for s in seeds for m in methods]
     total = sum(len(make_schedule(sp.seed, sp.resolved_agents(), sp.updates_per_agent)) for sp in specs)
     if args.dry_run:

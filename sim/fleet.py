@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from fedmq.algorithms import ASYNC_SERVER
-from fedmq.config import Config
+from fedmq.config import AgentSettings, Config
 from fedmq.logs import event, get_logger
 from fedmq.privacy import UplinkPrivacy
 from fedmq.transport import NetworkLoop, use_network
@@ -70,7 +70,7 @@ class RunSpec:
     eval_every: int = 0
     """Events between cluster-accuracy checkpoints (0: about ten per run)."""
     local_epochs: int = 2
-    """The agents' local training (`agent.epochs`, `agent.lr`, `agent.rho`: `from_config`); the
+    """The agents' local training (`agent.epochs`, `agent.lr`, `agent.rho`: `local_training`); the
     other `agent.*` knobs come from the run's config."""
     local_lr: float = 0.01
     rho: float = 0.1
@@ -505,6 +505,12 @@ def play_events(dispatcher: _Dispatcher, player: CyclePlayer, agents: dict[int, 
         raise RuntimeError(f"{player.spec.label}: a cycle failed: {dispatcher.failed!r}") from dispatcher.failed
     records.sort(key=lambda r: r.event)
     return records, (t_first_unix[0] if t_first_unix else time.time())
+
+
+def local_training(agent: AgentSettings) -> dict[str, float]:
+    """RunSpec's local training from `[agent]`: `--set agent.lr=...` reaches the simulated agents
+    (`fedmq sim run` and the ablation's variants alike)."""
+    return {"local_epochs": agent.epochs, "local_lr": agent.lr, "rho": agent.rho}
 
 
 def run_fleet(spec: RunSpec, base: Config | None = None, *, broker_url: str | None = None,

@@ -226,15 +226,15 @@ def test_a_recorded_command_line_masks_the_broker_password(monkeypatch):
 def test_every_agent_knob_set_on_the_command_line_reaches_the_simulated_agents():
     """`fedmq sim run --set agent.lr=...` (and batch size, momentum, ...) train the simulated agents
     as they train a device; the run's spec records epochs, lr and rho."""
-    from sim.cli import local_training
+    from sim.fleet import local_training
 
     cfg = tiny_config()
     base = [(u.agent, u.cycle, u.acc_before) for u in run_fleet(tiny_spec("local"), cfg).updates]
     for key, value in (("lr", 0.003), ("batch_size", 8), ("momentum", 0.0)):
         changed = tiny_config()
         setattr(changed.agent, key, value)
-        spec = RunSpec(**{**tiny_spec("local").__dict__, **local_training(changed), "local_epochs": 1})
+        spec = RunSpec(**{**tiny_spec("local").__dict__, **local_training(changed.agent), "local_epochs": 1})
         got = [(u.agent, u.cycle, u.acc_before) for u in run_fleet(spec, changed).updates]
         assert got != base, key
     cfg.agent.lr, cfg.agent.rho = 0.003, 0.5
-    assert local_training(cfg) == {"local_epochs": 2, "local_lr": 0.003, "rho": 0.5}
+    assert local_training(cfg.agent) == {"local_epochs": 2, "local_lr": 0.003, "rho": 0.5}
