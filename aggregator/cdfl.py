@@ -172,7 +172,7 @@ class SoftClusters(Strategy):
                  update_rule: str = "alpha", update_power: float = 2.0, server_lr: float = 1.0,
                  delta_hinge_a: float = 0.1, delta_tau0: int = 0, staleness_cap: int = 1,
                  delta_moves_head: bool = True, trunk_share: float = 0.0,
-                 direction_guard: float = 0.0) -> None:
+                 direction_guard: float = 0.0, server_lr_ramp: int = 0) -> None:
         super().__init__()
         if update_rule not in UPDATE_RULES:
             raise ValueError(f"update_rule must be one of {', '.join(UPDATE_RULES)}, got {update_rule!r}")
@@ -184,10 +184,12 @@ class SoftClusters(Strategy):
         if tau0 < 0 or not 0.0 <= beta0 <= 1.0 or hinge_a < 0 or hinge_b < 0:
             raise ValueError(f"need tau0 >= 0, 0 <= beta0 <= 1, a, b >= 0; got tau0={tau0} "
                              f"beta0={beta0} a={hinge_a} b={hinge_b}")
-        if server_lr < 0 or delta_hinge_a < 0 or delta_tau0 < 0:
-            raise ValueError(f"need server_lr, delta_hinge_a, delta_tau0 >= 0; got {server_lr}, "
-                             f"{delta_hinge_a}, {delta_tau0}")
+        if server_lr < 0 or delta_hinge_a < 0 or delta_tau0 < 0 or server_lr_ramp < 0:
+            raise ValueError(f"need server_lr, delta_hinge_a, delta_tau0, server_lr_ramp >= 0; got {server_lr}, "
+                             f"{delta_hinge_a}, {delta_tau0}, {server_lr_ramp}")
         self.server_lr = float(server_lr)
+        self.server_lr_ramp = int(server_lr_ramp)
+        """delta rule: applied uploads over which the step grows linearly from server_lr to 1 (0 = none)."""
         self.delta_hinge_a = float(delta_hinge_a)
         self.delta_tau0 = int(delta_tau0)
         if not 0.0 <= trunk_share <= 1.0:
@@ -232,6 +234,15 @@ class SoftClusters(Strategy):
         """sum_k alpha_k w_k (float32)."""
         return alpha_mixture(self.clusters, alpha)
 
+    def delta_rate(self) -> float:
+        """The delta rule's step now: server_lr, ramped linearly to 1 over server_lr_ramp uploads.
+        From clusters pre-trained to be strong, the fleet's first steps mostly pull them apart; a
+        small step keeps them while the agents' steps are large, the full one learns later."""
+        if self.server_lr_ramp <= 0:
+            return self.server_lr
+        done = min(1.0, self.uploads_applied / self.server_lr_ramp)
+        return self.server_lr + (1.0 - self.server_lr) * done
+
     def _step(self, upload: Upload, vector: Tensor, alpha: list[float]) -> dict[str, Any]:
         """Steps 1 and 3 at t := t + 1; returns what happened for Reply.info."""
         self._see(upload.agent)
@@ -255,7 +266,7 @@ class SoftClusters(Strategy):
             self.counters["stale"] += 1
             info.update(stale=True, betas=[0.0] * self.k)
             return info
-        rate = self.server_lr if delta else self.beta0
+        rate = self.delta_rate() if delta else self.beta0
         weights = update_weights(alpha, self.update_rule, self.update_power)
         betas = [rate * a * s for a in weights]
         trunk_betas = betas
@@ -423,9 +434,11 @@ class CDFL(SoftClusters):
                  server_lr: float = 1.0, delta_hinge_a: float = 0.1, delta_tau0: int = 0,
                  staleness_cap: int = 1, reply_batch: int = 0, delta_moves_head: bool = True,
                  trunk_share: float = 0.0, refresh_all: bool = False, trunk_guard: bool = False,
-                 average: float = 0.0, reply_average: float = 0.0, direction_guard: float = 0.0) -> None:
+                 average: float = 0.0, reply_average: float = 0.0, direction_guard: float = 0.0,
+                 server_lr_ramp: int = 0) -> None:
         super().__init__(spec, clusters, tau0=tau0, beta0=beta0, hinge_a=hinge_a, hinge_b=hinge_b,
                          update_rule=update_rule, update_power=update_power, server_lr=server_lr,
+                         server_lr_ramp=server_lr_ramp,
                          delta_hinge_a=delta_hinge_a, delta_tau0=delta_tau0, staleness_cap=staleness_cap,
                          delta_moves_head=delta_moves_head, trunk_share=trunk_share,
                          direction_guard=direction_guard)
@@ -501,6 +514,7 @@ class CDFL(SoftClusters):
                    refresh_steps=refresh, refresh_lr=settings.cluster_refresh_lr,
                    refresh_all=settings.cluster_refresh_all,
                    reply_uses_upload=settings.reply_uses_upload, server_lr=settings.server_lr,
+                   server_lr_ramp=settings.server_lr_ramp,
                    delta_hinge_a=settings.delta_hinge_a, delta_tau0=settings.delta_tau0,
                    staleness_cap=settings.staleness_cap, reply_batch=settings.reply_batch,
                    delta_moves_head=settings.delta_moves_head,

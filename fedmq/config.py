@@ -254,6 +254,8 @@ class CDFLSettings:
     """sharpen: the power applied to alpha before renormalizing. Must be > 0."""
     server_lr: float = 1.0
     """delta rule: w_k += server_lr * alpha_k * s(d) * (v - base), the agent's own step added to each cluster in its share (>= 0). From strong pre-trained clusters 0.25 kept them specialists: docs/results_realsize.md#a-smaller-server-step."""
+    server_lr_ramp: int = 0
+    """delta rule: applied uploads over which the step grows linearly from server_lr to 1 (integer >= 0; 0 = it stays server_lr). A small step while the fleet's first steps are large, the full one later."""
     delta_hinge_a: float = 0.1
     """delta rule: staleness slope, s(d) = 1 / (a (d - hinge_b) + 1) past hinge_b (the pull rule's 10 would all but ignore a 20-agent fleet's uploads). Must be >= 0."""
     delta_tau0: int = 0
@@ -673,7 +675,7 @@ RANGES: dict[str, str] = {
     "cdfl.personalize_rho": ">= 0", "cdfl.personalize_mixture_guard": ">= 0", "cdfl.personalize_samples": ">= 0", "cdfl.reply_batch": ">= 0",
     "cdfl.personalize_head_above": ">= 0",
     "cdfl.personalize_kd_weight": "in [0, 1]", "cdfl.personalize_temperature": "> 0",
-    "cdfl.update_power": "> 0", "cdfl.server_lr": ">= 0", "cdfl.delta_hinge_a": ">= 0", "cdfl.delta_tau0": ">= 0",
+    "cdfl.update_power": "> 0", "cdfl.server_lr": ">= 0", "cdfl.server_lr_ramp": ">= 0", "cdfl.delta_hinge_a": ">= 0", "cdfl.delta_tau0": ">= 0",
     "cdfl.cluster_refresh_steps": ">= 0", "cdfl.cluster_refresh_lr": "> 0",
     "cdfl.direction_guard": ">= 0", "cdfl.cluster_average": "in [0, 1)", "cdfl.reply_average": "in [0, 1)",
     "catafed.groups": ">= 1", "catafed.per_group": ">= 1", "catafed.min_agents": ">= 0",

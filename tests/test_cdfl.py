@@ -359,3 +359,27 @@ def test_a_refresh_the_user_asked_for_on_batch_norm_is_refused_aloud(caplog) -> 
         assert s.refresh_steps == 0
         levels[steps] = [r.levelno for r in caplog.records if "cluster_refresh.off" in r.getMessage()]
     assert levels == {CDFLSettings.cluster_refresh_steps: [logging.INFO], 5: [logging.WARNING]}
+
+
+def test_server_lr_ramp_grows_the_delta_step_to_one_and_resumes_after_a_restart():
+    """cdfl.server_lr_ramp: after n applied uploads the delta step is server_lr + (1 - server_lr)
+    min(1, n / ramp); a restarted server goes on from its own count, not from server_lr."""
+    s = make_cdfl(2, personalization="mixture", update_rule="delta", server_lr=0.25, server_lr_ramp=4,
+                  direction_guard=0.0)
+    s.join("a")
+    steps = []
+    for t in range(1, 4):
+        base = s.mixture([0.5, 0.5])
+        before = s.clusters.clone()
+        step = 0.05 * (vector(t) - base)
+        r = s.apply(Upload("a", base + step, tau=t - 1, base=base), alpha=[1.0, 0.0])
+        torch.testing.assert_close(s.clusters[0], before[0] + r.info["betas"][0] * step)
+        steps.append(r.info["betas"][0] / r.info["s"])
+    assert steps == pytest.approx([0.25 + 0.75 * t / 4 for t in (1, 2, 3)])
+    b = restarted(s, server_lr=0.25, server_lr_ramp=4)
+    assert b.delta_rate() == pytest.approx(0.25 + 0.75 * 3 / 4)
+    b.uploads_applied = 9
+    assert b.delta_rate() == 1.0
+    assert make_cdfl(2, server_lr=0.25).delta_rate() == 0.25  # no ramp: the step stays server_lr
+    with pytest.raises(ValueError, match="server_lr_ramp"):
+        make_cdfl(2, server_lr_ramp=-1)
