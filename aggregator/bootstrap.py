@@ -123,9 +123,10 @@ def pretrain_clusters(cfg: Config, clusters: RotatedClusters, model_name: str) -
 
 def _pretrain_cache_name(cfg: Config, model_name: str, pools: list, init: torch.Tensor | None = None) -> str | None:
     """Pre-training is a pure function of these (on the CPU, at a given thread count); a
-    zoo model or a torchvision one (its version fixes the code: a MobileNetV3's pre-training
-    takes many minutes on 2 cores), not a factory's, whose code may change under the same
-    parameter shapes."""
+    zoo model, a factory in fedmq.models (the zoo's ResNet-20 built for MNIST) or a torchvision
+    one (its version fixes the code: a MobileNetV3's pre-training takes many minutes on 2
+    cores), not another factory, whose code may change under the same parameter shapes. The
+    spec hash covers a frozen backbone's weights, which its file may change under one path."""
     from fedmq import models, training
 
     code = [Path(m.__file__).read_bytes() for m in (models, training)] + [Path(__file__).read_bytes()]
@@ -134,15 +135,18 @@ def _pretrain_cache_name(cfg: Config, model_name: str, pools: list, init: torch.
         import torchvision
 
         code.append(f"torchvision {torchvision.__version__}".encode())
-    elif model_name not in models.ZOO:
+    elif model_name not in models.ZOO and (reference is None or not reference.source.startswith(f"{models.__name__}:")):
         return None
+    code.append(model_spec(model_name).hash.encode())
     data = [t.contiguous().numpy().tobytes() for p in pools for t in (p.x, p.y)]
     if init is not None:
         data.append(init.numpy().tobytes())
     made_by = disk_cache.digest(model_name, *code, torch.__version__, str(torch.get_num_threads()),
                                 str(cfg.seed), str(cfg.aggregator.pretrain_shared),
                                 str(cfg.aggregator.pretrain_epochs), str(cfg.aggregator.pretrain_lr), *data)
-    return f"{model_name}-k{len(pools)}-{made_by}.f32"
+    # The readable part without a backbone file's path (a '/' would make it a directory) and
+    # short enough for a file name; the digest carries the rest.
+    return f"{model_spec(model_name).public_name[:120]}-k{len(pools)}-{made_by}.f32"
 
 
 def _cached_pretraining(name: str, k: int, numel: int) -> list[torch.Tensor] | None:

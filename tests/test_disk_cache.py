@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from aggregator import bootstrap
-from fedmq import disk_cache
+from fedmq import disk_cache, models
 from fedmq.config import load_config
 from fedmq.data import clusters_from_settings
+from fedmq.models import model_spec
 from soak.fleet_setup import SMALL
 
 
@@ -98,3 +99,31 @@ def test_entries_round_trip_and_short_files_are_refused(cache) -> None:
     (cache / "onnx" / "b").write_bytes(b"fedmq")
     assert disk_cache.read("onnx", "b") is None
     assert disk_cache.read("onnx", "absent") is None
+
+
+def test_the_zoo_resnet_built_for_other_data_is_kept_and_another_factory_is_not(cache) -> None:
+    """A factory in fedmq.models is code the key covers (the zoo's ResNet-20 built for MNIST
+    pre-trains once); a user's factory may change under the same shapes, so it is never kept."""
+    cfg = load_config(None, SMALL)
+    pools = [clusters_from_settings(cfg.data, 2, seed=0).pretrain(k, 20) for k in range(2)]
+    ours = "fedmq.models:ResNet20?in_channels=1&input=1x8x8&num_classes=10"
+    name = bootstrap._pretrain_cache_name(cfg, ours, pools)
+    assert name is not None and name == bootstrap._pretrain_cache_name(cfg, ours, pools)
+    assert bootstrap._pretrain_cache_name(cfg, ours.replace("num_classes=10", "num_classes=9"), pools) != name
+    assert bootstrap._pretrain_cache_name(cfg, "tests.model_factories:tiny_mlp?input=1x8x8", pools) is None
+
+
+def test_a_frozen_backbone_file_rewritten_under_its_path_is_another_entry(cache, tmp_path, monkeypatch) -> None:
+    """The entry's name covers the backbone's weights, not only the path they were read from
+    (as an aggregator started again after the file changed sees them)."""
+    cfg = load_config(None, SMALL)
+    pools = [clusters_from_settings(cfg.data, 2, seed=0).pretrain(k, 20) for k in range(2)]
+    whole = "torchvision:mobilenet_v3_small?input=3x32x32&num_classes=10"
+    path = tmp_path / "backbone.f32"
+    torch.zeros(model_spec(whole).numel).numpy().tofile(path)
+    model = f"{whole}&train=head&backbone={path}"
+    first = bootstrap._pretrain_cache_name(cfg, model, pools)
+    torch.full((model_spec(whole).numel,), 0.01).numpy().tofile(path)
+    monkeypatch.setattr(models, "_SPEC_CACHE", {})  # a new process: specs are built once per process
+    second = bootstrap._pretrain_cache_name(cfg, model, pools)
+    assert second not in (None, first) and "/" not in first + second  # one file in the cache's folder
