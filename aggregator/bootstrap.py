@@ -48,6 +48,8 @@ from fedmq.models import (
 from fedmq.training import fit
 
 log = get_logger("aggregator")
+pretrain_log = get_logger("aggregator.pretrain")
+"""Pre-training progress: shown at the auto level by every process (fedmq.logs.LONG_WORK)."""
 
 
 def resolve_device(device: str) -> str:
@@ -90,7 +92,7 @@ class PretrainProgress:
         level = PROGRESS if now - self.last >= PROGRESS_EVERY_S else logging.INFO
         if level == PROGRESS:
             self.last = now
-        event(log, "pretrain.epoch", level=level, model=self.model, of_models=f"{self.index}/{self.models}",
+        event(pretrain_log, "pretrain.epoch", level=level, model=self.model, of_models=f"{self.index}/{self.models}",
               epoch=f"{epoch + 1}/{self.epochs}", loss=round(loss, 4), seconds=round(now - self.started, 1))
 
 

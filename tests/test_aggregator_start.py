@@ -42,3 +42,16 @@ def test_sigterm_during_pretraining_stops_the_aggregator_with_one_line(mosquitto
     assert "stopped during start-up; nothing was served" in aggregator.output
     assert "Traceback" not in aggregator.output
     assert "fleet=stop-early" not in aggregator.output  # never served
+
+
+def test_a_sim_run_shows_its_pretraining_at_the_default_level(tmp_path) -> None:
+    """`fedmq sim run` holds its many components to warnings, yet a real model's pre-training
+    runs for minutes before the first update: its progress is shown, not silence."""
+    # pretrain_epochs: far more than it trains before the line, so it is still pre-training then.
+    argv = [str(BIN / "fedmq"), "sim", "run", "--methods", "cdfl", "--seeds", "1", "--out", str(tmp_path / "o"),
+            "--set", "aggregator.pretrain_epochs=100000"]
+    with CliProcess(argv, cwd=tmp_path) as sim:
+        line = sim.wait_for(r"pretrain\.epoch", timeout=180)
+        sim.stop(signal.SIGTERM, timeout=120)
+    assert "progress" in line.string and "of_models=" in line.string
+    assert "Traceback" not in sim.output
