@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 
 def fsync_dir(folder: str | os.PathLike[str]) -> None:
@@ -23,7 +25,12 @@ def fsync_dir(folder: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def write_temp(folder: Path, name: str, blob: bytes, *, mode: int | None = None,
+Content = bytes | Callable[[BinaryIO], None]
+"""What a file is to hold: its bytes, or a writer that streams them into the open file (a
+state of hundreds of MB is then never also held as one more copy in memory)."""
+
+
+def write_temp(folder: Path, name: str, blob: Content, *, mode: int | None = None,
                gid: int | None = None) -> Path:
     """A fsynced temp file `.NAME.*.tmp` in `folder` holding `blob` (the caller renames it).
 
@@ -35,7 +42,10 @@ def write_temp(folder: Path, name: str, blob: bytes, *, mode: int | None = None,
         if gid is not None:
             os.fchown(fd, -1, gid)
         with os.fdopen(fd, "wb") as f:
-            f.write(blob)
+            if callable(blob):
+                blob(f)
+            else:
+                f.write(blob)
             f.flush()
             os.fsync(f.fileno())
     except BaseException:
@@ -45,7 +55,7 @@ def write_temp(folder: Path, name: str, blob: bytes, *, mode: int | None = None,
     return Path(tmp)
 
 
-def atomic_write(path: str | os.PathLike[str], blob: bytes, *, mode: int | None = None,
+def atomic_write(path: str | os.PathLike[str], blob: Content, *, mode: int | None = None,
                  gid: int | None = None) -> None:
     """Replace `path` with `blob` atomically and durably (creating parent dirs)."""
     path = Path(path)
