@@ -235,9 +235,9 @@ class SoftClusters(Strategy):
         return alpha_mixture(self.clusters, alpha)
 
     def delta_rate(self) -> float:
-        """The delta rule's step now: server_lr, ramped linearly to 1 over server_lr_ramp uploads.
-        From clusters pre-trained to be strong, the fleet's first steps mostly pull them apart; a
-        small step keeps them while the agents' steps are large, the full one learns later."""
+        """The delta rule's step now: server_lr, ramped linearly to 1 over server_lr_ramp uploads
+        (a warm-up: the fleet's first steps, the largest, taken small). From strong pre-trained
+        clusters the full step cost them whenever it came (docs/results_realsize.md)."""
         if self.server_lr_ramp <= 0:
             return self.server_lr
         done = min(1.0, self.uploads_applied / self.server_lr_ramp)
