@@ -99,6 +99,26 @@ def _name(method: str) -> str:
     return METHOD_NAMES.get(base, base) + method[len(base):]
 
 
+VARIANT_LINES = (("--", "s", "//"), (":", "^", ".."), ("-.", "D", "xx"), ((0, (5, 1, 1, 1)), "v", "--"),
+                 ((0, (1, 3)), "P", "++"), ((0, (8, 2)), "X", "oo"))
+"""Line style, marker and bar hatch of a method's `--with` rows, in order: its own row is solid
+with dots and plain bars, and each other dir's row of it looks different from the rest."""
+
+
+def row_styles(methods: list[str]) -> dict[str, tuple[Any, str, str | None]]:
+    """(linestyle, marker, hatch) per row, in the method's colour: CDFL and two `--with` dirs'
+    CDFL rows are three distinct lines, not three identical dashed ones."""
+    styles: dict[str, tuple[Any, str, str | None]] = {}
+    seen: dict[str, int] = defaultdict(int)
+    for m in methods:
+        if m == _base(m):
+            styles[m] = ("-", "o", None)
+        else:
+            styles[m] = VARIANT_LINES[seen[_base(m)] % len(VARIANT_LINES)]
+            seen[_base(m)] += 1
+    return styles
+
+
 def _group(runs: list[dict[str, Any]]) -> dict[tuple[str, str, int], list[dict[str, Any]]]:
     groups: dict[tuple[str, str, int], list[dict[str, Any]]] = defaultdict(list)
     for r in runs:
@@ -277,6 +297,7 @@ def figures(runs: list[dict[str, Any]], fig_dir: Path) -> list[Path]:
     for scenario in sorted({s for (s, _, _) in groups}):
         ks = sorted({k for (s, _, k) in groups if s == scenario})
         methods = _methods(groups, scenario)
+        styles = row_styles(methods)
         tag = scenario
 
         # Figure 3: client accuracy over time (binned by schedule position), mean over seeds.
@@ -294,8 +315,8 @@ def figures(runs: list[dict[str, Any]], fig_dir: Path) -> list[Path]:
                 if curves:
                     n = min(len(c) for c in curves)
                     y = np.mean([c[:n] for c in curves], axis=0)
-                    ax.plot(np.linspace(0, 1, n), y, marker="o", ms=3, label=_name(m),
-                            color=method_color(_base(m)), linestyle="--" if m != _base(m) else "-")
+                    ax.plot(np.linspace(0, 1, n), y, marker=styles[m][1], ms=3.5, label=_name(m),
+                            color=method_color(_base(m)), linestyle=styles[m][0])
             ax.set_title(f"K = {k}")
             ax.set_xlabel("fraction of the run's updates")
             ax.set_ylabel("client accuracy")
@@ -314,7 +335,7 @@ def figures(runs: list[dict[str, Any]], fig_dir: Path) -> list[Path]:
                 means = [np.mean([r["kl"] for r in groups.get((scenario, m, k), [])] or [np.nan]) for k in ks]
                 stds = [np.std([r["kl"] for r in groups.get((scenario, m, k), [])] or [np.nan]) for k in ks]
                 ax.bar(np.arange(len(ks)) + j * width, means, width, yerr=stds, label=_name(m),
-                       color=method_color(_base(m)), hatch="//" if m != _base(m) else None)
+                       color=method_color(_base(m)), hatch=styles[m][2], edgecolor="white")
             ax.set_xticks(np.arange(len(ks)) + width * (len(kl_methods) - 1) / 2, [f"K={k}" for k in ks])
             ax.set_ylabel("mean KL(true ‖ estimated)")
             figure_legend(fig, ax)
@@ -336,7 +357,7 @@ def figures(runs: list[dict[str, Any]], fig_dir: Path) -> list[Path]:
                         val = np.mean([r[key] for r in groups.get((scenario, m, k), [])] or [np.nan])
                         ratios.append(val / base if base else np.nan)
                     ax.bar(np.arange(len(ks)) + j * width, ratios, width, label=_name(m),
-                           color=method_color(_base(m)), hatch="//" if m != _base(m) else None)
+                           color=method_color(_base(m)), hatch=styles[m][2], edgecolor="white")
                 ax.axhline(1.0, color=method_color("cdfl"), lw=1.0, ls="--", label="CDFL (= 1)")
                 ax.set_xticks(np.arange(len(ks)) + width * (len(series) - 1) / 2, [f"K={k}" for k in ks])
                 ax.set_title(title)

@@ -14,7 +14,15 @@ from pathlib import Path
 import pytest
 
 from fedmq.errors import UsageError
-from sim.report import load_runs, load_with, stage_means, tables, variant_name, write_report
+from sim.report import (
+    load_runs,
+    load_with,
+    row_styles,
+    stage_means,
+    tables,
+    variant_name,
+    write_report,
+)
 
 
 def write_run_files(out: Path, method: str, seed: int, received: list[float]) -> None:
@@ -91,3 +99,16 @@ def test_with_refuses_its_own_dir_a_dir_without_runs_and_two_of_one_name(tmp_pat
         load_with(run, [tmp_path / "empty"])
     with pytest.raises(UsageError, match="both be named 'x'"):
         load_with(run, [tmp_path / "a/x", tmp_path / "b/x"])
+
+
+def test_each_with_dirs_row_of_a_method_is_drawn_its_own_way():
+    """Four CDFL rows from four dirs are four lines of CDFL's colour that a reader tells apart
+    (line, marker, bar hatch), and the run's own row stays the plain one."""
+    rows = ["cdfl", "cdfl (fedsoft)", "cdfl (half)", "cdfl (ramp)", "cdfl (seeded-frozen)", "fedsoft-async (fedsoft)",
+            "local"]
+    styles = row_styles(rows)
+    cdfl = [styles[m] for m in rows[:5]]
+    assert styles["cdfl"] == ("-", "o", None) == styles["local"]
+    for part in range(3):
+        assert len({repr(s[part]) for s in cdfl}) == 5
+    assert styles["fedsoft-async (fedsoft)"] == styles["cdfl (fedsoft)"]  # the first other dir of its method
