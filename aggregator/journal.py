@@ -145,9 +145,9 @@ def _stream_value(obj: Any, write: Callable[[bytes | memoryview], None], packer:
 
 def snapshot_writer(state: Any) -> Callable[[BinaryIO], None]:
     """Writes `snapshot_bytes(state)` into an open file without building it in memory: the
-    body streams out while it is hashed, then the digest goes into the header. A snapshot of a
-    real-size fleet's state (two bases per agent: 12 MB each for MobileNetV3-small) held 3-4
-    copies of it at once as bytes."""
+    body streams out while it is hashed, then the digest goes into the header. A real-size
+    fleet's state is hundreds of MB (two bases per agent: 12 MB for MobileNetV3-small), and
+    built as bytes first it takes 3-4 copies at once (`python -m bench snapshot`)."""
 
     def write_into(f: BinaryIO) -> None:
         digest = hashlib.sha256()
