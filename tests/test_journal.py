@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from aggregator.journal import (
+    JOURNAL_MAGIC,
     Journal,
     JournalCorrupt,
     JournalError,
@@ -61,6 +62,32 @@ def test_a_streamed_snapshot_is_the_same_file_and_never_holds_the_state_twice(tm
     assert read_peak < 1.5 * 40e6, read_peak
     assert all(torch.equal(back["strategy"]["bases"][a], v) for a, v in bases.items()) and back["strategy"]["half"].dtype == torch.float16
     assert back["agents"] == state["agents"] and back[3] == [None, 0.5, "x"]
+
+
+def test_records_stream_into_the_journal_as_framed_before_and_an_unwritable_one_writes_nothing(tmp_path) -> None:
+    """An upload's record (a real-size model's vector and reply: 12 MB for MobileNetV3-small) goes
+    to the file without being built as bytes, in the frames `_frame(dumps(...))` makes; a record
+    that cannot be serialized fails the append before any byte is written."""
+    records = [{"op": "update", "vector": torch.randn(2_500_000), "alpha": [0.5, 0.5]},  # 10 MB
+               {"op": "update", "vector": torch.randn(2_500_000), "sent": torch.randn(10), "note": None}]
+    j = Journal(tmp_path, fsync=False)
+    j.load()
+    j.snapshot({"t": 0})
+    tracemalloc.start()
+    try:
+        j.append(records)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4e6, peak  # framed as bytes first, the two records were 4 copies of 20 MB
+    log = tmp_path / "journal-1.log"
+    assert log.read_bytes() == JOURNAL_MAGIC + b"".join(_frame(dumps(r)) for r in records)
+    size = log.stat().st_size
+    with pytest.raises(TypeError):
+        j.append([{"op": "join", "agent": "a"}, {"op": "update", "vector": object()}])
+    assert log.stat().st_size == size
+    j.close()
+    assert [r["op"] for r in Journal(tmp_path).load()[1]] == ["update", "update"]
 
 
 def test_snapshot_then_records_replay_in_order(tmp_path) -> None:
