@@ -139,7 +139,8 @@ def _pretrain_cache_name(cfg: Config, model_name: str, pools: list, init: torch.
         code.append(f"torchvision {torchvision.__version__}".encode())
     elif model_name not in models.ZOO and (reference is None or not reference.source.startswith(f"{models.__name__}:")):
         return None
-    code.append(model_spec(model_name).hash.encode())
+    spec = model_spec(model_name)
+    code.append(spec.hash.encode())
     data = [t.contiguous().numpy().tobytes() for p in pools for t in (p.x, p.y)]
     if init is not None:
         data.append(init.numpy().tobytes())
@@ -148,7 +149,7 @@ def _pretrain_cache_name(cfg: Config, model_name: str, pools: list, init: torch.
                                 str(cfg.aggregator.pretrain_epochs), str(cfg.aggregator.pretrain_lr), *data)
     # The readable part without a backbone file's path (a '/' would make it a directory) and
     # short enough for a file name; the digest carries the rest.
-    return f"{model_spec(model_name).public_name[:120]}-k{len(pools)}-{made_by}.f32"
+    return f"{spec.public_name[:120]}-k{len(pools)}-{made_by}.f32"
 
 
 def _cached_pretraining(name: str, k: int, numel: int) -> list[torch.Tensor] | None:

@@ -91,6 +91,9 @@ def _tensor_from_map(obj: dict[str, Any]) -> Any:
 
 
 def dumps(obj: Any) -> bytes:
+    """The format's reference encoding: msgpack's own `packb` of the tree, each tensor a map of
+    dtype, shape and raw bytes. The journal writes these same bytes streamed (`_stream_value`),
+    never built whole; tests hold the two equal, and write damaged files with this one."""
     return msgpack.packb(_pack_value(obj), use_bin_type=True)
 
 

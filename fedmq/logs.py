@@ -88,8 +88,8 @@ def setup_logging(level: str = "auto", as_json: bool = False, *, auto: str = "wa
     agent or aggregator, `warning` (the default here) for anything that runs many in one process.
     """
     name = resolve_level(level, auto)
+    shown = (level or "auto").strip().lower() == "auto" and logging.getLevelName(name.upper()) > PROGRESS
     for quiet_work in LONG_WORK:  # at the auto level their progress shows in any process
-        shown = (level or "auto").strip().lower() == "auto" and logging.getLevelName(name.upper()) > PROGRESS
         logging.getLogger(quiet_work).setLevel(PROGRESS if shown else logging.NOTSET)
     root = logging.getLogger("fedmq")
     root.handlers.clear()
