@@ -209,6 +209,8 @@ class Engine:
         self.agents: dict[str, AgentRecord] = {}
         self.counters: Counter[str] = Counter()
         self.snapshot_every = max(1, cfg.aggregator.snapshot_every)
+        self.snapshot_journal_ratio = cfg.aggregator.snapshot_journal_ratio
+        self.snapshot_journal_min_bytes = cfg.aggregator.snapshot_journal_min_mb * 1e6
         cfg.codec.downlink_codec()  # an unknown downlink codec stops the start, not the first reply
         self.accepted_norms = FleetSteps(cfg.aggregator.norm_window, cfg.aggregator.norm_warmup)
         """||v - base|| of the latest applied updates: the fleet's scale for `norm_factor`."""
@@ -320,8 +322,13 @@ class Engine:
     def snapshot_if_due(self, force: bool = False) -> bool:
         if self.journal is None:
             return False
-        if force or self.journal.records_since_snapshot >= self.snapshot_every:
-            self.journal.snapshot(self.state_dict())
+        j = self.journal
+        # Records bound replay time; bytes bound the state dir when a record is large (a
+        # real-size model's upload and reply), the rule of Redis's auto-aof-rewrite.
+        grown = self.snapshot_journal_ratio > 0 and j.bytes_since_snapshot >= max(
+            self.snapshot_journal_ratio * j.snapshot_size, self.snapshot_journal_min_bytes)
+        if force or j.records_since_snapshot >= self.snapshot_every or grown:
+            j.snapshot(self.state_dict())
             return True
         return False
 

@@ -298,6 +298,10 @@ class Journal:
         self.accept_loss = accept_loss
         self.generation = 0
         self.records_since_snapshot = 0
+        self.bytes_since_snapshot = 0
+        """Journal bytes after the newest snapshot (with the magic), as on disk."""
+        self.snapshot_size = 0
+        """Bytes of the newest snapshot file (0 before the first)."""
         self.snapshot_file: Path | None = None
         """The snapshot the last `load` returned."""
         self.needs_snapshot = False
@@ -364,6 +368,9 @@ class Journal:
             self.snapshot_file = path
             self.generation = max([gen, *later])
             self.records_since_snapshot = len(records)
+            self.snapshot_size = path.stat().st_size
+            self.bytes_since_snapshot = sum(self._journal_path(g).stat().st_size for g in [gen, *later]
+                                            if self._journal_path(g).exists())
             return snapshot, records
         if problems:
             raise JournalCorrupt(f"no readable snapshot in state dir {self.dir} ({'; '.join(problems)}); "
@@ -419,6 +426,8 @@ class Journal:
                 self._file = open(path, "ab")  # noqa: SIM115 (kept open across appends)
                 if self._file.tell() == 0:
                     self._file.write(JOURNAL_MAGIC)
+                    self.bytes_since_snapshot += len(JOURNAL_MAGIC)
+            start = self._file.tell()
             packer = msgpack.Packer(use_bin_type=True)
             for head, rec in zip(heads, records, strict=True):
                 self._file.write(head)
@@ -426,10 +435,12 @@ class Journal:
             self._file.flush()
             if self.fsync:
                 os.fsync(self._file.fileno())
+            end = self._file.tell()
         except OSError as e:
             self._close_file()
             raise JournalError(e.errno, f"cannot append to journal in {self.dir}: {e.strerror or e}") from e
         self.records_since_snapshot += len(records)
+        self.bytes_since_snapshot += end - start
 
     def snapshot(self, state: Any) -> None:
         """Write `state` as generation N+1 and start its empty journal; drop older files."""
@@ -438,7 +449,8 @@ class Journal:
         self._close_file()
         old = self.generation
         self.generation = gen
-        self.records_since_snapshot = 0
+        self.records_since_snapshot = self.bytes_since_snapshot = 0
+        self.snapshot_size = self._snapshot_path(gen).stat().st_size
         for g in self._generations() + self._generations("journal-*.log"):
             if g < old:
                 self._snapshot_path(g).unlink(missing_ok=True)

@@ -464,6 +464,10 @@ class AggregatorSettings:
     """Epochs between refreshes of the per-cluster proxy accuracy metric (0 = after every batch that applied an upload). Must be >= 0."""
     snapshot_every: int = 200
     """Journal records between snapshots (a snapshot bounds replay time after a crash). Must be >= 1."""
+    snapshot_journal_ratio: float = 1.0
+    """Also snapshot when the journal since the last snapshot outgrows this multiple of that snapshot (and snapshot_journal_min_mb), so large records (12 MB an upload for MobileNetV3-small) keep the state dir near 4x the state. A multiple >= 0; 0 = records only. docs/reliability.md."""
+    snapshot_journal_min_mb: float = 64.0
+    """The journal size in MB below which snapshot_journal_ratio never snapshots, so a small state is not rewritten every few uploads. Must be >= 0."""
     norm_bound: float = 0.0
     """Longest step ||v - base|| applied as sent, in parameter-space L2 units (0 = off); a longer one is scaled down to it and applied (`bounded.norm_bound`). Must be >= 0."""
     norm_factor: float = 4.0
@@ -695,7 +699,8 @@ RANGES: dict[str, str] = {
     "aggregator.status_every_s": ">= 0", "aggregator.takeover_grace_s": ">= 0",
     "aggregator.max_queued_per_agent": ">= 0", "aggregator.pretrain_epochs": ">= 0",
     "aggregator.pretrain_lr": "> 0",
-    "aggregator.accuracy_every": ">= 0", "aggregator.snapshot_every": ">= 1", "aggregator.norm_bound": ">= 0",
+    "aggregator.accuracy_every": ">= 0", "aggregator.snapshot_every": ">= 1",
+    "aggregator.snapshot_journal_ratio": ">= 0", "aggregator.snapshot_journal_min_mb": ">= 0", "aggregator.norm_bound": ">= 0",
     "aggregator.norm_factor": ">= 0", "aggregator.loss_margin": ">= 0", "aggregator.norm_window": ">= 1",
     "aggregator.norm_warmup": ">= 0", "aggregator.reply_workers": ">= 0", "aggregator.worker_threads": ">= 0",
     "aggregator.worker_timeout_s": "> 0",

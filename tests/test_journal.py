@@ -329,3 +329,75 @@ def test_replay_reuses_the_journaled_reply_instead_of_training_it_again(tmp_path
     ra, rb = protocol.decode(a.last_reply, 1 << 24), protocol.decode(b.last_reply, 1 << 24)
     assert (ra.tensors, ra.alpha, ra.epoch, ra.in_reply_to) == (rb.tensors, rb.alpha, rb.epoch, rb.in_reply_to)
     assert all(torch.equal(x, y) for x, y in zip(live.strategy.clusters, restarted.strategy.clusters, strict=True))
+
+
+def test_the_journal_counts_its_bytes_as_they_lie_on_disk_across_restarts(tmp_path) -> None:
+    j = Journal(tmp_path)
+    j.load()
+    j.snapshot({"t": torch.zeros(1000)})
+    assert (j.bytes_since_snapshot, j.snapshot_size) == (0, (tmp_path / "snapshot-1.msgpack").stat().st_size)
+    j.append([{"i": 1, "v": torch.ones(500)}])
+    j.append([{"i": 2}, {"i": 3, "v": torch.ones(10)}])
+    on_disk = (tmp_path / "journal-1.log").stat().st_size
+    assert j.bytes_since_snapshot == on_disk > 2000
+    j.close()
+    again = Journal(tmp_path)
+    again.load()
+    assert (again.bytes_since_snapshot, again.snapshot_size) == (on_disk, j.snapshot_size)
+    again.snapshot({"t": 1})
+    assert again.bytes_since_snapshot == 0 and again.snapshot_size == (tmp_path / "snapshot-2.msgpack").stat().st_size
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.0])
+def test_a_journal_grown_to_the_snapshots_size_is_snapshotted_and_recovers_exactly(tmp_path, ratio) -> None:
+    """Large records (a real-size model's upload and reply) would otherwise fill the state dir
+    for snapshot_every uploads; at ratio 0 only the record count snapshots."""
+    from aggregator.bootstrap import build_engine
+    from aggregator.engine import Inbound
+    from fedmq import codecs, protocol
+    from fedmq.config import load_config
+    from fedmq.models import model_spec
+
+    spec = model_spec("digits-cnn")
+    state = tmp_path / "state"
+    # Speed only: small server sets. The 64 MB floor is lowered: a digits model's journal would
+    # need thousands of uploads to reach it (the ratio itself keeps its default, 1.0).
+    cfg = load_config(None, {"fleet": "j", "cdfl.clusters": 2, "data.dataset": "digits",
+                             "data.proxy_per_cluster": 100, "data.pretrain_per_cluster": 200,
+                             "aggregator.pretrain_epochs": 1, "device": "cpu",
+                             "aggregator.state_dir": str(state), "aggregator.snapshot_journal_min_mb": 0,
+                             **({} if ratio else {"aggregator.snapshot_journal_ratio": 0})})
+    assert cfg.aggregator.snapshot_every == 200  # the default: never reached below
+    live = build_engine(cfg)
+    live.recover()
+    join = protocol.Join(agent="car-1", msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
+                         model=spec.hash, algorithm="cdfl")
+    (reply,) = live.handle([Inbound("car-1", join)])
+    base = codecs.decode(reply.tensors[0])
+    rng = np.random.default_rng(0)
+    largest = record = seen = 0
+    for _ in range(12):
+        v = base + rng.normal(0, 0.01, spec.numel).astype(np.float32)
+        up = protocol.Update(agent="car-1", msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
+                             model=spec.hash, tau=reply.epoch, n_samples=100,
+                             tensor=codecs.encode(v, "int8", base=base))
+        (reply,) = live.handle([Inbound("car-1", up)])
+        base = codecs.decode(reply.tensors[0], base=base)
+        j = live.journal
+        record = max(record, j.bytes_since_snapshot - seen)
+        live.snapshot_if_due()
+        seen = j.bytes_since_snapshot
+        if ratio:
+            assert j.bytes_since_snapshot < j.snapshot_size  # else it would have snapshotted
+        largest = max(largest, sum(p.stat().st_size for p in state.iterdir()))
+    generations = live.journal.generation
+    live.journal.close()
+    if ratio:  # two generations kept (the older a fallback), each a snapshot and its journal
+        assert generations >= 3 and largest <= 4 * live.journal.snapshot_size + record
+    else:
+        assert generations == 1 and live.journal.bytes_since_snapshot > 2 * live.journal.snapshot_size
+    restarted = build_engine(cfg)
+    restarted.recover()
+    assert all(torch.equal(a, b) for a, b in zip(live.strategy.server_models(), restarted.strategy.server_models(),
+                                                  strict=True))
+    assert torch.equal(live.agents["car-1"].base, restarted.agents["car-1"].base)
