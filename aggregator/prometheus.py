@@ -112,6 +112,13 @@ class ServiceCollector(Collector):
                                 value=strategy.uploads_applied)
         yield GaugeMetricFamily(f"{PREFIX}_known_agents", "Agents the engine holds a record of.",
                                 value=len(engine.agents))
+        if engine.journal is not None:
+            disk = GaugeMetricFamily(f"{PREFIX}_state_bytes", "The state dir's newest snapshot and the "
+                                     "journal since it, in bytes (the dir holds about twice both).",
+                                     labels=["part"])
+            disk.add_metric(["snapshot"], engine.journal.snapshot_size)
+            disk.add_metric(["journal"], engine.journal.bytes_since_snapshot)
+            yield disk
         presence = dict(svc.presence)
         online = sum(1 for state in presence.values() if state == "online")
         yield GaugeMetricFamily(f"{PREFIX}_connected_agents", "Agents whose retained status says "

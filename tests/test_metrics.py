@@ -116,6 +116,10 @@ def test_scraped_counters_match_what_was_sent(mosquitto, pretrained, tmp_path) -
             wait_for(lambda: service.presence.get("car-2") == "offline")
 
             m = scrape(port)
+            # as the scrape saw them: stopping writes a final snapshot
+            snapshot = max(state.glob("snapshot-*.msgpack"), key=lambda f: int(f.stem.split("-")[1]))
+            on_disk = {"snapshot": snapshot.stat().st_size,
+                       "journal": (state / f"journal-{snapshot.stem.split('-')[1]}.log").stat().st_size}
         finally:
             for client in (agent, stranger):
                 if client is not None:
@@ -134,6 +138,8 @@ def test_scraped_counters_match_what_was_sent(mosquitto, pretrained, tmp_path) -
         'fedmq_aggregator_rejected_total{reason="wrong_shape"}': 2,
     }
     assert m["fedmq_aggregator_epoch"] == 2
+    assert m['fedmq_aggregator_state_bytes{part="snapshot"}'] == on_disk["snapshot"]
+    assert m['fedmq_aggregator_state_bytes{part="journal"}'] == on_disk["journal"] > 0
     assert m["fedmq_aggregator_connected_agents"] == 1
     assert m['fedmq_aggregator_agents{state="offline"}'] == 1
     # Replies: join + 2 models + the replayed one; errors: 2 wrong_shape + malformed + too_large + unknown_agent.
