@@ -302,6 +302,10 @@ class Journal:
         """Journal bytes after the newest snapshot (with the magic), as on disk."""
         self.snapshot_size = 0
         """Bytes of the newest snapshot file (0 before the first)."""
+        self.peak_bytes = 0
+        """The most bytes this dir's snapshots and journals took since this object was made,
+        measured after each append and while a new snapshot and the two generations before it
+        were all on disk."""
         self.snapshot_file: Path | None = None
         """The snapshot the last `load` returned."""
         self.needs_snapshot = False
@@ -441,11 +445,13 @@ class Journal:
             raise JournalError(e.errno, f"cannot append to journal in {self.dir}: {e.strerror or e}") from e
         self.records_since_snapshot += len(records)
         self.bytes_since_snapshot += end - start
+        self._measure()
 
     def snapshot(self, state: Any) -> None:
         """Write `state` as generation N+1 and start its empty journal; drop older files."""
         gen = self.generation + 1
         atomic_write(self._snapshot_path(gen), snapshot_writer(state))
+        self._measure()
         self._close_file()
         old = self.generation
         self.generation = gen
@@ -456,6 +462,10 @@ class Journal:
                 self._snapshot_path(g).unlink(missing_ok=True)
                 self._journal_path(g).unlink(missing_ok=True)
         # Keep generation `old` one more round: a fallback if the new snapshot is unreadable.
+
+    def _measure(self) -> None:
+        files = [*self.dir.glob("snapshot-*.msgpack"), *self.dir.glob("journal-*.log")]
+        self.peak_bytes = max(self.peak_bytes, sum(p.stat().st_size for p in files if p.exists()))
 
     def _close_file(self) -> None:
         if self._file is not None:

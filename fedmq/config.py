@@ -465,7 +465,7 @@ class AggregatorSettings:
     snapshot_every: int = 200
     """Journal records between snapshots (a snapshot bounds replay time after a crash). Must be >= 1."""
     snapshot_journal_ratio: float = 1.0
-    """Also snapshot when the journal since the last snapshot outgrows this multiple of that snapshot (and snapshot_journal_min_mb), so large records (12 MB an upload for MobileNetV3-small) keep the state dir near 4x the state. A multiple >= 0; 0 = records only. docs/reliability.md."""
+    """Also snapshot when the journal since the last snapshot outgrows this multiple of that snapshot (and snapshot_journal_min_mb), so large records (12 MB an upload for MobileNetV3-small) keep the state dir within about 5x the state. A multiple >= 0; 0 = records only. docs/reliability.md."""
     snapshot_journal_min_mb: float = 64.0
     """The journal size in MB below which snapshot_journal_ratio never snapshots, so a small state is not rewritten every few uploads. Must be >= 0."""
     norm_bound: float = 0.0

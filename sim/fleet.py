@@ -580,12 +580,14 @@ def run_fleet(spec: RunSpec, base: Config | None = None, *, broker_url: str | No
 
 def aggregator_info(engine: Any, busy: dict[str, float]) -> dict[str, Any]:
     """The aggregator's counters (the engine's and its strategy's: stale uploads, the cluster
-    refresh's halved and skipped steps) and busy time, as summary.json holds them."""
+    refresh's halved and skipped steps), busy time and its state dir's largest size, as
+    summary.json holds them."""
     return {"aggregator_counters": {k: int(v) for k, v in engine.counters.items()},
             "strategy_counters": {k: int(v) for k, v in sorted(engine.strategy.counters.items())},
             "stale_updates": int(engine.strategy.counters.get("stale", 0)),
             "aggregator_busy_s": round(busy["seconds"], 4),
-            "aggregator_batches": busy["batches"]}
+            "aggregator_batches": busy["batches"],
+            **({"state_dir_peak_bytes": engine.journal.peak_bytes} if engine.journal is not None else {})}
 
 
 def _time_engine(engine: Any, busy: dict[str, float],

@@ -344,7 +344,8 @@ def merge_run(part_root: Path, out: Path) -> Path:
     if agg is not None:
         cluster_acc = agg["cluster_acc"]
         info.update({k: agg[k] for k in ("aggregator_counters", "strategy_counters", "stale_updates",
-                                         "aggregator_busy_s", "aggregator_batches")})
+                                         "aggregator_busy_s", "aggregator_batches", "state_dir_peak_bytes")
+                     if k in agg})
         info["aggregator_complete"] = agg["complete"]
     elif not local:
         info["aggregator"] = "external (no aggregator part: no cluster accuracy or counters)"

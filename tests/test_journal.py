@@ -392,8 +392,11 @@ def test_a_journal_grown_to_the_snapshots_size_is_snapshotted_and_recovers_exact
         largest = max(largest, sum(p.stat().st_size for p in state.iterdir()))
     generations = live.journal.generation
     live.journal.close()
-    if ratio:  # two generations kept (the older a fallback), each a snapshot and its journal
-        assert generations >= 3 and largest <= 4 * live.journal.snapshot_size + record
+    peak = live.journal.peak_bytes
+    assert peak >= largest  # it measures while a snapshot is written, as well as after appends
+    if ratio:  # two generations kept (the older a fallback), each a snapshot and its journal,
+        # and a third snapshot while it is written
+        assert generations >= 3 and peak <= 5 * live.journal.snapshot_size + 2 * record
     else:
         assert generations == 1 and live.journal.bytes_since_snapshot > 2 * live.journal.snapshot_size
     restarted = build_engine(cfg)

@@ -101,6 +101,7 @@ def test_tiny_fleet_end_to_end_over_mosquitto(mosquitto, tmp_path):
     # the server applied every upload once, and each epoch was handed out once
     assert cdfl.info["aggregator_counters"]["applied.update"] == len(schedule)
     assert cdfl.info["strategy_counters"]["applied"] == len(schedule) - cdfl.info["stale_updates"]
+    assert cdfl.info["state_dir_peak_bytes"] > 0  # the aggregator journaled to its state dir
     assert sorted(u.epoch for u in cdfl.updates) == list(range(1, len(schedule) + 1))
     # FedSoft-Async downloads all K = 2 models: about twice CDFL's one
     ratio = fedsoft.summary()["bytes_down_per_update"] / cdfl.summary()["bytes_down_per_update"]

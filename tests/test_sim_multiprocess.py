@@ -77,6 +77,7 @@ def test_aggregator_and_two_agent_processes_merge_into_one_run(mosquitto, tmp_pa
     assert summary["aggregator_counters"]["applied.update"] == len(schedule)
     assert summary["aggregator_counters"]["applied.join"] == 4
     assert summary["strategy_counters"]["joins"] == 4
+    assert summary["state_dir_peak_bytes"] > 0  # carried from the aggregator's process
     assert summary["split"] is True and summary["agent_processes"] == 2 and summary["aggregator_complete"]
     # each process's command line, by part: what a control run differs by is on record
     assert sorted(summary["commands"]) == ["agents-00000-00001", "agents-00002-00003", "aggregator"]
