@@ -114,7 +114,8 @@ class ServiceCollector(Collector):
                                 value=len(engine.agents))
         if engine.journal is not None:
             disk = GaugeMetricFamily(f"{PREFIX}_state_bytes", "The state dir's newest snapshot and the "
-                                     "journal since it, in bytes (the dir holds about twice both).",
+                                     "journal since it, in bytes (the dir also keeps the generation before, and a third "
+                                     "snapshot while one is written).",
                                      labels=["part"])
             disk.add_metric(["snapshot"], engine.journal.snapshot_size)
             disk.add_metric(["journal"], engine.journal.bytes_since_snapshot)
