@@ -428,10 +428,9 @@ class Journal:
             if self._file is None:
                 path = self._journal_path(self.generation)
                 self._file = open(path, "ab")  # noqa: SIM115 (kept open across appends)
-                if self._file.tell() == 0:
-                    self._file.write(JOURNAL_MAGIC)
-                    self.bytes_since_snapshot += len(JOURNAL_MAGIC)
             start = self._file.tell()
+            if start == 0:
+                self._file.write(JOURNAL_MAGIC)
             packer = msgpack.Packer(use_bin_type=True)
             for head, rec in zip(heads, records, strict=True):
                 self._file.write(head)
