@@ -374,6 +374,22 @@ def resolve_reply_batch(requested: int, device: torch.device) -> int:
     return GPU_REPLY_BATCH if device.type == "cuda" else 1
 
 
+def share_groups(alphas: Sequence[Sequence[float]], tolerance: float) -> list[list[int]]:
+    """Indices of queued uploads grouped so that within a group every two alphas differ by at
+    most `tolerance` in every coordinate (complete linkage; greedy, in queue order). The mean
+    of a group then lies within `tolerance` of each member (the max-norm ball is convex)."""
+    groups: list[list[int]] = []
+    for i, a in enumerate(alphas):
+        for members in groups:
+            if all(max(abs(float(x) - float(y)) for x, y in zip(a, alphas[j], strict=True)) <= tolerance
+                   for j in members):
+                members.append(i)
+                break
+        else:
+            groups.append([i])
+    return groups
+
+
 def estimator_options(settings: CDFLSettings, name: str) -> dict[str, Any]:
     """The options cdfl.* give estimator `name` (the variant's own, or sim.ablation's extras)."""
     options = {"normalize": settings.metrics_normalize, "at": settings.direction_at,
@@ -435,7 +451,7 @@ class CDFL(SoftClusters):
                  staleness_cap: int = 1, reply_batch: int = 0, delta_moves_head: bool = True,
                  trunk_share: float = 0.0, refresh_all: bool = False, trunk_guard: bool = False,
                  average: float = 0.0, reply_average: float = 0.0, direction_guard: float = 0.0,
-                 server_lr_ramp: int = 0) -> None:
+                 server_lr_ramp: int = 0, reply_share: float = 0.0) -> None:
         super().__init__(spec, clusters, tau0=tau0, beta0=beta0, hinge_a=hinge_a, hinge_b=hinge_b,
                          update_rule=update_rule, update_power=update_power, server_lr=server_lr,
                          server_lr_ramp=server_lr_ramp,
@@ -482,6 +498,14 @@ class CDFL(SoftClusters):
             self.estimator = make_estimator(estimator, **options)
         self.personalizer = (personalization if isinstance(personalization, Personalizer)
                              else make_personalizer(personalization, evaluator, **(personalize_options or {})))
+        if not 0.0 <= reply_share <= 1.0:
+            raise ValueError(f"cdfl.reply_share must be in [0, 1], got {reply_share}")
+        if reply_share > 0 and self.reply_uses_upload and self.personalizer.reads_upload():
+            raise ValueError("cdfl.reply_share shares replies that do not read the upload: it needs "
+                             "cdfl.personalize_start = mixture or dominant (or cdfl.reply_uses_upload = false)")
+        self.reply_share = float(reply_share)
+        """cdfl.reply_share: the largest alpha difference within a group of queued uploads that
+        take one reply (0 = every upload its own)."""
         self.seed = int(seed)
         self.last_sent: dict[str, Tensor] = {}
         """Agent -> the personalized vector it was last sent (u_m), kept only when the
@@ -520,7 +544,8 @@ class CDFL(SoftClusters):
                    delta_moves_head=settings.delta_moves_head,
                    trunk_share=resolve_trunk_share(settings.trunk_share, len(clusters)),
                    trunk_guard=settings.trunk_guard, average=settings.cluster_average,
-                   reply_average=settings.reply_average, direction_guard=settings.direction_guard, **kwargs)
+                   reply_average=settings.reply_average, direction_guard=settings.direction_guard,
+                   reply_share=settings.reply_share, **kwargs)
 
     def _guards_trunk(self) -> bool:
         return self.trunk_guard
@@ -537,8 +562,9 @@ class CDFL(SoftClusters):
     @property
     def reply_is_trained(self) -> bool:
         """Whether a reply costs a training (then the journal keeps the reply vector, so that
-        replay after a crash does not train every reply again)."""
-        return self.personalizer.name != "mixture"
+        replay after a crash does not train every reply again), or is shared (replay, one upload
+        at a time, could not make it again)."""
+        return self.personalizer.name != "mixture" or self.reply_share > 0
 
     def _step(self, upload: Upload, vector: Tensor, alpha: list[float]) -> dict[str, Any]:
         """Steps 1 and 3, then the proxy refresh of every cluster with a share of the upload."""
@@ -632,6 +658,8 @@ class CDFL(SoftClusters):
         t0 = time.perf_counter()
         estimates = self.estimate_many(uploads, vectors)
         seconds = time.perf_counter() - t0
+        if self.reply_share > 0 and len(uploads) > 1:
+            return self._shared_replies(uploads, vectors, estimates, seconds)
         # Reply workers (aggregator/reply_pool.py) take every reply of the batch at once.
         fan_out = getattr(self.personalizer, "fan_out", False)
         together = ((self.reply_batch > 1 or fan_out) and len(uploads) > 1
@@ -659,15 +687,61 @@ class CDFL(SoftClusters):
                 replies.append(self._reply(agent, alpha, info, u, epoch))
         return replies
 
-    def apply(self, upload: Upload, alpha: list[float] | None = None, sent: Tensor | None = None) -> Reply:
+    def _shared_replies(self, uploads: list[Upload], vectors: Tensor,
+                        estimates: list[tuple[list[float], dict[str, Any]]], seconds: float) -> list[Reply]:
+        """cdfl.reply_share: apply every upload of the batch, then train one reply per group of
+        close alphas, for the group's mean alpha, from the clusters after the whole batch.
+
+        A reply that does not read the upload depends on it only through alpha and the clusters
+        it moved; a group's reply sees every upload of the batch, so it is at least as fresh as
+        each member's own would have been. Each member's alpha is within the tolerance of the
+        mean it was trained for (the groups are complete-linkage in the max norm)."""
+        done: list[tuple[str, list[float], dict[str, Any], int]] = []
+        for upload, vector, (alpha, diag) in zip(uploads, vectors, estimates, strict=True):
+            info = self._step(upload, vector, alpha)
+            info.update(estimator=self.estimator.name, estimate=diag, batch=len(uploads),
+                        estimate_seconds=seconds)
+            done.append((upload.agent, alpha, info, self.uploads_applied))
+        groups = share_groups([d[1] for d in done], self.reply_share)
+        # Seeded by the group's last upload, as an unshared reply is by its own.
+        requests = [PersonalizeRequest(self.replied_from(),
+                                       [sum(done[i][1][k] for i in members) / len(members) for k in range(self.k)],
+                                       None, seed=self.seed * 1_000_003 + done[members[-1]][3])
+                    for members in groups]
+        fan_out = getattr(self.personalizer, "fan_out", False)
+        size = len(requests) if fan_out else self.reply_batch
+        if size > 1 and self.personalizer.trains_together():
+            made = [m for i in range(0, len(requests), size)
+                    for m in self.personalizer.personalize_many(requests[i:i + size])]
+        else:
+            made = [self.personalizer.personalize(r) for r in requests]
+        replies: list[Reply | None] = [None] * len(done)
+        for members, (u, diag) in zip(groups, made, strict=True):
+            self.counters["replies_shared"] += len(members) - 1
+            for i in members:
+                agent, alpha, info, _ = done[i]
+                info.update(shared=len(members), replied_at=self.uploads_applied)
+                self._made(info, diag)
+                replies[i] = self._reply(agent, alpha, info, u.clone(), self.uploads_applied)
+        return [r for r in replies if r is not None]
+
+    def apply(self, upload: Upload, alpha: list[float] | None = None, sent: Tensor | None = None,
+              replied_at: int | None = None) -> Reply:
+        """One upload with a given alpha (journal replay); `replied_at` is the version a shared
+        reply was made at (cdfl.reply_share: after its whole batch), so replay restores it."""
         if alpha is None:
             return self.update_many([upload])[0]
         alpha = check_alpha(alpha, self.k)
         vector = check_vector(upload.vector, self.spec.numel, f"upload from {upload.agent}")
         if sent is not None:  # checked before any change
             sent = check_vector(sent, self.spec.numel, f"journaled reply to {upload.agent}")
+        if replied_at is not None and sent is None:
+            raise ValueError(f"a shared reply to {upload.agent} (replied_at {replied_at}) needs its journaled vector")
         info = self._step(upload, vector, alpha)
         info.update(estimator="given")
+        if replied_at is not None:
+            info.update(personalization="journal", replied_at=int(replied_at))
+            return self._reply(upload.agent, alpha, info, sent, int(replied_at))
         return self._personalized(upload.agent, alpha, info, vector, sent=sent)
 
     def _kept_average(self, d: dict[str, Any], key: str) -> Tensor:

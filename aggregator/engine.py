@@ -288,7 +288,8 @@ class Engine:
                             noised=rec.get("noised", False),
                             sketch=None if sketch_bytes is None else
                             np.frombuffer(sketch_bytes, dtype="<f2").astype(np.float32))
-            reply = self.strategy.apply(upload, rec.get("alpha"), sent=rec.get("sent"))
+            shared = {"replied_at": rec["replied_at"]} if "replied_at" in rec else {}  # cdfl.reply_share
+            reply = self.strategy.apply(upload, rec.get("alpha"), sent=rec.get("sent"), **shared)
             if rec.get("dist") is not None:
                 self.accepted_norms.add(agent, rec["dist"])
             if known is not None:
@@ -399,7 +400,8 @@ class Engine:
                                 **({"bounded": step.bounded_by} if step is not None and step.bounded_by else {}),
                                 **({"trust": reply.info["trust"]} if "trust" in reply.info else {}),
                                 "sketch": env.sketch, "noised": env.noised,
-                                **({"sent": reply.vectors[0]} if keep_sent and len(reply.vectors) == 1 else {})})
+                                **({"sent": reply.vectors[0]} if keep_sent and len(reply.vectors) == 1 else {}),
+                                **({"replied_at": reply.epoch} if "replied_at" in reply.info else {})})
                 info = reply.info
                 applied.append({"agent": env.agent, "epoch": reply.epoch, "tau": env.tau,
                                 "staleness": info.get("staleness"), "stale": bool(info.get("stale")),

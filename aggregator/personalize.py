@@ -83,6 +83,11 @@ class Personalizer(ABC):
         """Whether personalize_many trains several replies in one batched pass."""
         return False
 
+    def reads_upload(self) -> bool:
+        """Whether a reply depends on the agent's upload; if not, it depends on the clusters
+        and alpha alone, and queued uploads with close alphas can share it (cdfl.reply_share)."""
+        return True
+
     def fix_start(self, request: PersonalizeRequest) -> None:
         """Record in `request` what the reply takes from the clusters now (before they move on);
         only personalizers that train together need it."""
@@ -112,6 +117,9 @@ class MixturePersonalizer(Personalizer):
 
     def personalize(self, request: PersonalizeRequest) -> tuple[Tensor, dict[str, Any]]:
         return alpha_mixture(request.clusters, request.alpha), {}
+
+    def reads_upload(self) -> bool:
+        return False
 
 
 class UploadPersonalizer(Personalizer):
@@ -309,6 +317,9 @@ class DistillPersonalizer(Personalizer):
 
     def fix_start(self, request: PersonalizeRequest) -> None:
         request.start, request.start_info = self.start_vector(request)
+
+    def reads_upload(self) -> bool:
+        return self.start in ("upload", "blend")
 
     def trains_together(self) -> bool:
         # Teachers read the clusters, which later uploads of a batch have moved by then.

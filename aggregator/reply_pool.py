@@ -207,6 +207,9 @@ class ReplyPool(Personalizer):
     def fix_start(self, request: PersonalizeRequest) -> None:
         self.local.fix_start(request)
 
+    def reads_upload(self) -> bool:
+        return self.local.reads_upload()
+
     def personalize(self, request: PersonalizeRequest) -> tuple[Tensor, dict[str, Any]]:
         return self.personalize_many([request])[0]
 

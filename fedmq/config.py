@@ -244,6 +244,8 @@ class CDFLSettings:
     """personalize_layers = auto: models with more parameters than this train the head alone (integer >= 0). docs/results_realsize.md."""
     reply_batch: int = 0
     """finetune: queued uploads whose replies train together as one vmapped batch (integer >= 0; 0 = 8 on a GPU, 1 on a CPU; 1 = one at a time). Same replies up to float rounding. docs/results_cdfl.md#cost, `python -m bench replies`."""
+    reply_share: float = 0.0
+    """finetune/distill from the mixture: queued uploads whose alphas differ by at most this (largest coordinate, in [0, 1]; 0 = off) take one reply, trained once for their mean alpha from the clusters after the last of them. docs/results_realsize.md#shared-replies."""
     personalize_kd_weight: float = 0.5
     """distill: weight of the specialist teachers' tempered softmax against the true labels. Must be in [0, 1]."""
     personalize_temperature: float = 2.0
@@ -676,7 +678,7 @@ RANGES: dict[str, str] = {
     "cdfl.eval_workers": ">= 0", "cdfl.eval_chunk": ">= 0",
     "cdfl.personalize_epochs": ">= 0", "cdfl.personalize_lr": "> 0", "cdfl.personalize_batch_size": ">= 1",
     "cdfl.personalize_min_steps": ">= 0", "cdfl.personalize_tail_average": "in [0, 1]",
-    "cdfl.personalize_rho": ">= 0", "cdfl.personalize_mixture_guard": ">= 0", "cdfl.personalize_samples": ">= 0", "cdfl.reply_batch": ">= 0",
+    "cdfl.personalize_rho": ">= 0", "cdfl.personalize_mixture_guard": ">= 0", "cdfl.personalize_samples": ">= 0", "cdfl.reply_batch": ">= 0", "cdfl.reply_share": "in [0, 1]",
     "cdfl.personalize_head_above": ">= 0",
     "cdfl.personalize_kd_weight": "in [0, 1]", "cdfl.personalize_temperature": "> 0",
     "cdfl.update_power": "> 0", "cdfl.server_lr": ">= 0", "cdfl.server_lr_ramp": ">= 0", "cdfl.delta_hinge_a": ">= 0", "cdfl.delta_tau0": ">= 0",
