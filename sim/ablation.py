@@ -176,6 +176,9 @@ class AblationSpec:
     agents: int = 0
     updates_per_agent: float = 3.0
     test_samples: int = 300
+    queue: int = 1
+    """Uploads the strategy takes at once (`update_many`), as a loaded aggregator finds them
+    queued: their agents train side by side from what they held before the batch."""
 
     def run_spec(self, method: str, cfg: Config | None = None) -> RunSpec:
         """The fleet runner's spec; local training (epochs, lr, rho) is the variant's `agent.*`."""
@@ -212,6 +215,8 @@ class VariantResult:
     refused: dict[str, int] = field(default_factory=dict)
     """--wire: uploads the aggregator refused, by reason (each a cycle in which the agent kept
     its model); in-process the strategy is driven directly and refuses none."""
+    replies_shared: float = 0.0
+    """Share of uploads answered by a reply trained for a group of them (cdfl.reply_share)."""
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -358,6 +363,31 @@ def _central_personal(fleet: Fleet, variant: Variant, a: AgentSettings, start: t
     return _ceiling_result(fleet, variant, _mean(accs), cluster)
 
 
+def queued_batches(schedule: Sequence[tuple[int, int]], queue: int) -> list[list[tuple[int, int]]]:
+    """The schedule as batches of `queue` events of distinct agents: each batch takes the earliest
+    events whose agents are not in it yet (an agent waits for its reply before its next cycle, so
+    it is queued once at most); the events passed over keep their order for the next batches."""
+    if queue < 1:
+        raise ValueError(f"--queue: need at least 1 upload at a time, got {queue}")
+    if queue == 1:
+        return [[e] for e in schedule]
+    left = list(schedule)
+    batches: list[list[tuple[int, int]]] = []
+    while left:
+        batch: list[tuple[int, int]] = []
+        agents: set[int] = set()
+        rest: list[tuple[int, int]] = []
+        for a, c in left:
+            if len(batch) < queue and a not in agents:
+                batch.append((a, c))
+                agents.add(a)
+            else:
+                rest.append((a, c))
+        batches.append(batch)
+        left = rest
+    return batches
+
+
 def run_variant(fleet: Fleet, variant: Variant, estimators: Sequence[str] = ()) -> VariantResult:
     """Replay the fleet's schedule with one variant, in-process."""
     if variant.method in CEILINGS:
@@ -409,7 +439,9 @@ def run_variant(fleet: Fleet, variant: Variant, estimators: Sequence[str] = ()) 
         tau[a] = reply.epoch
     rows: dict[str, list[float]] = {k: [] for k in ("held", "trained", "received", "kl", "models", "compute", "agg")}
     est_kl: dict[str, list[float]] = {e: [] for e in extra}
-    for a, c in fleet.schedule:
+
+    def _train_event(a: int, c: int) -> list[tuple[int, Upload, Any, torch.Tensor, torch.Tensor]]:
+        """Cycle c of agent a up to its upload (Local: to the end of the cycle)."""
         train, test = fleet.data(a, c)
         x, y, xt, yt = train.data.x, train.data.y, test.data.x, test.data.y
         seed = int(np.random.default_rng([spec.seed, a, c, 1]).integers(2**31))
@@ -424,7 +456,7 @@ def run_variant(fleet: Fleet, variant: Variant, estimators: Sequence[str] = ()) 
         if strategy is None:
             held[a] = result.vector
             rows["received"].append(acc_trained)
-            continue
+            return []
         upload = Upload(f"sim-{a:05d}", result.vector, tau[a], n_samples=len(train), alpha=alpha_own,
                         base=held[a] if variant.method == "cdfl" else None,
                         sketch=sketch_of(a, x) if variant.method == "cdfl" else None, noised=a in privacy)
@@ -433,19 +465,30 @@ def run_variant(fleet: Fleet, variant: Variant, estimators: Sequence[str] = ()) 
                                     versions=list(strategy.versions), vectors=result.vector[None],
                                     bases=[held[a]], sketches=[upload.sketch])
             est_kl[e].append(kl_divergence(train.alpha, est.estimate(batch)[0][0]))
+        return [(a, upload, train, xt, yt)]
+
+    for batch in queued_batches(fleet.schedule, fleet.spec.queue):
+        pending: list[tuple[int, Upload, Any, torch.Tensor, torch.Tensor]] = []
+        for a, c in batch:
+            pending += _train_event(a, c)
+        if strategy is None or not pending:
+            continue
         t0 = time.perf_counter()
-        reply = strategy.update(upload)
-        rows["agg"].append(time.perf_counter() - t0)
-        rows["models"].append(float(len(reply.vectors)))
-        if reply.kind == "clusters":
-            held_clusters[a] = list(reply.vectors)
-            held[a] = sum(float(al) * w for al, w in zip(alpha_own, reply.vectors, strict=True))
-        else:
-            held[a] = reply.vectors[0]
-        tau[a] = reply.epoch
-        rows["received"].append(evaluate(name, held[a], xt, yt)[0])
-        alpha_est = alpha_own if alpha_own is not None else reply.alpha
-        rows["kl"].append(kl_divergence(train.alpha, alpha_est))
+        replies = strategy.update_many([p[1] for p in pending])
+        per_upload = (time.perf_counter() - t0) / len(pending)
+        for (a, upload, train, xt, yt), reply in zip(pending, replies, strict=True):
+            rows["agg"].append(per_upload)
+            rows["models"].append(float(len(reply.vectors)))
+            if reply.kind == "clusters":
+                held_clusters[a] = list(reply.vectors)
+                held[a] = sum(float(al) * w for al, w in zip(upload.alpha, reply.vectors, strict=True))
+            else:
+                held[a] = reply.vectors[0]
+            tau[a] = reply.epoch
+            rows["received"].append(evaluate(name, held[a], xt, yt)[0])
+            alpha_est = upload.alpha if upload.alpha is not None else reply.alpha
+            rows["kl"].append(kl_divergence(train.alpha, alpha_est))
+
     cluster_acc = math.nan
     if strategy is not None:
         accs = [evaluate(name, w, t.x, t.y)[0] for w, t in zip(strategy.server_models(), fleet.tests, strict=True)]
@@ -458,7 +501,9 @@ def run_variant(fleet: Fleet, variant: Variant, estimators: Sequence[str] = ()) 
         models_down_per_update=models, bytes_down_per_update=models * 4 * fleet.model_spec.numel,
         client_compute_s=_mean(rows["compute"]), aggregator_s_per_upload=_mean(rows["agg"]),
         estimator_kl={e: _mean(v) for e, v in est_kl.items()}, settings=dict(variant.settings),
-        server_share=fleet.server_share)
+        server_share=fleet.server_share,
+        replies_shared=(strategy.counters.get("replies_shared", 0) / len(rows["agg"])
+                        if strategy is not None and rows["agg"] else 0.0))
 
 
 def run_variant_wire(spec: AblationSpec, variant: Variant, base: Config,
@@ -507,7 +552,7 @@ def _start_worker(level: str, json_logs: bool) -> None:
 def run_ablation(variants: Sequence[Variant], *, clusters: Sequence[int], seeds: Sequence[int],
                  base: Config | None = None, scenario: str = "rotated-digits", agents: int = 0,
                  updates_per_agent: float = 3.0, test_samples: int = 300, estimators: Sequence[str] = (),
-                 wire: bool = False, broker_url: str | None = None,
+                 queue: int = 1, wire: bool = False, broker_url: str | None = None,
                  on_result: Any = None, jobs: int = 1, prior: Sequence[VariantResult] = ()) -> list[VariantResult]:
     """Every variant on the same fleet for each (K, seed); results in (K, seed, variant) order.
 
@@ -516,7 +561,7 @@ def run_ablation(variants: Sequence[Variant], *, clusters: Sequence[int], seeds:
     then share the CPU). `prior` results (a resumed run's) are kept and not run again."""
     base = base or Config()
     specs = [AblationSpec(scenario=scenario, clusters=k, seed=seed, agents=agents,
-                          updates_per_agent=updates_per_agent, test_samples=test_samples)
+                          updates_per_agent=updates_per_agent, test_samples=test_samples, queue=queue)
              for k in clusters for seed in seeds]
     have = {(r.clusters, r.seed, r.variant): r for r in prior}
     todo = {i: [v for v in variants if (s.clusters, s.seed, v.name) not in have] for i, s in enumerate(specs)}
@@ -601,6 +646,8 @@ def summarize(results: Sequence[VariantResult]) -> list[dict[str, Any]]:
                 refused[reason] = refused.get(reason, 0) + int(n)
         if refused:  # summed over seeds
             row["refused"] = dict(sorted(refused.items()))
+        if any(r.replies_shared for r in rs):
+            row["replies_shared"] = _mean([r.replies_shared for r in rs])
         rows.append(row)
     for row in rows:
         for control, gain in (("frozen", "fed"), ("proxy-only", "client")):
@@ -711,9 +758,10 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     # a partial extra seed leaves some rows with fewer seeds: then say how many each row has
     uneven = len({r["seeds"] for r in rows}) > 1
     refusals = any(r.get("refused") for r in rows)  # a column only where an upload was refused
+    shared = any(r.get("replies_shared") for r in rows)  # and where replies were shared
     head = ["K", "variant", *(["seeds"] if uneven else []), *[c[1] for c in COLUMNS],
             *[g[1] for g in gains], *[e[6:] + " KL" for e in est],
-            *(["refused (all seeds)"] if refusals else [])]
+            *(["refused (all seeds)"] if refusals else []), *(["uploads on a shared reply"] if shared else [])]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [str(r["K"]), r["variant"], *([str(r["seeds"])] if uneven else [])]
@@ -732,6 +780,8 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
         cells += ["-" if math.isnan(r.get(e, math.nan)) else f"{r[e]:.3f}" for e in est]
         if refusals:
             cells.append(", ".join(f"{k} {n}" for k, n in r.get("refused", {}).items()) or "0")
+        if shared:
+            cells.append(f"{r.get('replies_shared', 0.0):.2f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -869,6 +919,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim.ablation"
     p.add_argument("--agents", type=int, default=0, help="agents per fleet (default 20*K)")
     p.add_argument("--updates-per-agent", type=float, default=3.0)
     p.add_argument("--test-samples", type=int, default=300)
+    p.add_argument("--queue", type=int, default=1, metavar="N",
+                   help="uploads the aggregator takes at once, as a loaded one finds them queued; their "
+                        "agents train side by side from what they held (default 1: one at a time)")
     p.add_argument("--variant", action="append", default=[],
                    help="NAME=METHOD[:key=value,...] (repeatable); METHOD: " + ", ".join(METHODS)
                         + "; default: " + " ".join(DEFAULT_VARIANTS))
@@ -922,6 +975,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim.ablation"
             raise ValueError(f"--jobs: {args.jobs} is negative; give N >= 1, or 0 for one per CPU core")
         if args.wire and args.jobs != 1:
             raise ValueError(WIRE_ONE_FLEET)
+        if args.queue < 1 or (args.wire and args.queue != 1):
+            raise ValueError(f"--queue: need N >= 1, got {args.queue}" if args.queue < 1 else
+                             "--queue: over MQTT (--wire) the aggregator's own queue decides; run without it")
         if args.wire and ceilings:
             raise ValueError(f"--wire: {', '.join(ceilings)} pools the fleet's data on one machine, it is "
                              "not a fleet; run it without --wire")
@@ -955,6 +1011,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim.ablation"
             print(f"  variant {v.name}: {v.method}" + "".join(f", {k}={val}" for k, val in v.settings))
         print(f"{len(variants)} variants x K {', '.join(map(str, clusters))} x seeds "
               f"{', '.join(map(str, seeds))}, {args.updates_per_agent:g} updates per agent"
+              f"{f', {args.queue} uploads at a time' if args.queue > 1 else ''}"
               f"{' over MQTT' if args.wire else ''}, {jobs} fleet{'s' if jobs > 1 else ''} at a time; "
               f"output {args.out}" + (f", {len(prior)} runs kept from it" if args.resume else "")
               + " (dry run: nothing run)")
@@ -974,7 +1031,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim.ablation"
 
     results = run_ablation(variants, clusters=clusters, seeds=seeds, base=cfg, scenario=args.scenario,
                            agents=args.agents, updates_per_agent=args.updates_per_agent,
-                           test_samples=args.test_samples, estimators=estimators, wire=args.wire,
+                           test_samples=args.test_samples, estimators=estimators, queue=args.queue,
+                           wire=args.wire,
                            broker_url=cfg.broker.url if args.broker else None, on_result=progress, jobs=jobs,
                            prior=prior)
     print(write_results(results, args.out, command, hosts=hosts, note=note))

@@ -25,6 +25,7 @@ from sim.ablation import (
     Variant,
     main,
     paired_interval,
+    queued_batches,
     run_ablation,
     run_variant,
     run_variant_wire,
@@ -89,6 +90,29 @@ def test_every_variant_replays_the_same_fleet_and_a_rerun_is_identical():
     assert math.isnan(results["local"].kl) and results["mix"].kl >= 0
     again = run_variant(Fleet(spec, small_config()), Variant.parse(MIXTURE))
     assert again.acc_received == results["mix"].acc_received and again.kl == results["mix"].kl
+
+
+def test_a_queue_batches_distinct_agents_in_schedule_order():
+    schedule = [(0, 0), (1, 0), (0, 1), (2, 0), (1, 1), (3, 0), (0, 2)]
+    assert queued_batches(schedule, 1) == [[e] for e in schedule]
+    assert queued_batches(schedule, 3) == [[(0, 0), (1, 0), (2, 0)], [(0, 1), (1, 1), (3, 0)], [(0, 2)]]
+    with pytest.raises(ValueError, match="--queue"):
+        queued_batches(schedule, 0)
+
+
+def test_queued_uploads_share_replies_and_the_table_says_how_many(tmp_path, capsys):
+    """--queue hands the strategy several uploads at once, as a loaded aggregator finds them:
+    cdfl.reply_share then answers close alphas with one reply, and the table counts them."""
+    base = ["--clusters", "2", "--seeds", "0,", "--agents", "6", "--updates-per-agent", "2",
+            "--test-samples", "40", "--controls", "none", *[a for k, v in SMALL.items() for a in ("--set", f"{k}={v}")]]
+    assert main([*base, "--queue", "4", "--variant", "own=cdfl", "--variant", "shared=cdfl:cdfl.reply_share=1",
+                 "--out", str(tmp_path / "q")]) == 0
+    runs = {r["variant"]: r for r in json.loads((tmp_path / "q" / "results.json").read_text())["runs"]}
+    assert runs["own"]["replies_shared"] == 0 and runs["shared"]["replies_shared"] > 0.5
+    assert runs["own"]["acc_trained"] != runs["shared"]["acc_trained"]  # later cycles train from other replies
+    assert "uploads on a shared reply" in (tmp_path / "q" / "table.md").read_text()
+    assert main([*base, "--queue", "2", "--wire", "--out", str(tmp_path / "w")]) == 2
+    assert "--queue" in capsys.readouterr().err
 
 
 def test_jobs_run_fleets_in_parallel_processes_with_the_serial_runs_figures(tmp_path, capsys, monkeypatch):
