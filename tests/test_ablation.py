@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import shlex
 import struct
 import subprocess
 import sys
@@ -296,6 +298,20 @@ def test_digits28_files_stand_in_for_mnist_through_data_dir(tmp_path, capsys):
                          "--clusters", "2,4,6", "--seeds", "0,1,2", "--dry-run"], capture_output=True, text=True,
                         timeout=300)  # the results page's sketch_kl command on the same files
     assert kl.returncode == 0 and kl.stdout.startswith("rotated-mnist, K 2, 4, 6"), kl.stderr
+    # docs/results_realsize.md#shared-replies: its block's commands, planned on the same files
+    block = re.search(r"## Shared replies\n.*?```sh\n(.*?)```", (ROOT / "docs" / "results_realsize.md").read_text(),
+                      re.S).group(1).replace("/tmp/rs/digits28", str(tmp_path / "d28"))
+    common = shlex.split(re.search(r'^C="(.*)"$', block, re.M).group(1))
+    commands = [shlex.split(line)[4:] for line in block.splitlines() if line.startswith("OMP_NUM_THREADS=1 python -m sim.ablation")]
+    assert len(commands) == 7
+    for argv in commands:
+        assert argv[0] == "$C"
+        argv = [*common, *argv[1:-1], str(tmp_path / "shared"), "--dry-run"]
+        capsys.readouterr()
+        clear_cache()
+        assert main(argv) == 0, argv
+        queue = int(argv[argv.index("--queue") + 1])
+        assert ("16 uploads at a time" in capsys.readouterr().out) == (queue == 16)
 
 
 def test_merge_builds_one_table_from_separate_runs_and_counts_a_run_once(tmp_path, capsys):
