@@ -82,6 +82,9 @@ class ServiceCollector(Collector):
 
         yield CounterMetricFamily(f"{PREFIX}_joins", "Joins answered with a model.",
                                   value=eng.get("applied.join", 0))
+        yield CounterMetricFamily(f"{PREFIX}_shared_replies", "Uploads answered by a reply trained "
+                                  "for a group of queued uploads with close alphas, beyond one per group "
+                                  "(cdfl.reply_share).", value=strat.get("replies_shared", 0))
         yield CounterMetricFamily(f"{PREFIX}_duplicates", "Replays of an applied msg_id "
                                   "(answered again, applied once).", value=eng.get("duplicates", 0))
         replies = CounterMetricFamily(f"{PREFIX}_replies", "Downlink envelopes sent, by type.",

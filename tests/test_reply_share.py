@@ -130,6 +130,12 @@ def test_shared_replies_are_journaled_and_recovered_exactly(tmp_path):
                                             "fp32"))) for a in agents]
     out = live.handle(batch)
     assert live.strategy.counters["replies_shared"] == 3
+    # what an operator sees: the metric counts the uploads beyond one per group
+    from aggregator.prometheus import ServiceCollector
+    from aggregator.service import AggregatorService
+
+    families = {f.name: f for f in ServiceCollector(AggregatorService(cfg, live)).collect()}
+    assert families["fedmq_aggregator_shared_replies"].samples[0].value == 3
     assert [r.epoch for r in out] == [len(agents)] * len(agents)  # each reply made after the whole batch
     live.journal.close()
 
