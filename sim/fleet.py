@@ -230,18 +230,28 @@ class _Dispatcher:
         self.done = 0
         self.done_cycles: dict[int, int] = {}
         self.failed: BaseException | None = None
+        self.draining = False
+        """A checkpoint is waiting for the events before it: nobody takes another until it ran."""
 
     def take(self) -> tuple[int, int, int] | None:
         with self.cond:
+            # wait_for releases the lock: without this, others would take events past a
+            # checkpoint while it drains, and their finishes could carry `done` past it.
+            self.cond.wait_for(lambda: not self.draining or self.failed is not None)
             if self.next >= len(self.schedule) or self.failed:
                 return None
             i = self.next
-            self.next += 1
             if self.eval_every and i and i % self.eval_every == 0:
-                self.cond.wait_for(lambda: self.done == i or self.failed is not None)
-                if self.failed:
-                    return None
-                self.checkpoint(i)  # others are blocked in take() or waiting for their turn
+                self.draining = True
+                try:
+                    self.cond.wait_for(lambda: self.done == i or self.failed is not None)
+                    if self.failed:
+                        return None
+                    self.checkpoint(i)  # the events before i are done, none after it taken
+                finally:
+                    self.draining = False
+                    self.cond.notify_all()
+            self.next += 1
             agent, cycle = self.schedule[i]
             self.cond.wait_for(lambda: self.done_cycles.get(agent, 0) == cycle or self.failed is not None)
             if self.failed:

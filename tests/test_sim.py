@@ -39,6 +39,47 @@ def test_schedule_is_seeded_and_keeps_each_agents_cycles_in_order():
     assert 20 <= len(a) <= 60  # Poisson(4) per agent, 10 agents
 
 
+def test_a_checkpoint_waits_for_the_events_before_it_and_no_worker_runs_past_it():
+    """Workers take events in order; at a checkpoint (every `eval_every` events) the clusters
+    are scored after exactly the events before it. A worker that asks for the next event
+    meanwhile waits: it used to take it, finish it first, and the checkpoint then saw another
+    set of events, or none at all (`done` carried past the mark: the run hung)."""
+    from sim.fleet import _Dispatcher
+
+    finished: list[int] = []
+    seen: list[list[int]] = []
+    d = _Dispatcher([(0, 0), (1, 0), (2, 0), (3, 0)], 2, lambda i: seen.append(sorted(finished)))
+
+    def finish(i: int, agent: int) -> None:
+        finished.append(i)
+        d.finish(agent)
+
+    first, second = d.take(), d.take()
+    assert (first, second) == ((0, 0, 0), (1, 1, 0))
+    took: dict[str, tuple[int, int, int] | None] = {}
+    marks = {name: threading.Event() for name in ("checkpoint", "after")}
+
+    def taker(name: str) -> None:
+        took[name] = d.take()
+        marks[name].set()
+        if took[name] is not None:
+            finish(took[name][0], took[name][1])
+
+    threads = [threading.Thread(target=taker, args=(n,)) for n in ("checkpoint", "after")]
+    threads[0].start()
+    assert not marks["checkpoint"].wait(0.5)  # draining: events 0 and 1 are still out
+    threads[1].start()
+    # the later taker is held too (before the fix it got event 3 at once and finished it)
+    assert not marks["after"].wait(1.0)
+    finish(0, 0)
+    finish(1, 1)
+    for t in threads:
+        t.join(timeout=60)
+        assert not t.is_alive()
+    assert seen == [[0, 1]]
+    assert sorted(v for v in took.values() if v is not None) == [(2, 2, 0), (3, 3, 0)]
+
+
 def test_kl_divergence():
     assert kl_divergence([0.5, 0.5], [0.5, 0.5]) == pytest.approx(0.0)
     assert kl_divergence([1.0, 0.0], [0.5, 0.5]) == pytest.approx(math.log(2))
