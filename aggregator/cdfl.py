@@ -667,9 +667,7 @@ class CDFL(SoftClusters):
         replies: list[Reply] = []
         queued: list[tuple[str, list[float], dict[str, Any], PersonalizeRequest, int]] = []
         for upload, vector, (alpha, diag) in zip(uploads, vectors, estimates, strict=True):
-            info = self._step(upload, vector, alpha)
-            info.update(estimator=self.estimator.name, estimate=diag, batch=len(uploads),
-                        estimate_seconds=seconds)
+            info = self._stepped(upload, vector, alpha, diag, len(uploads), seconds)
             if not together:
                 replies.append(self._personalized(upload.agent, alpha, info, vector))
                 continue
@@ -678,14 +676,28 @@ class CDFL(SoftClusters):
             request = self._request(alpha, vector)
             self.personalizer.fix_start(request)
             queued.append((upload.agent, alpha, info, request, self.uploads_applied))
-        size = max(1, len(queued)) if fan_out else self.reply_batch
-        for i in range(0, len(queued), size):
-            chunk = queued[i:i + size]
-            made = self.personalizer.personalize_many([q[3] for q in chunk])
-            for (agent, alpha, info, _, epoch), (u, diag) in zip(chunk, made, strict=True):
-                self._made(info, diag)
-                replies.append(self._reply(agent, alpha, info, u, epoch))
+        made = self._train([q[3] for q in queued])
+        for (agent, alpha, info, _, epoch), (u, diag) in zip(queued, made, strict=True):
+            self._made(info, diag)
+            replies.append(self._reply(agent, alpha, info, u, epoch))
         return replies
+
+    def _stepped(self, upload: Upload, vector: Tensor, alpha: list[float], diag: dict[str, Any],
+                 batch: int, seconds: float) -> dict[str, Any]:
+        """Steps 1 and 3 for one upload of a batch estimated in `seconds`; the reply's info."""
+        info = self._step(upload, vector, alpha)
+        info.update(estimator=self.estimator.name, estimate=diag, batch=batch, estimate_seconds=seconds)
+        return info
+
+    def _train(self, requests: list[PersonalizeRequest]) -> list[tuple[Tensor, dict[str, Any]]]:
+        """The replies for `requests` (their starts fixed or read from their clusters): trained
+        together in chunks of cdfl.reply_batch, all at once by reply workers, else one by one."""
+        fan_out = getattr(self.personalizer, "fan_out", False)
+        size = len(requests) if fan_out else self.reply_batch
+        if size > 1 and self.personalizer.trains_together():
+            return [m for i in range(0, len(requests), size)
+                    for m in self.personalizer.personalize_many(requests[i:i + size])]
+        return [self.personalizer.personalize(r) for r in requests]
 
     def _shared_replies(self, uploads: list[Upload], vectors: Tensor,
                         estimates: list[tuple[list[float], dict[str, Any]]], seconds: float) -> list[Reply]:
@@ -698,9 +710,7 @@ class CDFL(SoftClusters):
         mean it was trained for (the groups are complete-linkage in the max norm)."""
         done: list[tuple[str, list[float], dict[str, Any], int]] = []
         for upload, vector, (alpha, diag) in zip(uploads, vectors, estimates, strict=True):
-            info = self._step(upload, vector, alpha)
-            info.update(estimator=self.estimator.name, estimate=diag, batch=len(uploads),
-                        estimate_seconds=seconds)
+            info = self._stepped(upload, vector, alpha, diag, len(uploads), seconds)
             done.append((upload.agent, alpha, info, self.uploads_applied))
         groups = share_groups([d[1] for d in done], self.reply_share)
         # Seeded by the group's last upload, as an unshared reply is by its own.
@@ -708,13 +718,7 @@ class CDFL(SoftClusters):
                                        [sum(done[i][1][k] for i in members) / len(members) for k in range(self.k)],
                                        None, seed=self.seed * 1_000_003 + done[members[-1]][3])
                     for members in groups]
-        fan_out = getattr(self.personalizer, "fan_out", False)
-        size = len(requests) if fan_out else self.reply_batch
-        if size > 1 and self.personalizer.trains_together():
-            made = [m for i in range(0, len(requests), size)
-                    for m in self.personalizer.personalize_many(requests[i:i + size])]
-        else:
-            made = [self.personalizer.personalize(r) for r in requests]
+        made = self._train(requests)
         replies: list[Reply | None] = [None] * len(done)
         for members, (u, diag) in zip(groups, made, strict=True):
             self.counters["replies_shared"] += len(members) - 1
