@@ -105,6 +105,17 @@ def test_workers_train_the_same_replies_as_the_aggregator_and_share_the_batch(mo
         made_by = {r.info["personalize"]["worker"] for r in got}
         assert made_by == {"w0", "w1"}, made_by  # one batch, both workers
         assert pool.counters["replies.remote"] == 4 and pool.counters["replies.local"] == 0
+        # cdfl.reply_share: a batch whose alphas all lie within the tolerance is one job, and
+        # every member gets the reply a worker trained for the group's mean alpha.
+        here.reply_share = there.reply_share = 1.0
+        uploads = _uploads(here, 4)
+        expected = here.update_many(uploads)
+        got = there.update_many(copy.deepcopy(uploads))
+        _same_replies(expected, got)
+        assert pool.counters["replies.remote"] == 5 and pool.counters["replies.local"] == 0  # one more job
+        assert there.counters["replies_shared"] == 3
+        assert len({r.info["personalize"]["worker"] for r in got}) == 1
+        assert all(torch.equal(r.vectors[0], got[0].vectors[0]) for r in got)
     finally:
         pool.close()
         for w in workers:
