@@ -194,10 +194,14 @@ class EdgeAgent:
                                    self._status("online"), qos=1, retain=True)
 
     def stop(self) -> None:
-        if self.transport.connected:
-            self.transport.publish(protocol.agent_status(self.fleet, self.agent_id),
-                                   self._status("offline"), qos=1, retain=True).wait(5)
-        self.transport.close()
+        """Say offline and disconnect. The connection closes even if the status publish fails:
+        a transport left open reconnects on its own and fights a later client of the same id."""
+        try:
+            if self.transport.connected:
+                self.transport.publish(protocol.agent_status(self.fleet, self.agent_id),
+                                       self._status("offline"), qos=1, retain=True).wait(5)
+        finally:
+            self.transport.close()
 
     def interrupt(self) -> None:
         """Make a waiting request (and every later one) raise AgentError("interrupted") now.
