@@ -525,18 +525,20 @@ class AggregatorService:
             self._worker.join(timeout=30)
         if self._renewer is not None:
             self._renewer.join(timeout=5)
-        self.progress.tick(force=True)
         try:
-            self.engine.snapshot_if_due(force=True)
-        except JournalError as e:
-            event(log, "snapshot.failed", level=40, error=str(e))
-        if self.transport.connected and not self.sole.failed.is_set():  # the other one is online
-            h = self.transport.publish(protocol.aggregator_status(self.fleet),
-                                       self._status("offline"), qos=1, retain=True)
-            h.wait(5)
-        self.transport.close()
-        if self._own_network is not None:
-            self._own_network.close()
+            self.progress.tick(force=True)
+            try:
+                self.engine.snapshot_if_due(force=True)
+            except JournalError as e:
+                event(log, "snapshot.failed", level=40, error=str(e))
+            if self.transport.connected and not self.sole.failed.is_set():  # the other one is online
+                h = self.transport.publish(protocol.aggregator_status(self.fleet),
+                                           self._status("offline"), qos=1, retain=True)
+                h.wait(5)
+        finally:  # a transport left open reconnects and takes the session from the next aggregator
+            self.transport.close()
+            if self._own_network is not None:
+                self._own_network.close()
 
     def __enter__(self) -> AggregatorService:
         return self.start()

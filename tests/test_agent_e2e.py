@@ -634,20 +634,23 @@ def test_fedsoft_async_agent_estimates_alpha_locally_and_gets_all_clusters(mosqu
         agg.stop()
 
 
-def test_an_agent_whose_offline_status_fails_still_disconnects(shared_mosquitto, tmp_path) -> None:
+def test_an_agent_or_aggregator_whose_offline_status_fails_still_disconnects(mosquitto, aggregator,
+                                                                           tmp_path) -> None:
     """stop() closes the connection even when the status publish raises: a transport left
     open reconnects on its own and takes the session back from the next client of its id."""
     from fedmq.transport import TransportError
 
-    agent = EdgeAgent(make_cfg(shared_mosquitto.url, tmp_path, agent_id="car-stop"), "car-stop").start(timeout=60)
-
     def refused(*_args, **_kwargs):
         raise TransportError("publish to the status topic failed: not authorized")
 
-    publish = agent.transport.publish
-    agent.transport.publish = refused  # the broker's refusal, as a reason code would raise it
-    with pytest.raises(TransportError, match="not authorized"):
-        agent.stop()
-    assert not agent.transport.connected
-    with pytest.raises(TransportError, match="closed transport"):
-        publish("x/y", b"", qos=1)
+    cfg = make_cfg(mosquitto.url, tmp_path, agent_id="car-stop")
+    agg = aggregator(cfg)
+    agent = EdgeAgent(cfg, "car-stop").start(timeout=60)
+    for name, stop, transport in (("agent", agent.stop, agent.transport), ("aggregator", agg.stop, agg.svc.transport)):
+        publish = transport.publish
+        transport.publish = refused  # the broker's refusal, as a reason code would raise it
+        with pytest.raises(TransportError, match="not authorized"):
+            stop()
+        assert not transport.connected, name
+        with pytest.raises(TransportError, match="closed transport"):
+            publish("x/y", b"", qos=1)
