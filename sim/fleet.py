@@ -42,6 +42,7 @@ import torch
 
 from fedmq.algorithms import ASYNC_SERVER
 from fedmq.config import AgentSettings, Config
+from fedmq.errors import RuntimeFailure
 from fedmq.logs import event, get_logger
 from fedmq.privacy import UplinkPrivacy
 from fedmq.transport import NetworkLoop, use_network
@@ -311,7 +312,10 @@ def start_aggregator(cfg: Config, clusters: Any, stack: contextlib.ExitStack, bu
     _time_engine(engine, busy, after_batch)
     if before_start is not None:
         before_start(engine)
-    return stack.enter_context(AggregatorService(cfg, engine))
+    service = stack.enter_context(AggregatorService(cfg, engine))
+    if service.sole.failed.is_set():  # it never connected: the agents' joins would wait forever
+        raise RuntimeFailure(f"the simulated fleet's aggregator did not start: {service.sole.failure}")
+    return service
 
 
 def start_agents(cfg: Config, spec: RunSpec, indices: range, stack: contextlib.ExitStack) -> list[Any]:

@@ -183,6 +183,31 @@ def test_same_seed_same_table_with_one_worker(mosquitto):
     assert table(1) != first
 
 
+def test_a_fleet_whose_aggregator_may_not_serve_fails_with_the_reason_not_a_hang(mosquitto):
+    """Another aggregator's retained "online" status, whose will never comes: the simulated
+    fleet's aggregator waits for it, never connects, and the run ends with why; its agents
+    would otherwise re-send their joins to nobody."""
+    from fedmq.errors import RuntimeFailure
+    from fedmq.transport import MqttTransport
+    from sim.fleet import fleet_name
+
+    cfg = tiny_config()
+    cfg.fleet = "simbusy"
+    cfg.broker.url = mosquitto.url
+    cfg.broker.keepalive_s = 2  # the wait for the other's will is 1.5 keepalives: 8 s, not 50
+    spec = tiny_spec("cdfl")
+    other = MqttTransport("another-aggregator", cfg.broker, clean_start=True).connect()
+    try:
+        status = protocol.Status(agent="aggregator", msg_id=protocol.new_msg_id(), sent_at=protocol.now(),
+                                 state="online", role="aggregator", started_at=protocol.now())
+        assert other.publish(protocol.aggregator_status(fleet_name(cfg.fleet, spec)), protocol.encode(status),
+                             qos=1, retain=True).wait(30)
+        with pytest.raises(RuntimeFailure, match="did not start: .*another aggregator"):
+            run_fleet(spec, cfg, broker_url=mosquitto.url)
+    finally:
+        other.close()
+
+
 def test_fedbuff_comes_from_its_registry_line_through_the_simulator_and_report(mosquitto, tmp_path):
     """FedBuff was added as one module, one registry line and its [fedbuff] section: the
     simulator runs it over the wire and the report names it, with nothing else changed."""
