@@ -376,16 +376,10 @@ def resolve_reply_batch(requested: int, device: torch.device) -> int:
 
 def share_groups(alphas: Sequence[Sequence[float]], tolerance: float) -> list[list[int]]:
     """Indices of queued uploads grouped so that within a group every two alphas differ by at
-    most `tolerance` in every coordinate (complete linkage). The mean of a group then lies
-    within `tolerance` of each member (the max-norm ball is convex).
-
-    Greedy first fit over the alphas in sorted order: for K = 2 that is the sweep that covers
-    the points with the fewest intervals (the fewest replies to train); for larger K a
-    heuristic. Each group lists its indices in queue order; groups come in their first
-    member's queue order."""
+    most `tolerance` in every coordinate (complete linkage; greedy, in queue order). The mean
+    of a group then lies within `tolerance` of each member (the max-norm ball is convex)."""
     groups: list[list[int]] = []
-    for i in sorted(range(len(alphas)), key=lambda j: [float(x) for x in alphas[j]]):
-        a = alphas[i]
+    for i, a in enumerate(alphas):
         for members in groups:
             if all(max(abs(float(x) - float(y)) for x, y in zip(a, alphas[j], strict=True)) <= tolerance
                    for j in members):
@@ -393,7 +387,7 @@ def share_groups(alphas: Sequence[Sequence[float]], tolerance: float) -> list[li
                 break
         else:
             groups.append([i])
-    return sorted((sorted(g) for g in groups), key=lambda g: g[0])
+    return groups
 
 
 def estimator_options(settings: CDFLSettings, name: str) -> dict[str, Any]:

@@ -39,23 +39,6 @@ def test_groups_hold_close_alphas_only_and_every_member_is_near_the_mean(toleran
         assert len(groups) == 1
 
 
-@pytest.mark.parametrize("tolerance", [0.02, 0.1, 0.3])
-def test_two_clusters_take_the_fewest_groups_whatever_the_queue_order(tolerance):
-    """For K = 2 alpha is one number: the sweep in sorted order covers the queue with the
-    fewest groups (each opened at the lowest alpha not yet covered), in any queue order."""
-    rng = np.random.default_rng(1)
-    a0 = np.concatenate([rng.beta(8, 2, 12), rng.beta(2, 8, 12), rng.uniform(size=8)])
-    fewest, reach = 0, -1.0
-    for x in np.sort(a0):
-        if x > reach:
-            fewest, reach = fewest + 1, x + tolerance
-    for order in (np.arange(len(a0)), rng.permutation(len(a0)), np.argsort(-a0)):
-        alphas = [[float(a0[i]), 1.0 - float(a0[i])] for i in order]
-        groups = share_groups(alphas, tolerance)
-        assert len(groups) == fewest
-        assert [g[0] for g in groups] == sorted(g[0] for g in groups)
-
-
 def _uploads(w: torch.Tensor, n: int) -> list[Upload]:
     """n uploads near the two specialists in turn (their alphas lean to one cluster or the other)."""
     g = torch.Generator().manual_seed(0)
