@@ -298,13 +298,17 @@ def test_digits28_files_stand_in_for_mnist_through_data_dir(tmp_path, capsys):
                          "--clusters", "2,4,6", "--seeds", "0,1,2", "--dry-run"], capture_output=True, text=True,
                         timeout=300)  # the results page's sketch_kl command on the same files
     assert kl.returncode == 0 and kl.stdout.startswith("rotated-mnist, K 2, 4, 6"), kl.stderr
-    # docs/results_realsize.md#shared-replies: its block's commands, planned on the same files
-    block = re.search(r"## Shared replies\n.*?```sh\n(.*?)```", (ROOT / "docs" / "results_realsize.md").read_text(),
-                      re.S).group(1).replace("/tmp/rs/digits28", str(tmp_path / "d28"))
-    common = shlex.split(re.search(r'^C="(.*)"$', block, re.M).group(1))
-    commands = [shlex.split(line)[4:] for line in block.splitlines() if line.startswith("OMP_NUM_THREADS=1 python -m sim.ablation")]
-    assert len(commands) == 7
-    for argv in commands:
+    # docs/results_realsize.md#shared-replies: its blocks' commands, planned on the same files
+    section = re.search(r"## Shared replies\n(.*?)\n## ", (ROOT / "docs" / "results_realsize.md").read_text(),
+                        re.S).group(1).replace("/tmp/rs/digits28", str(tmp_path / "d28"))
+    commands = []
+    for block in re.findall(r"```sh\n(.*?)```", section, re.S):
+        if "python -m sim.ablation" in block:
+            common = shlex.split(re.search(r'^C="(.*)"$', block, re.M).group(1))
+            commands += [(common, shlex.split(line)[4:]) for line in block.splitlines()
+                         if line.startswith("OMP_NUM_THREADS=1 python -m sim.ablation")]
+    assert len(commands) == 10
+    for common, argv in commands:
         assert argv[0] == "$C"
         argv = [*common, *argv[1:-1], str(tmp_path / "shared"), "--dry-run"]
         capsys.readouterr()
