@@ -660,10 +660,7 @@ class CDFL(SoftClusters):
         seconds = time.perf_counter() - t0
         if self.reply_share > 0 and len(uploads) > 1:
             return self._shared_replies(uploads, vectors, estimates, seconds)
-        # Reply workers (aggregator/reply_pool.py) take every reply of the batch at once.
-        fan_out = getattr(self.personalizer, "fan_out", False)
-        together = ((self.reply_batch > 1 or fan_out) and len(uploads) > 1
-                    and self.personalizer.trains_together())
+        together = len(uploads) > 1 and self._chunk(len(uploads)) > 1
         replies: list[Reply] = []
         queued: list[tuple[str, list[float], dict[str, Any], PersonalizeRequest, int]] = []
         for upload, vector, (alpha, diag) in zip(uploads, vectors, estimates, strict=True):
@@ -689,12 +686,18 @@ class CDFL(SoftClusters):
         info.update(estimator=self.estimator.name, estimate=diag, batch=batch, estimate_seconds=seconds)
         return info
 
+    def _chunk(self, n: int) -> int:
+        """How many of n replies train in one call: all n for reply workers
+        (aggregator/reply_pool.py), cdfl.reply_batch in-process; 1 when they train one by one."""
+        if not self.personalizer.trains_together():
+            return 1
+        return n if getattr(self.personalizer, "fan_out", False) else self.reply_batch
+
     def _train(self, requests: list[PersonalizeRequest]) -> list[tuple[Tensor, dict[str, Any]]]:
         """The replies for `requests` (their starts fixed or read from their clusters): trained
         together in chunks of cdfl.reply_batch, all at once by reply workers, else one by one."""
-        fan_out = getattr(self.personalizer, "fan_out", False)
-        size = len(requests) if fan_out else self.reply_batch
-        if size > 1 and self.personalizer.trains_together():
+        size = self._chunk(len(requests))
+        if size > 1:
             return [m for i in range(0, len(requests), size)
                     for m in self.personalizer.personalize_many(requests[i:i + size])]
         return [self.personalizer.personalize(r) for r in requests]
