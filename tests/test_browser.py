@@ -506,3 +506,47 @@ def test_browser_decodes_every_codec_and_encodes_int8_as_python_does(tmp_path, w
         assert sent.tobytes() == base64.b64decode(got["int8"]["decoded"]), case["name"]
         if case["np_base"] is not None:
             assert mine["base"] == codecs.base_checksum(case["np_base"])
+
+
+_READY_RACE = """
+import { readFileSync } from "node:fs";
+import { pathToFileURL } from "node:url";
+const [web, casePath] = process.argv.slice(2);
+const ort = await import(pathToFileURL(`${web}/node_modules/onnxruntime-web/dist/ort.node.min.mjs`).href);
+const { BrowserAgent } = await import(pathToFileURL(`${web}/agent.js`).href);
+const { status, graph } = JSON.parse(readFileSync(casePath, "utf8"));
+let entered;
+const creating = new Promise((resolve) => (entered = resolve));
+const create = ort.InferenceSession.create.bind(ort.InferenceSession);
+ort.InferenceSession.create = (...args) => (entered(), create(...args));
+const agent = new BrowserAgent({ url: "ws://127.0.0.1:9", fleet: "web", agent: "phone-1" });
+agent.graph = new Uint8Array(Buffer.from(graph, "base64"));
+agent.aggregator = status;
+const ready = [];
+agent._resolveReady = () => ready.push(agent.session !== null);
+const first = agent._checkReady();
+await creating;
+await agent._checkReady(); // the status again, while the first call still builds the session
+await first;
+console.log(JSON.stringify({ ready, loaded: agent.session !== null && agent.spec.hash === status.model }));
+"""
+
+
+def test_the_browser_agent_is_ready_only_once_its_session_is_made(tmp_path) -> None:
+    # The graph and the repeated status both check readiness: a status arriving while the first
+    # check builds the ONNX session must wait for it, not say ready with no session to run.
+    why = browser_missing()
+    if why:
+        pytest.skip(why)
+    from fedmq.onnx_export import fleet_graph
+
+    spec = model_spec("digits-cnn")  # the browser fleets' model
+    graph, _ = fleet_graph(spec.arch)
+    status = {"state": "online", "model": spec.hash, "model_name": spec.public_name, "model_spec": spec.canonical_json,
+              "algorithm": "cdfl", "graph": {"bytes": len(graph), "sha256": hashlib.sha256(graph).hexdigest()}}
+    (tmp_path / "case.json").write_text(json.dumps({"status": status, "graph": base64.b64encode(graph).decode()}))
+    (tmp_path / "race.mjs").write_text(_READY_RACE)
+    proc = subprocess.run(["node", str(tmp_path / "race.mjs"), str(WEB), str(tmp_path / "case.json")],
+                          capture_output=True, text=True, timeout=WAIT_S)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"ready": [True, True], "loaded": True}

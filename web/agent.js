@@ -39,6 +39,8 @@ export class BrowserAgent {
     this.graph = null; // bytes of the published ONNX graph
     this.session = null;
     this.spec = null;
+    this._loadingModel = null;
+    this._loading = null;
     this.base = null; // Float32Array: the model held (the aggregator's base for our deltas)
     this.epoch = 0;
     this.algorithm = "cdfl";
@@ -145,14 +147,26 @@ export class BrowserAgent {
       this._event("graph.mismatch", { sha256: sha, advertised: s.graph.sha256 });
       return;
     }
-    if (!this.spec || this.spec.hash !== s.model) {
-      this.spec = await P.readSpec(s);
-      this.spec.hash = s.model;
-      this.algorithm = s.algorithm || "cdfl";
-      this.session = await ort.InferenceSession.create(this.graph, { executionProviders: ["wasm"] });
-      this._event("graph.loaded", { model: s.model_name, bytes: this.graph.byteLength, params: this.spec.numel });
+    // The graph and the status each call this, and the status repeats: the first call for a
+    // model loads it, and every call waits for that load, so none says ready before the session.
+    if (this._loadingModel !== s.model) {
+      this._loadingModel = s.model;
+      this._loading = this._load(s, this.graph).catch((e) => {
+        this._loadingModel = null; // the next status tries again
+        throw e;
+      });
     }
+    await this._loading;
     this._resolveReady(true);
+  }
+
+  /** The spec and the inference session of model `s.model`, swapped in together once both are made. */
+  async _load(s, graph) {
+    const spec = await P.readSpec(s);
+    spec.hash = s.model;
+    const session = await ort.InferenceSession.create(graph, { executionProviders: ["wasm"] });
+    [this.spec, this.session, this.algorithm] = [spec, session, s.algorithm || "cdfl"];
+    this._event("graph.loaded", { model: s.model_name, bytes: graph.byteLength, params: spec.numel });
   }
 
   // ---------------------------------------------------------------- requests
