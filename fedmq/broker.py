@@ -76,6 +76,11 @@ def listener_kinds(text: str) -> list[tuple[str, bool]]:
         elif kinds and _CERTFILE.match(line):
             kinds[-1][1] = True
     return [(k, tls) for k, tls in kinds]
+
+
+_RUNNING = re.compile(rb"mosquitto version \S+ running")
+"""What Mosquitto logs once every listener is bound (at log_type information, which
+`rewrite_config` turns on)."""
 _DROPPED = ("persistence_location", "log_dest", "pid_file", "user", "log_type")
 
 
@@ -204,6 +209,10 @@ class MosquittoBroker:
     def start(self, timeout: float = 10.0) -> MosquittoBroker:
         if self.proc is not None and self.proc.poll() is None:
             return self
+        try:
+            logged = self.log_path.stat().st_size  # a restart appends to the same log
+        except OSError:
+            logged = 0
         self.proc = subprocess.Popen(
             [self.binary, "-c", str(self.config_path)],
             stdout=subprocess.DEVNULL,
@@ -211,8 +220,10 @@ class MosquittoBroker:
             start_new_session=True,
         )
         try:
+            deadline = time.monotonic() + timeout
+            self._wait_running(logged, deadline)
             for port in self.ports:
-                wait_for_port(self.host, port, timeout, self.proc)
+                wait_for_port(self.host, port, max(0.0, deadline - time.monotonic()), self.proc)
         except BrokerError as e:
             err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
             self.stop()
@@ -221,6 +232,25 @@ class MosquittoBroker:
             self.stop()
             raise
         return self
+
+    def _wait_running(self, logged: int, deadline: float) -> None:
+        """Until this process logs that it runs, i.e. it has bound every listener. A port that
+        accepts connections is not proof: between `free_port` and the broker's bind another
+        process may take a port, and if it listens there, a broker that then failed to bind
+        (and exits) would look up to a connect."""
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                code = None if self.proc is None else self.proc.returncode
+                raise BrokerError(f"broker exited with code {code} before listening")
+            try:
+                with self.log_path.open("rb") as f:
+                    f.seek(logged)
+                    if _RUNNING.search(f.read()):
+                        return
+            except OSError:
+                pass
+            time.sleep(0.02)
+        raise BrokerError(f"the broker did not say it was running within its deadline (ports {self.ports})")
 
     def stop(self, kill: bool = False, timeout: float = 5.0) -> None:
         """SIGTERM (or SIGKILL with `kill`) by pid; persistence is written on SIGTERM."""

@@ -1,5 +1,6 @@
-"""The embedded (amqtt) broker carries QoS 1 traffic between real paho MQTT 3.1.1 clients, and
-`fedmq broker` runs Mosquitto or it in the foreground until interrupted."""
+"""The embedded (amqtt) broker carries QoS 1 traffic between real paho MQTT 3.1.1 clients,
+`fedmq broker` runs Mosquitto or it in the foreground until interrupted, and a Mosquitto that
+could not bind its port is reported, never taken for the listener that holds it."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 import pytest
 
-from fedmq.broker import BrokerError, find_mosquitto, free_port
+from fedmq.broker import BrokerError, MosquittoBroker, find_mosquitto, free_port
 from fedmq.embedded_broker import EmbeddedBroker
 
 
@@ -92,6 +93,20 @@ def test_stop_closes_the_listener():
     assert not broker.running
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=2):
         pass
+
+
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
+def test_a_mosquitto_whose_port_another_process_listens_on_does_not_count_as_started(tmp_path):
+    # Between free_port() and the broker's bind another process may take the port. A connect
+    # then reaches that process: only the broker's own word says that it bound its listeners.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        broker = MosquittoBroker("allow_anonymous true\n", ports=[taken.getsockname()[1]], workdir=tmp_path)
+        with pytest.raises(BrokerError, match="exited"):
+            broker.start(timeout=60)
+        assert "Address already in use" in broker.log_tail()
+        assert broker.proc is None
 
 
 def test_two_brokers_get_their_own_ports():
