@@ -103,10 +103,13 @@ def test_a_mosquitto_whose_port_another_process_listens_on_does_not_count_as_sta
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         broker = MosquittoBroker("allow_anonymous true\n", ports=[taken.getsockname()[1]], workdir=tmp_path)
-        with pytest.raises(BrokerError, match="exited"):
-            broker.start(timeout=60)
-        assert "Address already in use" in broker.log_tail()
-        assert broker.proc is None
+        try:
+            with pytest.raises(BrokerError, match="exited"):
+                broker.start(timeout=60)
+            assert "Address already in use" in broker.log_tail()
+            assert broker.proc is None
+        finally:
+            broker.stop()  # a start that wrongly returned would leave a broker behind
 
 
 def test_two_brokers_get_their_own_ports():
