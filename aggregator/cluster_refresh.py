@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.func import functional_call
 
 from aggregator.evaluator import ProxyEvaluator
+from fedmq.models import trains_channels_last
 
 BACKTRACKS = 4
 """Halvings of the rate a refresh step may try before it is skipped (lr / 16 at the least)."""
@@ -54,9 +55,10 @@ def refresh_cluster(evaluator: ProxyEvaluator, vector: Tensor, k: int, *, steps:
     lo, hi = ev.offsets[k], ev.offsets[k + 1]
     gen = torch.Generator().manual_seed(int(seed))
     w = vector.detach().to(ev.device, torch.float32).clone()
+    nhwc = trains_channels_last(ev.device)
 
     def batch_loss(v: Tensor, idx: Tensor) -> Tensor:
-        return F.cross_entropy(functional_call(ev.module, ev.spec.unflatten(v), (ev.x[idx],)), ev.y[idx])
+        return F.cross_entropy(functional_call(ev.module, ev.spec.unflatten(v, nhwc), (ev.x[idx],)), ev.y[idx])
 
     for _ in range(steps):
         idx = (torch.randint(lo, hi, (min(batch_size, hi - lo),), generator=gen)).to(ev.device)

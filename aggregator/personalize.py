@@ -53,6 +53,7 @@ from torch.func import functional_call, grad, vmap
 
 from aggregator.evaluator import LayerSplit, NotSplittable, ProxyEvaluator, vector_digest
 from fedmq.config import CDFLSettings
+from fedmq.models import trains_channels_last
 from fedmq.optimizers import SGD
 
 
@@ -307,8 +308,8 @@ class DistillPersonalizer(Personalizer):
         ev = self.evaluator
         if self.split is None:
             x = ev.x.contiguous() if ev.x.ndim != 4 else ev.x
-            module, unflatten = ev.module, ev.spec.unflatten
-            return start, lambda w, idx: functional_call(module, unflatten(w), (x[idx],)), 0.0
+            module, spec, nhwc = ev.module, ev.spec, trains_channels_last(ev.device)
+            return start, lambda w, idx: functional_call(module, spec.unflatten(w, nhwc), (x[idx],)), 0.0
         t0 = time.perf_counter()
         split = self.split
         features = ev.lower_features(start, keep)

@@ -25,7 +25,7 @@ from aggregator.evaluator import LayerSplit
 from aggregator.personalize import reply_schedule
 from bench.bench_aggregator import matmul_gflops
 from fedmq.config import CDFLSettings
-from fedmq.models import build_model, model_spec
+from fedmq.models import build_model, model_spec, trains_channels_last
 
 ARCH = "cnn28"
 K, PROXY_PER_CLUSTER = 2, 100
@@ -69,6 +69,9 @@ def run(quick: bool = False) -> dict:
     x = torch.rand((batch, *spec.input_shape), generator=g)
     y = torch.randint(0, spec.num_classes, (batch,), generator=g)
     model = build_model(ARCH, seed=0)
+    nchw_flops, nchw_s = _step_cost(model, list(model.parameters()), x, y, repeats)
+    if trains_channels_last("cpu"):  # the layout the aggregator's replies train in
+        model = build_model(ARCH, seed=0).to(memory_format=torch.channels_last)
     all_flops, all_s = _step_cost(model, list(model.parameters()), x, y, repeats)
     split = LayerSplit(model, spec, torch.device("cpu"))
     with torch.no_grad():
@@ -81,6 +84,7 @@ def run(quick: bool = False) -> dict:
     rows = {}
     for name, n, flops, seconds in (("every layer (default for cnn28)", steps, all_flops, all_s),
                                     ("every layer, personalize_min_steps = 0", steps_no_floor, all_flops, all_s),
+                                    ("every layer, torch's default layout (NCHW)", steps, nchw_flops, nchw_s),
                                     ("head (personalize_layers = head)", steps, head_flops, head_s)):
         rows[name] = {"steps": n, "step_gflop": round(flops / 1e9, 4), "step_ms": round(1e3 * seconds, 2),
                       "achieved_gflops": round(flops / seconds / 1e9, 1),

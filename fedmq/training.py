@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fedmq.models import build_model, load_vector, model_spec, to_vector
+from fedmq.models import build_model, load_vector, model_spec, to_vector, trains_channels_last
 from fedmq.optimizers import SGD, Adam
 from fedmq.privacy import DpSgd, private_gradients
 
@@ -86,6 +86,8 @@ def fit(model_name: str, start: torch.Tensor, x: torch.Tensor, y: torch.Tensor, 
                          f"= {2 * (1 + momentum):g} diverges; lower lr or rho")
     t0 = time.perf_counter()
     model = _model_at(model_name, start)
+    if dp is None and trains_channels_last("cpu"):  # DP's per-sample gradients keep torch's layout
+        model = model.to(memory_format=torch.channels_last)
     model.train()
     params = list(model.parameters())
     centers: list[torch.Tensor] = []

@@ -200,3 +200,34 @@ def test_a_process_that_trains_and_personalizes_does_not_import_the_compiler() -
     assert done.returncode == 0, done.stderr[-2000:]
     # torch.optim's functional updates live beside the Optimizer class: importing them is fine.
     assert "torch._dynamo" not in done.stdout, done.stdout
+
+
+def test_cpu_training_runs_channels_last_and_trains_what_the_default_layout_does(monkeypatch) -> None:
+    """On a CPU the 4-D weights train channels-last (oneDNN's faster path, docs/models.md):
+    the same update as torch's default layout up to the order of the arithmetic."""
+    from fedmq import training
+    from fedmq.models import model_spec, trains_channels_last
+
+    assert trains_channels_last("cpu") and not trains_channels_last("meta")
+    spec = model_spec("cnn28")
+    start = to_vector(build_model("cnn28", seed=0))
+    views = spec.unflatten(start.clone().requires_grad_(True), channels_last=True)
+    conv = views["conv1.weight"]  # one input channel: only a forced layout makes conv1's output NHWC
+    assert conv.is_contiguous(memory_format=torch.channels_last) and conv.stride()[1] == 1
+    assert torch.equal(conv, spec.unflatten(start)["conv1.weight"])
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.rand((96, *spec.input_shape), generator=g), torch.randint(0, 10, (96,), generator=g)
+    seen = []
+    real_fit_model = training._model_at
+
+    def spy(name, vector):
+        model = real_fit_model(name, vector)
+        model.register_forward_hook(lambda m, i, o: seen.append(m.conv1.weight.stride()[1] == 1))
+        return model
+
+    monkeypatch.setattr(training, "_model_at", spy)
+    nhwc = training.fit("cnn28", start, x, y, epochs=1, seed=1).vector
+    assert seen and all(seen)
+    monkeypatch.setattr(training, "trains_channels_last", lambda device: False)
+    nchw = training.fit("cnn28", start, x, y, epochs=1, seed=1).vector
+    assert not torch.equal(nhwc, start) and torch.allclose(nhwc, nchw, atol=1e-5, rtol=1e-4)
