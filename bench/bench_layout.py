@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 
 import torch
 
+from bench.bench_reply_ceiling import step_cost
 from fedmq.models import build_model, model_spec
 
 MODELS = ("digits-cnn", "cnn28", "cnn32", "resnet20", "resnet20-gn",
@@ -31,16 +31,7 @@ def step_ms(name: str, channels_last: bool, repeats: int) -> float:
     model = build_model(name, seed=0).train()
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    times = []
-    for i in range(repeats + 3):
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    return 1e3 * step_cost(model, list(model.parameters()), x, y, repeats)[1]
 
 
 def run(quick: bool = False) -> dict:

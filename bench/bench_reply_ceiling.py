@@ -38,7 +38,7 @@ def reply_steps(settings: CDFLSettings, kept: int) -> int:
     return epochs * per_epoch
 
 
-def _step_cost(model: torch.nn.Module, params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+def step_cost(model: torch.nn.Module, params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor,
                repeats: int) -> tuple[float, float]:
     """(FLOPs, median seconds) of one SGD step of `params` on (x, y)."""
     opt = torch.optim.SGD(params, lr=0.01, momentum=0.9)
@@ -69,15 +69,15 @@ def run(quick: bool = False) -> dict:
     x = torch.rand((batch, *spec.input_shape), generator=g)
     y = torch.randint(0, spec.num_classes, (batch,), generator=g)
     model = build_model(ARCH, seed=0)
-    nchw_flops, nchw_s = _step_cost(model, list(model.parameters()), x, y, repeats)
+    nchw_flops, nchw_s = step_cost(model, list(model.parameters()), x, y, repeats)
     if trains_channels_last("cpu"):  # the layout the aggregator's replies train in
         model = build_model(ARCH, seed=0).to(memory_format=torch.channels_last)
-    all_flops, all_s = _step_cost(model, list(model.parameters()), x, y, repeats)
+    all_flops, all_s = step_cost(model, list(model.parameters()), x, y, repeats)
     split = LayerSplit(model, spec, torch.device("cpu"))
     with torch.no_grad():
         features = split.lower(x)
     head = split.upper.train()
-    head_flops, head_s = _step_cost(head, list(head.parameters()), features, y, repeats)
+    head_flops, head_s = step_cost(head, list(head.parameters()), features, y, repeats)
     peak = matmul_gflops(torch.device("cpu"))
     steps = reply_steps(settings, K * PROXY_PER_CLUSTER)
     steps_no_floor = reply_steps(CDFLSettings(personalize_min_steps=0), K * PROXY_PER_CLUSTER)
