@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 
-from aggregator.bootstrap import PROGRESS_EVERY_S, PretrainProgress
+from aggregator.bootstrap import PROGRESS_EVERY_S, PretrainProgress, pretrain_log
 from fedmq.logs import PROGRESS
 from tests.cli_process import BIN, CliProcess
 
@@ -14,7 +14,9 @@ def test_pretraining_reports_an_epoch_at_the_default_level_every_so_often(caplog
     now = [0.0]
     progress = PretrainProgress(3, clock=lambda: now[0])
     progress.next_model("shared", 4)
-    with caplog.at_level(logging.INFO, logger="fedmq"):
+    # Its own logger: setup_logging("auto"), run in-process by the simulator's tests, leaves that
+    # logger's level at PROGRESS, which a level set on "fedmq" would not lower.
+    with caplog.at_level(logging.INFO, logger=pretrain_log.name):
         for epoch, seconds in enumerate([3.0, 4.0, 5.0, 30.0]):  # a quick epoch, then a slow one
             now[0] += seconds
             progress(epoch, 1.5 - epoch / 10)
