@@ -432,6 +432,19 @@ def _rounds_cost_figure(rows: list[dict[str, Any]], target: float, path: Path) -
     save_figure(fig, path)
 
 
+def made_by(report: Path) -> str | None:
+    """The command an existing report.md says made it, so that a report made again keeps it."""
+    if not report.is_file():
+        return None
+    lines = report.read_text(errors="replace").splitlines()
+    if "Made by:" not in lines:
+        return None
+    start = lines.index("Made by:") + 2
+    if start >= len(lines) or lines[start] != "```sh" or "```" not in lines[start + 1:]:
+        return None
+    return "\n".join(lines[start + 1:lines.index("```", start + 1)]) or None
+
+
 def write_report(out: Path, command: str | None = None,
                  with_dirs: list[Path] | None = None) -> tuple[Path, list[Path], str]:
     """report.md and the figures; returns (report path, figure paths, the tables' markdown).
@@ -463,10 +476,11 @@ def write_report(out: Path, command: str | None = None,
         paths += figs
     text = "\n".join(sections)
     lines = ["# Simulator report", ""]
+    report = out / "report.md"
+    command = command or made_by(report)
     if command:
         lines += ["Made by:", "", "```sh", command, "```", ""]
     lines += [text, "## Figures", ""]
     lines += [f"![{p.stem}](figures/{p.name})" for p in paths]
-    report = out / "report.md"
     report.write_text("\n".join(lines) + "\n")
     return report, paths, text

@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -432,9 +433,23 @@ def test_run_commands_as_written(command: Command, scratch: Path, request) -> No
         assert rule.proof in proc.output, f"{text!r} printed no {rule.proof!r}:\n{proc.output[-4000:]}"
         assert "Traceback" not in proc.output, proc.output[-4000:]
         assert_no_honest_refusals(scratch, steps)
+        made_again = committed_report(text)
+        if made_again is not None:  # a committed report is what today's `fedmq sim report` writes
+            assert (scratch / made_again).read_text() == (ROOT / made_again).read_text(), (
+                f"{text!r} wrote another {made_again}; run it and commit the report it writes")
     finally:
         if broker is not None:
             broker.stop()
+
+
+def committed_report(text: str) -> str | None:
+    """The tracked report.md a `fedmq sim report DIR` command writes again, if DIR is tracked."""
+    words = shlex.split(text)
+    if words[:3] != ["fedmq", "sim", "report"] or len(words) != 4:
+        return None
+    report = f"{words[3].rstrip('/')}/report.md"
+    tracked = subprocess.run(["git", "ls-files", "--error-unmatch", report], cwd=ROOT, capture_output=True)
+    return report if tracked.returncode == 0 else None
 
 
 @pytest.mark.slow

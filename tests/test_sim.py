@@ -157,6 +157,8 @@ def test_tiny_fleet_end_to_end_over_mosquitto(mosquitto, tmp_path):
     assert {p.name for p in figures} == {"rotated-digits_accuracy_over_time.png", "rotated-digits_kl.png",
                                          "rotated-digits_relative_cost.png"}
     assert all(p.stat().st_size > 5000 for p in figures)
+    made = report.read_text()
+    assert write_report(tmp_path)[0].read_text() == made  # made again, it keeps its command
     run_dir = tmp_path / "runs" / cdfl.spec.label
     rows = list(csv.DictReader((run_dir / "updates.csv").read_text().splitlines()))
     assert len(rows) == len(schedule)
