@@ -607,14 +607,14 @@ def model_spec(name: str) -> ModelSpec:
 
 
 def trains_channels_last(device: torch.device | str) -> bool:
-    """Whether training on `device` lays 4-D weights out channels-last (NHWC).
+    """Whether training and scoring on `device` lay 4-D weights out channels-last (NHWC).
 
-    On a CPU, oneDNN's convolutions and max pooling run faster that way. One SGD step, one
-    thread, 2-core AMD EPYC (`python -m bench layout`, docs/models.md#training-step-layout):
-    cnn28 1.7x faster, digits-cnn 1.4x, cnn32 and ResNet-20 1.2x; ResNet-20-GN and
-    MobileNetV3-small level (0.96-1.16 across runs). Other devices keep torch's default layout
-    (not measured here). The update is the same either way: only the arithmetic's order, so
-    the last bits, differ."""
+    On a CPU, oneDNN's convolutions and max pooling run faster that way. One thread, 2-core
+    AMD EPYC (`python -m bench layout`, docs/models.md#memory-layout-of-training-and-scoring):
+    an SGD step of cnn28 1.6-1.7x faster, digits-cnn 1.2-1.4x, cnn32 and ResNet-20 1.1-1.3x,
+    ResNet-20-GN and MobileNetV3-small level; a forward pass 1.2x (ResNet-20-GN) to 5.4x
+    (MobileNetV3-small). Other devices keep torch's default layout (not measured here). The
+    result is the same either way: only the arithmetic's order, so the last bits, differ."""
     return torch.device(device).type == "cpu"
 
 

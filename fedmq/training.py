@@ -185,12 +185,19 @@ EVAL_BATCH = 256
 on 1,500): the activations of a larger batch no longer fit the caches."""
 
 
+def _evaluated(model_name: str, vector: torch.Tensor) -> nn.Module:
+    """The model `vector` for forward passes only: in eval mode, and channels-last where training
+    is (a forward pass gains more than a training step: `python -m bench layout`)."""
+    model = _model_at(model_name, vector).eval()
+    return model.to(memory_format=torch.channels_last) if trains_channels_last("cpu") else model
+
+
 @torch.no_grad()
 def per_sample_losses(model_name: str, vector: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
                       batch_size: int = EVAL_BATCH) -> torch.Tensor:
     """Cross-entropy of each sample under the model `vector`, shape (N,)."""
     _check_data(model_name, x, y)
-    model = _model_at(model_name, vector).eval()
+    model = _evaluated(model_name, vector)
     out = [nn.functional.cross_entropy(model(x[i:i + batch_size]), y[i:i + batch_size], reduction="none")
            for i in range(0, x.shape[0], batch_size)]
     return torch.cat(out) if out else torch.empty(0)
@@ -203,7 +210,7 @@ def evaluate(model_name: str, vector: torch.Tensor, x: torch.Tensor, y: torch.Te
     _check_data(model_name, x, y)
     if x.shape[0] == 0:
         return math.nan, math.nan
-    model = _model_at(model_name, vector).eval()
+    model = _evaluated(model_name, vector)
     correct, loss = 0, 0.0
     for i in range(0, x.shape[0], batch_size):
         logits = model(x[i:i + batch_size])

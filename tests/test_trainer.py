@@ -14,7 +14,7 @@ from edge_agent.trainer import (
     train_local,
 )
 from fedmq.data import load_dataset
-from fedmq.models import build_model, resolve_model_name, to_vector
+from fedmq.models import build_model, model_spec, resolve_model_name, to_vector
 from fedmq.training import fit
 
 MODEL = "digits-cnn"
@@ -231,3 +231,29 @@ def test_cpu_training_runs_channels_last_and_trains_what_the_default_layout_does
     monkeypatch.setattr(training, "trains_channels_last", lambda device: False)
     nchw = training.fit("cnn28", start, x, y, epochs=1, seed=1).vector
     assert not torch.equal(nhwc, start) and torch.allclose(nhwc, nchw, atol=1e-5, rtol=1e-4)
+
+
+def test_cpu_scoring_runs_channels_last_and_scores_what_the_default_layout_does(monkeypatch) -> None:
+    """evaluate and per_sample_losses run their forward passes channels-last on a CPU too."""
+    from fedmq import training
+
+    spec = model_spec("cnn28")
+    vector = to_vector(build_model("cnn28", seed=0))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.rand((300, *spec.input_shape), generator=g), torch.randint(0, 10, (300,), generator=g)
+    seen = []
+    real_model_at = training._model_at
+
+    def spy(name, vector):
+        model = real_model_at(name, vector)
+        model.register_forward_hook(lambda m, i, o: seen.append(m.conv1.weight.stride()[1] == 1))
+        return model
+
+    monkeypatch.setattr(training, "_model_at", spy)
+    nhwc = training.evaluate("cnn28", vector, x, y), training.per_sample_losses("cnn28", vector, x, y)
+    assert len(seen) == 4 and all(seen)  # 300 samples: two passes each
+    monkeypatch.setattr(training, "trains_channels_last", lambda device: False)
+    nchw = training.evaluate("cnn28", vector, x, y), training.per_sample_losses("cnn28", vector, x, y)
+    assert not any(seen[4:])
+    assert nhwc[0][0] == pytest.approx(nchw[0][0], abs=1 / 300) and nhwc[0][1] == pytest.approx(nchw[0][1], rel=1e-5)
+    assert torch.allclose(nhwc[1], nchw[1], rtol=1e-4, atol=1e-6)
