@@ -202,6 +202,22 @@ def test_a_process_that_trains_and_personalizes_does_not_import_the_compiler() -
     assert "torch._dynamo" not in done.stdout, done.stdout
 
 
+def conv1_layouts(monkeypatch) -> list[bool]:
+    """Whether each forward pass of a model that fedmq.training builds ran conv1 channels-last."""
+    from fedmq import training
+
+    seen: list[bool] = []
+    real_model_at = training._model_at
+
+    def spy(name, vector):
+        model = real_model_at(name, vector)
+        model.register_forward_hook(lambda m, i, o: seen.append(m.conv1.weight.stride()[1] == 1))
+        return model
+
+    monkeypatch.setattr(training, "_model_at", spy)
+    return seen
+
+
 def test_cpu_training_runs_channels_last_and_trains_what_the_default_layout_does(monkeypatch) -> None:
     """On a CPU the 4-D weights train channels-last (oneDNN's faster path, docs/models.md):
     the same update as torch's default layout up to the order of the arithmetic."""
@@ -217,15 +233,7 @@ def test_cpu_training_runs_channels_last_and_trains_what_the_default_layout_does
     assert torch.equal(conv, spec.unflatten(start)["conv1.weight"])
     g = torch.Generator().manual_seed(0)
     x, y = torch.rand((96, *spec.input_shape), generator=g), torch.randint(0, 10, (96,), generator=g)
-    seen = []
-    real_fit_model = training._model_at
-
-    def spy(name, vector):
-        model = real_fit_model(name, vector)
-        model.register_forward_hook(lambda m, i, o: seen.append(m.conv1.weight.stride()[1] == 1))
-        return model
-
-    monkeypatch.setattr(training, "_model_at", spy)
+    seen = conv1_layouts(monkeypatch)
     nhwc = training.fit("cnn28", start, x, y, epochs=1, seed=1).vector
     assert seen and all(seen)
     monkeypatch.setattr(training, "trains_channels_last", lambda device: False)
@@ -241,15 +249,7 @@ def test_cpu_scoring_runs_channels_last_and_scores_what_the_default_layout_does(
     vector = to_vector(build_model("cnn28", seed=0))
     g = torch.Generator().manual_seed(0)
     x, y = torch.rand((300, *spec.input_shape), generator=g), torch.randint(0, 10, (300,), generator=g)
-    seen = []
-    real_model_at = training._model_at
-
-    def spy(name, vector):
-        model = real_model_at(name, vector)
-        model.register_forward_hook(lambda m, i, o: seen.append(m.conv1.weight.stride()[1] == 1))
-        return model
-
-    monkeypatch.setattr(training, "_model_at", spy)
+    seen = conv1_layouts(monkeypatch)
     nhwc = training.evaluate("cnn28", vector, x, y), training.per_sample_losses("cnn28", vector, x, y)
     assert len(seen) == 4 and all(seen)  # 300 samples: two passes each
     monkeypatch.setattr(training, "trains_channels_last", lambda device: False)
