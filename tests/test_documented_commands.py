@@ -452,11 +452,32 @@ def committed_report(text: str) -> str | None:
     return report if tracked.returncode == 0 else None
 
 
+# The data folder that a page's earlier block writes (`python scripts/digits28_files.py
+# /tmp/rs/digits28`, planned elsewhere) and its later blocks read: those are planned on small
+# files the script writes here, so that they do not pass or fail by what a machine's /tmp holds.
+WRITTEN_BY_AN_EARLIER_BLOCK = "/tmp/rs/digits28"
+
+
+@pytest.fixture(scope="session")
+def digits28_files(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("digits28") / "d28"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "digits28_files.py"), str(path),
+                           "--train", "1500", "--test", "400"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return path
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("command", _by_mode("plan"), ids=str)
-def test_plan_commands_as_written(command: Command, scratch: Path, warm_python: Path) -> None:
+def test_plan_commands_as_written(command: Command, scratch: Path, warm_python: Path, request) -> None:
     env = dry_run_shims(scratch, warm_python)
-    proc = CliProcess(["bash", "-euo", "pipefail", "-c", command.text + "\nwait"], cwd=scratch, env=env)
+    text = command.text
+    if WRITTEN_BY_AN_EARLIER_BLOCK in text:
+        page = (ROOT / command.source).read_text()
+        assert page.index(f"python scripts/digits28_files.py {WRITTEN_BY_AN_EARLIER_BLOCK}\n") < page.index(
+            command.text.splitlines()[0]), f"{command.source} reads {WRITTEN_BY_AN_EARLIER_BLOCK} before writing it"
+        text = text.replace(WRITTEN_BY_AN_EARLIER_BLOCK, str(request.getfixturevalue("digits28_files")))
+    proc = CliProcess(["bash", "-euo", "pipefail", "-c", text + "\nwait"], cwd=scratch, env=env)
     code = proc.wait(600)
     assert code == 0, f"exited {code}:\n{proc.output[-4000:]}"
     assert "dry run" in proc.output or "merged" in proc.output or "|" in proc.output, proc.output[-4000:]
