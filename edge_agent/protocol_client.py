@@ -141,7 +141,7 @@ class EdgeAgent:
         kept in memory only: a restarted agent starts with none."""
         self._cond = threading.Condition()
         self.transport = MqttTransport(
-            f"fedmq-agent-{self.agent_id}", cfg.broker, clean_start=False,
+            protocol.agent_client_id(self.fleet, self.agent_id), cfg.broker, clean_start=False,
             will=Will(protocol.agent_status(self.fleet, self.agent_id), self._status("offline")),
         )
         self.channel = Channel(self.transport, cfg.protocol)

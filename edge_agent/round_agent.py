@@ -110,7 +110,7 @@ class RoundAgent:
         carries counters["finished"]); `finished_after` is then the rounds it ran."""
         self.finished_after = 0
         self.transport = MqttTransport(
-            f"fedmq-agent-{self.agent_id}", cfg.broker, clean_start=False,
+            protocol.agent_client_id(self.fleet, self.agent_id), cfg.broker, clean_start=False,
             will=Will(protocol.agent_status(self.fleet, self.agent_id), self._status("offline")))
         self.channel = Channel(self.transport, cfg.protocol)
 

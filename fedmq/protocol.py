@@ -152,6 +152,12 @@ def agent_status(fleet: str, agent: str) -> str:
     return str(Topic(fleet, "status", agent))
 
 
+def agent_client_id(fleet: str, agent: str) -> str:
+    """An agent's MQTT client id: fleet and agent, so that two fleets on one broker whose agents
+    share a name keep a session each (a broker drops the older of two clients with one id)."""
+    return f"fedmq-agent-{validate_id(fleet, 'fleet')}-{validate_id(agent, 'agent')}"
+
+
 def aggregator_status(fleet: str) -> str:
     """Retained online/offline of the aggregator (offline is its last will)."""
     return f"{TOPIC_ROOT}/{validate_id(fleet, 'fleet')}/aggregator/status"

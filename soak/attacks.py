@@ -221,8 +221,9 @@ def case_takeover(arena: Arena) -> dict[str, Any]:
     """car-2 connects five times each under car-1's and the aggregator's client ids."""
     agg = arena.main_aggregator()
     before = disconnects(agg)
-    with arena.joined("car-1", client_id="fedmq-agent-car-1", clean_start=False) as car1:
-        for victim in ("fedmq-agent-car-1", f"fedmq-aggregator-{FLEET}"):
+    car1_id = protocol.agent_client_id(FLEET, "car-1")
+    with arena.joined("car-1", client_id=car1_id, clean_start=False) as car1:
+        for victim in (car1_id, f"fedmq-aggregator-{FLEET}"):
             for _ in range(5):
                 arena.agent("car-2", client_id=victim).close()
         _, reply = round_trip(car1, 1)

@@ -654,3 +654,29 @@ def test_an_agent_or_aggregator_whose_offline_status_fails_still_disconnects(mos
         assert not transport.connected, name
         with pytest.raises(TransportError, match="closed transport"):
             publish("x/y", b"", qos=1)
+
+
+def test_agents_of_two_fleets_with_one_name_keep_a_session_each(mosquitto, tmp_path):
+    """Two fleets on one development broker (docker-compose.fleets.yml), each with a car-1: each
+    agent keeps its connection. With one client id the broker drops the older client, and the
+    two take the session from each other for as long as both run."""
+    dropped: list[str] = []
+    agents: list[EdgeAgent] = []
+    try:
+        for fleet in ("garage", "phones"):
+            agent = EdgeAgent(make_cfg(mosquitto.url, tmp_path / fleet, fleet=fleet), "car-1")
+            agent.transport.on_disconnect_hooks.append(lambda _t, _why, fleet=fleet: dropped.append(fleet))
+            agents.append(agent.start(timeout=60))
+        # A round trip through each after both are connected: a dropped client has noticed by
+        # the time its own message comes back.
+        for agent in agents:
+            echoed = threading.Event()
+            topic = f"test/{agent.fleet}/echo"
+            agent.transport.subscribe(topic, lambda _msg, echoed=echoed: echoed.set(), qos=1, timeout=60)
+            agent.transport.publish(topic, b"x", qos=1)
+            assert echoed.wait(60), agent.fleet
+        assert dropped == []
+        assert len({a.transport.client_id for a in agents}) == 2
+    finally:
+        for agent in agents:
+            agent.stop()

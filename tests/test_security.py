@@ -26,7 +26,7 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 import pytest
 
-from fedmq import cli
+from fedmq import cli, protocol
 from fedmq.broker import REPO_BROKER_CONFIG, MosquittoBroker, find_mosquitto
 from fedmq.creds import (
     Credentials,
@@ -253,9 +253,9 @@ def test_agent_cannot_publish_aggregator_status_or_any_downlink(peers):
 @pytest.mark.parametrize("victim", ["a1", "aggregator"])
 def test_client_id_of_another_user_does_not_take_over_its_session(creds, prod_broker, peers, victim):
     """a2, with its own valid password, connects under the client id the victim uses (the
-    agent's `fedmq-agent-a1`, the aggregator's `fedmq-aggregator-f1`): prod.conf makes the
+    agent's `fedmq-agent-f1-a1`, the aggregator's `fedmq-aggregator-f1`): prod.conf makes the
     client id the username, so the victim stays connected and its session keeps working."""
-    client_id = "fedmq-agent-a1" if victim == "a1" else f"fedmq-aggregator-{FLEET}"
+    client_id = protocol.agent_client_id(FLEET, "a1") if victim == "a1" else f"fedmq-aggregator-{FLEET}"
     target = Peer(client_id, creds.ca_cert, victim, creds.users()[victim])
     attacker = Peer(client_id, creds.ca_cert, "a2", creds.agents["a2"])
     watcher = peers("monitor")

@@ -75,7 +75,7 @@ export class BrowserAgent {
     this._resolveReady = resolveReady;
     const will = P.envelope("status", this.agent, this.ids.next(), { state: "offline", role: "agent", algorithm: this.algorithm });
     this.client = await mqtt.connectAsync(this.url, {
-      clientId: this.agent, // prod.conf makes the username the client id anyway
+      clientId: P.agentClientId(this.fleet, this.agent), // prod.conf makes it the username anyway
       username: this.agent,
       password: this.password,
       protocolVersion: 4,

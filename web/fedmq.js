@@ -24,6 +24,10 @@ export const topics = {
   aggregatorStatus: (fleet) => `fedmq/${fleet}/aggregator/status`,
 };
 
+/** An agent's MQTT client id, as Python's `protocol.agent_client_id`: two fleets on one
+ *  broker whose agents share a name keep a session each. */
+export const agentClientId = (fleet, agent) => `fedmq-agent-${fleet}-${agent}`;
+
 // ------------------------------------------------------------------------- msg_ids
 
 // An agent's msg_ids must rise (sort as strings after every one it sent before, across
