@@ -32,7 +32,7 @@ import torch
 
 from aggregator.journal import scan_journal
 from edge_agent.drift import ThresholdDetector
-from fedmq import codecs
+from fedmq import codecs, protocol
 from fedmq.broker import (
     REPO_BROKER_CONFIG,
     MosquittoBroker,
@@ -550,3 +550,15 @@ def test_the_browser_agent_is_ready_only_once_its_session_is_made(tmp_path) -> N
                           capture_output=True, text=True, timeout=WAIT_S)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"ready": [True, True], "loaded": True}
+
+
+def test_the_browser_agent_names_its_fleet_in_its_client_id_as_python_agents_do() -> None:
+    # On a development broker the client id is what the agent asks for: two fleets whose agents
+    # share a name keep a session each only if every kind of agent names its fleet in it.
+    if shutil.which("node") is None:
+        pytest.skip("node not found (apt-get install nodejs npm)")
+    script = 'const P = await import(process.argv[1]); console.log(P.agentClientId("garage", "car-1"));'
+    proc = subprocess.run(["node", "--input-type=module", "-e", script, (WEB / "fedmq.js").as_uri()],
+                          capture_output=True, text=True, timeout=WAIT_S)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == protocol.agent_client_id("garage", "car-1")
