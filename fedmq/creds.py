@@ -1,10 +1,14 @@
 """Make what the production broker (broker_config/prod.conf) needs: a CA, a server certificate,
 one random password per agent (plus each fleet's aggregator, monitors and reply workers),
-Mosquitto's password file and the ACL that binds each agent to its own topics.
+Mosquitto's password file and the ACL that gives each login its role's topics and no more.
 
     fedmq creds --out deploy/creds --agents car-1,car-2 --hostname broker.example.org
-    fedmq creds --out deploy/creds --agents car-1,car-2 --fleet garage --fleet depot \
+    fedmq creds --out deploy/creds --agents garage/car-1,garage/car-2,depot/van-1 \
+                --fleet garage --fleet depot \
                 --monitor-user ops,dashboard   # logins aggregator-garage, aggregator-depot
+
+An agent listed as FLEET/AGENT belongs to that fleet only (list it once per fleet it is in);
+a bare AGENT belongs to every --fleet (any fleet without --fleet).
 
 prod.conf makes the user name the MQTT client id, so one login is one session: two processes
 sharing a login take the session from each other. So every fleet's aggregator and every
@@ -21,7 +25,7 @@ Layout of OUT (mount OUT/mosquitto as /mosquitto/config, read-only; nothing secr
 broker lives outside it, nothing the broker must not hold lives inside it):
 
     OUT/mosquitto/passwd             user:$7$ PBKDF2-SHA512 hashes   0640 (0600 without --group)
-    OUT/mosquitto/acl                pattern ACL, same for every fleet size     0644
+    OUT/mosquitto/acl                per-user ACL: each login its role's topics 0644
     OUT/mosquitto/certs/ca.crt       the CA clients must trust (give it to agents) 0644
     OUT/mosquitto/certs/server.crt   server cert, SANs: hostnames, localhost, 127.0.0.1, ::1
     OUT/mosquitto/certs/server.key   0640 (0600 without --group)
@@ -48,7 +52,7 @@ import os
 import re
 import secrets
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,6 +108,9 @@ class Credentials:
     """Fleets the ACL grants (empty: any fleet, `+`)."""
     workers: dict[str, str] = field(default_factory=dict)
     """Reply workers on other machines (`fedmq worker`): name -> password; the name is the worker's id."""
+    agent_fleets: dict[str, list[str]] = field(default_factory=dict)
+    """Agent -> the fleets it belongs to (listed as FLEET/AGENT); an agent not here belongs to
+    every fleet the ACL grants."""
     local_workers: int = 0
     """Reply workers the aggregator starts itself (`fedmq aggregator --workers N`); their logins
     are derived from the aggregator's (fedmq/service_logins.py)."""
@@ -147,6 +154,10 @@ class Credentials:
     @property
     def credentials_json(self) -> Path:
         return self.private_dir / "credentials.json"
+
+    def fleets_of(self, agent: str) -> list[str]:
+        """The fleets `agent` may work in; ["+"] for any fleet."""
+        return self.agent_fleets.get(agent) or list(self.fleets) or ["+"]
 
     def aggregator_logins(self) -> dict[str, str]:
         """Every aggregator login: user -> password."""
@@ -211,6 +222,41 @@ def validate_username(name: str) -> str:
     return name
 
 
+def validate_fleet(fleet: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", fleet) or fleet in (".", ".."):
+        raise CredentialsError(f"bad fleet id {fleet!r}: use [A-Za-z0-9_.-], 1-64 characters")
+    return fleet
+
+
+def parse_agents(entries: Iterable[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """`--agents` entries (AGENT or FLEET/AGENT) -> (agents in order, agent -> its named fleets).
+
+    An agent listed only as FLEET/AGENT belongs to the fleets it is listed with; a bare AGENT
+    to every fleet, so an agent listed both ways is refused as ambiguous."""
+    agents: list[str] = []
+    named: dict[str, list[str]] = {}
+    bare: set[str] = set()
+    for entry in entries:
+        entry = entry.strip()
+        if not entry:
+            continue
+        fleet, sep, agent = entry.rpartition("/")
+        validate_username(agent)
+        if sep:
+            named.setdefault(agent, [])
+            if validate_fleet(fleet) not in named[agent]:
+                named[agent].append(fleet)
+        else:
+            bare.add(agent)
+        if agent not in agents:
+            agents.append(agent)
+    both = sorted(bare & set(named))
+    if both:
+        raise CredentialsError(f"agent {both[0]!r} is listed both bare (every fleet) and as FLEET/{both[0]}; "
+                               "list it one way")
+    return agents, named
+
+
 def generate_password() -> str:
     return secrets.token_urlsafe(PASSWORD_BYTES)
 
@@ -241,36 +287,46 @@ def render_passwd(users: dict[str, str]) -> str:
 # --------------------------------------------------------------------------- ACL
 
 
-def render_acl(aggregator_user: str, monitor_user: str | None = None, fleets: Sequence[str] = (),
-               workers: Sequence[str] = (), *, fleet_aggregators: Mapping[str, str] | None = None,
-               monitors: Sequence[str] = ()) -> str:
-    """The ACL for wire protocol v1. Pattern lines (%u) bind every agent to its own subtree,
-    so the file does not change when agents come and go (only passwd does). With `fleets`,
-    every rule names them instead of `+`: an agent then owns two topics that keep a retained
-    message (its up and status topics in each fleet), not one pair per fleet id it invents.
-    `fleet_aggregators` (fleet -> user) gives each fleet's aggregator its own fleet only;
-    without it `aggregator_user` serves every fleet. Each aggregator's probe (USER-probe)
-    reads its fleets' aggregator status. `workers` (reply workers' users) get their own jobs,
-    status and done topics by name, not by pattern: an agent must not be able to announce
-    itself as a worker and be sent replies to train; each aggregator's reply pool (user
-    AGGREGATOR-replies) gets every worker's in its fleets. `monitors` (and `monitor_user`)
-    read status topics only."""
-    scopes = list(fleets) or ["+"]
+def agent_topics(fleet: str, agent: str) -> list[str]:
+    """An agent's ACL lines in one fleet: its own uplink and status, its own downlink, and the
+    two things every member reads (the aggregator's status and the model graph)."""
+    return [f"topic write fedmq/{fleet}/agents/{agent}/up", f"topic write fedmq/{fleet}/agents/{agent}/status",
+            f"topic read fedmq/{fleet}/agents/{agent}/down", f"topic read fedmq/{fleet}/aggregator/status",
+            f"topic read fedmq/{fleet}/model/onnx"]
+
+
+def render_acl(creds: Credentials) -> str:
+    """The ACL for wire protocol v1: a `user` block per login, no `pattern` lines.
+
+    Mosquitto applies a pattern line to every authenticated user, monitors and aggregators
+    included, so a pattern for agents would let a monitor upload as agent `monitor`. Here each
+    login gets exactly its role's topics (docs/security.md has the table):
+    - an agent: its own subtree in each of its fleets (`Credentials.fleets_of`);
+    - a fleet's aggregator: that fleet's uplinks and statuses, every downlink, its own status
+      and the graph; it writes uplinks and agents' statuses only to delete what an agent left
+      retained there, and subscribes with no-local, so what its own login publishes on an
+      uplink never reaches it as an upload. Its probe (USER-probe) reads the aggregator status;
+    - a reply worker (its user is its worker id): its own jobs, status and done topics; each
+      aggregator's reply pool (USER-replies) every worker's in its fleets;
+    - a monitor: agents' and aggregator's status, read only.
+    Without `creds.fleets` a fleet level is `+` (any fleet).
+    """
+    scopes = list(creds.fleets) or ["+"]
     served: dict[str, list[str]] = {}  # aggregator user -> its fleets
     for f in scopes:
-        served.setdefault((fleet_aggregators or {}).get(f, aggregator_user), []).append(f)
-    where = "in any fleet" if not fleets else f"in fleet{'s' if len(scopes) > 1 else ''} {', '.join(scopes)} only"
+        served.setdefault(creds.fleet_aggregators.get(f, creds.aggregator_user), []).append(f)
     lines = [
-        "# fedmq wire protocol v1 ACL, written by `fedmq creds`. Anonymous clients get nothing",
-        "# (and prod.conf refuses them anyway). Anything not granted here is denied.",
-        "#",
-        f"# Every authenticated user: its own agent subtree, {where}. %u must fill a whole",
-        "# topic level; usernames are checked to be one level (no / + # %) when made.",
+        "# fedmq wire protocol v1 ACL, written by `fedmq creds`: one block per login, each its",
+        "# role's topics only. Anonymous clients get nothing (prod.conf refuses them anyway), and",
+        "# anything not granted here is denied. No pattern lines: Mosquitto applies those to",
+        "# every user, monitors and aggregators included.",
+        "",
+        "# Agents: each its own subtree in its own fleets.",
     ]
-    for f in scopes:
-        lines += [f"pattern write fedmq/{f}/agents/%u/up", f"pattern write fedmq/{f}/agents/%u/status",
-                  f"pattern read fedmq/{f}/agents/%u/down", f"pattern read fedmq/{f}/aggregator/status",
-                  f"pattern read fedmq/{f}/model/onnx"]
+    for agent in sorted(creds.agents):
+        lines.append(f"user {agent}")
+        for f in creds.fleets_of(agent):
+            lines += agent_topics(f, agent)
     lines += ["", "# A fleet's aggregator reads every uplink and status, writes every downlink and its",
               "# status, and may write (empty, to delete) what an agent left retained on its up or",
               "# status topic. Its probe login only reads the aggregator status, before it serves."]
@@ -282,6 +338,7 @@ def render_acl(aggregator_user: str, monitor_user: str | None = None, fleets: Se
                       f"topic readwrite fedmq/{f}/model/onnx"]
         lines.append(f"user {derived_user(user, PROBE)}")
         lines += [f"topic read fedmq/{f}/aggregator/status" for f in own]
+    workers = creds.worker_users()
     if workers:
         lines += ["", "# Reply workers (docs/scaling.md): each reads its own jobs and announces itself and",
                   "# its results on its own topics; its user name is its worker id."]
@@ -297,7 +354,7 @@ def render_acl(aggregator_user: str, monitor_user: str | None = None, fleets: Se
             for f in own:
                 lines += [f"topic write fedmq/{f}/workers/+/jobs", f"topic read fedmq/{f}/workers/+/status",
                           f"topic read fedmq/{f}/workers/+/done"]
-    viewers = list(dict.fromkeys([*([monitor_user] if monitor_user else []), *monitors]))
+    viewers = list(creds.all_monitors())
     if viewers:
         lines += ["", "# Dashboards (each its own login, so that two run at once): status topics only, read only."]
         for user in viewers:
@@ -458,9 +515,7 @@ def _mkdir(path: Path, mode: int, gid: int | None = None) -> None:
 def _write_broker_files(creds: Credentials, gid: int | None) -> None:
     secret_mode = 0o640 if gid is not None else 0o600
     _write(creds.passwd, render_passwd(creds.users()), secret_mode, gid)
-    _write(creds.acl, render_acl(creds.aggregator_user, creds.monitor_user, creds.fleets, creds.worker_users(),
-                                 fleet_aggregators=creds.fleet_aggregators, monitors=list(creds.all_monitors())),
-           0o644, gid)
+    _write(creds.acl, render_acl(creds), 0o644, gid)
 
 
 def _write_credentials_json(creds: Credentials) -> None:
@@ -478,6 +533,7 @@ def _write_credentials_json(creds: Credentials) -> None:
         ),
         "monitors": creds.all_monitors(),
         "agents": dict(sorted(creds.agents.items())),
+        "agent_fleets": dict(sorted(creds.agent_fleets.items())),
         "workers": dict(sorted(creds.workers.items())),
         "local_workers": creds.local_workers,
     }
@@ -507,6 +563,7 @@ def load_credentials(out_dir: str | os.PathLike[str]) -> Credentials:
         hostnames=list(doc.get("hostnames", [])),
         fleets=list(doc.get("fleets", [])),
         workers=dict(doc.get("workers") or {}),
+        agent_fleets={a: list(fs) for a, fs in (doc.get("agent_fleets") or {}).items()},
         local_workers=int(doc.get("local_workers") or 0),
     )
 
@@ -537,7 +594,7 @@ def make_credentials(
     fleets, workers and local_workers: as the previous run, else any fleet / none).
     """
     out = Path(out_dir)
-    agent_list = list(dict.fromkeys(validate_username(a.strip()) for a in agents if a.strip()))
+    agent_list, named_fleets = parse_agents(agents)
     if not agent_list:
         raise CredentialsError("no agents given")
     validate_username(aggregator_user)
@@ -556,9 +613,14 @@ def make_credentials(
     if local_workers is None:
         local_workers = previous.local_workers if previous else 0
     for f in fleets or ():
-        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", f) or f in (".", ".."):
-            raise CredentialsError(f"bad fleet id {f!r}: use [A-Za-z0-9_.-], 1-64 characters")
+        validate_fleet(f)
     fleet_list = list(dict.fromkeys(fleets)) if fleets is not None else (previous.fleets if previous else [])
+    if not fleet_list:  # FLEET/AGENT entries name the fleets when --fleet does not
+        fleet_list = list(dict.fromkeys(f for fs in named_fleets.values() for f in fs))
+    strays = sorted({f for fs in named_fleets.values() for f in fs} - set(fleet_list))
+    if strays:
+        raise CredentialsError(f"agents name fleet(s) {', '.join(strays)} that no --fleet grants "
+                               f"({', '.join(fleet_list)}); add --fleet or fix the agent list")
     fleet_users = _fleet_aggregator_users(aggregator_user, fleet_list, previous)
     aggregator_users = list(dict.fromkeys(fleet_users.values())) or [aggregator_user]
     if set(monitor_list) & set(aggregator_users):
@@ -594,6 +656,7 @@ def make_credentials(
         hostnames=all_server_names(hostnames),
         fleets=fleet_list,
         workers={w: old_users.get(w) or generate_password() for w in worker_list},
+        agent_fleets=named_fleets,
         local_workers=local_workers,
     )
     creds.revoked = sorted(set(old_users) - set(creds.users()))
@@ -698,7 +761,7 @@ def rotate_password(
 
 
 def read_agents_file(path: str | os.PathLike[str]) -> list[str]:
-    """One agent per line; blank lines and '#' comments are skipped."""
+    """One AGENT or FLEET/AGENT per line; blank lines and '#' comments are skipped."""
     names = []
     for line in Path(path).read_text().splitlines():
         line = line.split("#", 1)[0].strip()
@@ -709,8 +772,10 @@ def read_agents_file(path: str | os.PathLike[str]) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=Path, help="directory to write (see layout above)")
-    parser.add_argument("--agents", default="", help="comma-separated agent names (MQTT usernames)")
-    parser.add_argument("--agents-file", type=Path, help="file with one agent name per line")
+    parser.add_argument("--agents", default="",
+                        help="comma-separated agents, each AGENT (a member of every --fleet) or FLEET/AGENT "
+                             "(a member of that fleet; list it once per fleet); the name is its MQTT user")
+    parser.add_argument("--agents-file", type=Path, help="file with one AGENT or FLEET/AGENT per line")
     parser.add_argument("--aggregator-user", default=DEFAULT_AGGREGATOR_USER,
                         help="the aggregator's login; with several --fleet, each fleet's is USER-FLEET")
     parser.add_argument("--monitor-user", action="append", default=None, metavar="USER",
@@ -751,7 +816,9 @@ def run(args: argparse.Namespace) -> int:
         if args.agents_file:
             agents += read_agents_file(args.agents_file)
         if not agents and (args.out / "private" / "credentials.json").exists() and not args.force:
-            agents = list(load_credentials(args.out).agents)  # re-run: e.g. new hostnames
+            before = load_credentials(args.out)  # re-run: e.g. new hostnames; memberships kept
+            agents = [f"{f}/{a}" for a in before.agents for f in before.agent_fleets.get(a, [])] + \
+                     [a for a in before.agents if a not in before.agent_fleets]
         hostnames = [h for arg in args.hostname for h in arg.split(",") if h.strip()] or ["localhost"]
         creds = make_credentials(
             args.out, agents, aggregator_user=args.aggregator_user,
@@ -765,7 +832,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"fedmq creds: {e}", file=sys.stderr)
         return 2
     aggregators = ", ".join(f"{u} ({f})" for f, u in creds.fleet_aggregators.items()) or creds.aggregator_user
-    print(f"{len(creds.agents)} agents, users {aggregators}"
+    scoped = len(creds.agent_fleets)
+    print(f"{len(creds.agents)} agents" + (f" ({scoped} in named fleets only)" if scoped else "")
+          + f", users {aggregators}"
           + "".join(f", {m}" for m in creds.all_monitors())
           + (f", reply workers {', '.join(creds.worker_users())}" if creds.worker_users() else "")
           + f"; fleets: {', '.join(creds.fleets) or 'any'}")
