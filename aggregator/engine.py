@@ -151,23 +151,33 @@ class FleetSteps:
 
     The median of the latest `window` applied steps ||v - base||, counting at most `per_agent`
     (the latest) of any one agent's: one agent's many uploads (a flood of large steps) cannot
-    raise the bound for its own boosted ones. The scale never falls faster than by half over
-    `window` applied uploads (`floor`): a burst of tiny steps (agents whose data did not change)
-    cannot collapse the bound and cut the next drifting agent's honest step to nothing. The
-    floor starts once `warmup` steps are in (before, the median of a few is no fleet's)."""
+    raise the bound for its own boosted ones. Under it lies a `floor`, the largest median seen
+    (`peak`), which falls by half over `window` applied uploads and then holds at `HOLD` x
+    `peak`. A burst of tiny steps (agents whose data did not change, or an attacker lowering the
+    bar) is no evidence that honest steps got shorter: an agent whose data drifts after any
+    quiet period steps as the fleet did when it was busy, so a step up to `norm_factor` x the
+    peak keeps at least half its length. The floor starts once `warmup` steps are in (before,
+    the median of a few is no fleet's)."""
+
+    HOLD = 0.5
+    """The floor's share of the peak it never falls below, whatever the fleet sends after it."""
 
     def __init__(self, window: int, warmup: int = 1, per_agent: int = 3) -> None:
         self.window = max(1, window)
         self.warmup = max(1, warmup)
         self.recent: deque[tuple[str, float]] = deque(maxlen=self.window)
         self.per_agent = per_agent
+        self.peak = 0.0
+        """The largest median seen once `warmup` steps were in."""
         self.floor = 0.0
-        """The largest median seen, halving over every `window` applied uploads since."""
+        """The peak, halving over every `window` applied uploads since, to `HOLD` x `peak`."""
 
     def add(self, agent: str, dist: float) -> None:
         self.recent.append((agent, float(dist)))
         if len(self.recent) >= self.warmup:
-            self.floor = max(self.median(), self.floor * 0.5 ** (1.0 / self.window))
+            median = self.median()
+            self.peak = max(self.peak, median)
+            self.floor = max(median, self.floor * 0.5 ** (1.0 / self.window), self.HOLD * self.peak)
 
     def __len__(self) -> int:
         return len(self.recent)
@@ -180,17 +190,20 @@ class FleetSteps:
         return max(self.median(), self.floor)
 
     def state(self) -> dict[str, Any]:
-        return {"recent": [[agent, dist] for agent, dist in self.recent], "floor": self.floor}
+        return {"recent": [[agent, dist] for agent, dist in self.recent], "floor": self.floor,
+                "peak": self.peak}
 
     def load(self, state: dict[str, Any] | list[Any]) -> None:
-        """Also a snapshot from before the floor (a plain list) or the per-agent cap (plain
-        distances, agents unknown); the floor is then the median of what was kept."""
+        """Also a snapshot without a peak (its floor stands for it), without a floor (a plain
+        list) or without the per-agent cap (plain distances, agents unknown); the floor is then
+        the median of what was kept."""
         self.recent.clear()
         items = state["recent"] if isinstance(state, dict) else state
         for item in items:
             agent, dist = ("", item) if isinstance(item, (int, float)) else item
             self.recent.append((str(agent), float(dist)))
         self.floor = float(state["floor"]) if isinstance(state, dict) else (self.median() if self.recent else 0.0)
+        self.peak = float(state.get("peak", self.floor)) if isinstance(state, dict) else self.floor
 
 
 class Engine:

@@ -6,7 +6,12 @@ The listener is moved to --port on 127.0.0.1 (0: a free port); the URL to give a
 the aggregator is printed on the first line starting with `url: `. The config's MQTT over
 WebSockets listener (for the browser agent, docs/browser.md) keeps its port (9001 in
 dev.conf, 9883 in prod.conf) unless --ws-port says otherwise, or --port 0 asks for free
-ports; its URL is printed on a line starting with `ws_url: `.
+ports; its URL is printed on a line starting with `ws_url: `. Every listener is on 127.0.0.1
+only, checked once Mosquitto runs.
+
+Started as root, Mosquitto runs as user `mosquitto`, as a packaged one does: it must be able
+to write the work dir (a temporary one is made its own) and read the config's files (`fedmq
+creds` makes the secret ones readable by group mosquitto), or the command refuses in one line.
 
     fedmq broker                                  # mosquitto, dev.conf, mqtt://127.0.0.1:1883
     fedmq broker --embedded --port 0              # no mosquitto needed
@@ -50,6 +55,8 @@ if TYPE_CHECKING:
     from fedmq.rabbitmq_cluster import RabbitCluster
 
 DEFAULT_CONFIG = REPO_BROKER_CONFIG / "dev.conf"
+MOSQUITTO_USER = "mosquitto"
+"""Whom Mosquitto runs as when `fedmq broker` is started by root: the user the package makes."""
 CONTAINER_CONFIG_DIR = "/mosquitto/config/"
 _LISTENER_LINE = re.compile(r"^\s*listener\s+\d+")
 
@@ -67,7 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--creds", type=Path, default=None,
                         help="output dir of `fedmq creds`: maps /mosquitto/config/ (prod.conf)")
     parser.add_argument("--workdir", type=Path, default=None,
-                        help="where persistence and the log go (default: a temp dir, removed on exit)")
+                        help="where persistence and the log go (default: a temp dir, removed on exit); "
+                             "started as root, user mosquitto must be able to write it")
     parser.add_argument("--rabbitmq", type=int, default=0, metavar="N",
                         help="start a RabbitMQ cluster of N nodes instead (MQTT 3.1.1, anonymous; needs root "
                              "and rabbitmq-server); --port is the first node's MQTT port")
@@ -165,7 +173,7 @@ def _run_mosquitto(args: argparse.Namespace, binary: str, config_text: str) -> i
     ws_url = _ws_url(config_text, ports)
     if args.dry_run:
         workdir = args.workdir or Path(tempfile.gettempdir()) / "fedmq-mosquitto-XXXXXX"
-        rendered = rewrite_config(config_text, ports, Path(workdir), _path_map(args))
+        rendered = rewrite_config(config_text, ports, Path(workdir), _path_map(args), user=MOSQUITTO_USER)
         print(f"would run: {shlex.join([binary, '-c', str(Path(workdir) / 'mosquitto.conf')])}")
         print(f"url: {scheme}://127.0.0.1:{ports[0]}")
         if ws_url:
@@ -174,7 +182,8 @@ def _run_mosquitto(args: argparse.Namespace, binary: str, config_text: str) -> i
         print(rendered, end="")
         return 0
     try:
-        broker = MosquittoBroker(config_text, path_map=_path_map(args), workdir=args.workdir, ports=ports)
+        broker = MosquittoBroker(config_text, path_map=_path_map(args), workdir=args.workdir, ports=ports,
+                                 user=MOSQUITTO_USER)
     except BrokerError as e:
         print(f"fedmq broker: {e}", file=sys.stderr)
         return 1

@@ -33,6 +33,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -346,8 +347,15 @@ needs_netns = pytest.mark.skipif(not netns_available(),
 
 
 @pytest.fixture
-def scratch(tmp_path) -> Path:
-    return scratch_checkout(tmp_path / "checkout")
+def scratch() -> Iterator[Path]:
+    # Not in pytest's 0700 tmp dir: `fedmq broker` under root runs Mosquitto as user mosquitto,
+    # which reads deploy/creds there.
+    root = Path(tempfile.mkdtemp(prefix="fedmq-doc-"))
+    root.chmod(0o755)
+    try:
+        yield scratch_checkout(root / "checkout")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture

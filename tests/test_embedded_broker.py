@@ -5,10 +5,12 @@ could not bind its port is reported, never taken for the listener that holds it.
 from __future__ import annotations
 
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -191,17 +193,21 @@ def test_cli_embedded_broker_serves_until_interrupted():
 
 
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
-def test_cli_runs_mosquitto_and_stops_it_on_sigterm(tmp_path):
-    proc = _start_cli("--port", "0", "--workdir", str(tmp_path / "b"))
+def test_cli_runs_mosquitto_and_stops_it_on_sigterm():
+    # Not in pytest's 0700 tmp dir: under root, Mosquitto runs as user mosquitto and writes here.
+    root = Path(tempfile.mkdtemp(prefix="fedmq-cli-"))
+    root.chmod(0o755)
+    proc = _start_cli("--port", "0", "--workdir", str(root / "b"))
     try:
         host, port = _read_url(proc)
         assert _roundtrip(host, port) == b"ping"
-        assert "mosquitto version" in (tmp_path / "b" / "mosquitto.log").read_text()
+        assert "mosquitto version" in (root / "b" / "mosquitto.log").read_text()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
+        shutil.rmtree(root, ignore_errors=True)
     # mosquitto runs in its own session: it must have been stopped by pid, not left behind.
     with pytest.raises(OSError), socket.create_connection((host, port), timeout=2):
         pass

@@ -231,8 +231,8 @@ def test_fleet_relative_bound_is_on_by_default(pretrained, tmp_path) -> None:
 
 def test_a_burst_of_tiny_steps_does_not_lock_a_drifting_agent_out(pretrained, tmp_path) -> None:
     """A fleet steps about 1.0, then three agents send tiny steps for a while (their data did
-    not change): the median falls 100x, yet the bound falls only by half per window of
-    applied uploads, so a drifting agent's 3.0 step is applied as sent, every time."""
+    not change): the median falls 100x, yet the bound's floor keeps to the fleet's busy
+    scale, so a drifting agent's 3.0 step is applied as sent, every time."""
     knobs = {"aggregator.norm_factor": 4.0, "aggregator.norm_warmup": 6, "aggregator.norm_window": 30}
     engine = make_engine(pretrained, tmp_path, **knobs)
     quiet = [Client(engine, f"car-{i}") for i in range(3)]
@@ -246,6 +246,70 @@ def test_a_burst_of_tiny_steps_does_not_lock_a_drifting_agent_out(pretrained, tm
         drifting.install(drifting.send(drifting.step(3.0, seed=80 + i)))
         assert applied_step(engine) == pytest.approx(3.0, rel=1e-3)
     assert "bounded.norm_outlier" not in engine.counters
+
+
+NORMAL = [1.0, 0.5, 2.0, 0.7, 1.4, 1.0, 2.0, 0.6, 1.2, 0.8, 1.5, 1.0]
+"""Honest step lengths of a busy fleet: a 4x spread, as the poisoning soak's trained steps."""
+
+
+def test_a_long_quiet_spell_leaves_honest_steps_at_least_half_their_length(pretrained, tmp_path) -> None:
+    """As shipped (norm_factor 4, window 100): three agents step normally, then send 600 tiny
+    steps between them (their data did not change: six windows of applied uploads). Neither
+    one of them whose data drifts nor a newcomer has its normal steps cut below half, also
+    after a restart; a boosted step is still cut to a few times the busy fleet's step. Replies
+    are the cheap mixture: the test is about the step bound, not the reply."""
+    fast = {"cdfl.personalization": "mixture"}
+    engine = make_engine(pretrained, tmp_path, **fast)
+    fleet = [Client(engine, f"car-{i}") for i in range(3)]
+    for i, size in enumerate(NORMAL):
+        fleet[i % 3].install(fleet[i % 3].send(fleet[i % 3].step(size, seed=i)))
+    busy = engine.accepted_norms.median()
+    for i in range(600):
+        fleet[i % 3].install(fleet[i % 3].send(fleet[i % 3].step(0.01, seed=1000 + i)))
+    assert engine.accepted_norms.median() == pytest.approx(0.01, rel=1e-3)
+    engine.journal.close()
+    engine = make_engine(pretrained, tmp_path, **fast)  # the floor is state: a restart keeps it
+    drifting, newcomer = fleet[1], Client(engine, "car-7")
+    drifting.engine = engine
+    kept = []
+    for i, size in enumerate(NORMAL[:6]):
+        for c in (drifting, newcomer):
+            c.install(c.send(c.step(size, seed=5000 + 10 * i + len(kept))))
+            kept.append(applied_step(engine) / size)
+    assert min(kept) >= 0.5, kept
+    attacker = Client(engine, "car-9")
+    attacker.install(attacker.send(attacker.step(100.0 * busy, seed=9000)))
+    assert applied_step(engine) <= 4.0 * busy
+
+
+def test_one_agent_can_neither_lower_the_bound_nor_raise_it_for_itself() -> None:
+    """The fleet's typical step against one agent's flood, as the engine applies it (a step
+    cut to 4x the scale enters at that length): 600 tiny steps from it leave the bound at half
+    the busy fleet's at least; 600 boosted ones from it, while the honest agents are busy or
+    quiet, leave it where the honest agents' steps set it."""
+    from aggregator.engine import FleetSteps
+
+    def send(fleet: FleetSteps, agent: str, sent: float) -> None:
+        fleet.add(agent, min(sent, 4.0 * fleet.scale()) if len(fleet) >= fleet.warmup else sent)
+
+    def busy_fleet() -> FleetSteps:
+        fleet = FleetSteps(window=100, warmup=10)
+        for i, size in enumerate(NORMAL):
+            send(fleet, f"car-{i % 3}", size)
+        return fleet
+
+    lowered = busy_fleet()
+    peak = lowered.scale()
+    for _ in range(600):
+        send(lowered, "car-9", 0.001)
+    assert lowered.median() == pytest.approx(0.001) and lowered.scale() >= 0.5 * peak
+
+    for quiet in (False, True):
+        raised = busy_fleet()
+        for i in range(600):
+            send(raised, "car-9", 1e6)
+            send(raised, f"car-{i % 3}", 0.01 if quiet else NORMAL[i % len(NORMAL)])
+        assert raised.scale() <= 1.5 * peak, (quiet, raised.scale(), peak)
 
 
 def test_a_delta_from_the_model_before_our_last_reply_is_decoded_against_it(pretrained, tmp_path) -> None:
