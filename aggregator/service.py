@@ -79,8 +79,10 @@ def serve_fleet(transport: MqttTransport, fleet: str, online_status: Callable[[]
         lambda t, _: t.publish(protocol.aggregator_status(fleet), online_status(), qos=1, retain=True))
     transport.connect()
     guarded = retained_guard(transport, handler)
-    transport.subscribe(protocol.all_uplinks(fleet), guarded, qos=1, retain_as_published=True)
-    transport.subscribe(protocol.all_agent_status(fleet), guarded, qos=1, retain_as_published=True)
+    # no_local: the aggregator writes these topics only to delete retained messages, so nothing
+    # its own login (its client id under prod.conf) publishes there may reach it as an upload.
+    transport.subscribe(protocol.all_uplinks(fleet), guarded, qos=1, retain_as_published=True, no_local=True)
+    transport.subscribe(protocol.all_agent_status(fleet), guarded, qos=1, retain_as_published=True, no_local=True)
 
 
 MAX_AGENT_STATUS_BYTES = 64 * 1024

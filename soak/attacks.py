@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import multiprocessing
 import os
@@ -35,6 +36,8 @@ from typing import Any
 
 import numpy as np
 import paho.mqtt.client as mqtt
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
 from aggregator.journal import scan_journal
 from fedmq import protocol
@@ -52,6 +55,11 @@ FLEET = "garage"
 SECOND_FLEET = "depot"
 """Cases that run their own aggregator use this fleet: two on one fleet is itself a case."""
 AGENTS = ("car-1", "car-2", "car-3")
+"""Members of both fleets (listed bare)."""
+GARAGE_ONLY = "car-4"
+"""Listed as garage/car-4: a member of FLEET only."""
+NOT_AUTHORIZED = 0x87
+"""The PUBACK reason code Mosquitto gives an MQTT 5 client for a publish its ACL denies."""
 WAIT_S = 300.0
 """Generous deadline for anything the suite waits on: CI may share the machine."""
 
@@ -117,7 +125,7 @@ class Arena:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.creds = make_credentials(root / "creds", AGENTS, monitor_user="monitor",
+        self.creds = make_credentials(root / "creds", [*AGENTS, f"{FLEET}/{GARAGE_ONLY}"], monitor_user="monitor",
                                        fleets=[FLEET, SECOND_FLEET])
         self.users: dict[str, str] = self.creds.users()
         self.ca = self.creds.ca_cert
@@ -214,6 +222,58 @@ def disconnects(proc: CliProcess) -> int:
     return sum("transport.disconnected" in line for line in proc.lines)
 
 
+def journaled(state: Path, op: str = "update") -> set[str]:
+    """msg_ids of the `op` records in a state dir's journals."""
+    return {r.get("msg_id") for j in sorted(state.glob("journal-*.log")) for r in scan_journal(j).records
+            if isinstance(r, dict) and r.get("op") == op}
+
+
+@contextlib.contextmanager
+def v5_login(arena: Arena, user: str, *, resume: bool = False) -> Iterator[Callable[[str, bytes], int]]:
+    """An MQTT 5 connection as `user` (resuming the broker's session for it with `resume`);
+    yields publish(topic, payload) -> the PUBACK's reason code. It acknowledges nothing it
+    receives, so whatever a resumed session routed to it stays queued for that session."""
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=user, protocol=mqtt.MQTTv5,
+                         manual_ack=True)
+    client.tls_set(ca_certs=str(arena.ca))
+    client.username_pw_set(user, arena.users[user])
+    acks: dict[int, int] = {}
+    cond = threading.Condition()
+
+    def on_publish(c, userdata, mid, reason, properties) -> None:
+        with cond:
+            acks[mid] = reason.value
+            cond.notify_all()
+
+    connected = threading.Event()
+    client.on_connect = lambda *a: connected.set()
+    client.on_disconnect = lambda *a: connected.clear()
+    client.on_publish = on_publish
+    props = Properties(PacketTypes.CONNECT)
+    props.SessionExpiryInterval = 3600  # what it leaves in a session outlives it
+    client.connect("127.0.0.1", arena.broker.port, clean_start=not resume, properties=props)
+    client.loop_start()
+    try:
+        def publish(topic: str, payload: bytes) -> int:
+            """Sent again on the next connection while the session's owner takes it back."""
+            deadline = time.monotonic() + WAIT_S
+            while time.monotonic() < deadline:
+                if not connected.wait(WAIT_S):
+                    break
+                info = client.publish(topic, payload, qos=1)
+                mid = info.mid
+                with cond:
+                    if info.rc == mqtt.MQTT_ERR_SUCCESS and cond.wait_for(
+                            lambda: mid in acks or not connected.is_set(), WAIT_S) and mid in acks:  # noqa: B023
+                        return acks[mid]
+            raise TimeoutError(f"{user}: no PUBACK on {topic}")
+
+        yield publish
+    finally:
+        client.disconnect()
+        client.loop_stop()
+
+
 # ----------------------------------------------------------------------------------- cases
 
 
@@ -232,6 +292,68 @@ def case_takeover(arena: Arena) -> dict[str, Any]:
     return {"held": car1_kicked == 0 and agg_kicked == 0 and isinstance(reply, protocol.Model),
             "car1_disconnected": car1_kicked, "aggregator_disconnected": agg_kicked,
             "car1_round_trip_after": type(reply).__name__}
+
+
+def case_roles(arena: Arena) -> dict[str, Any]:
+    """Logins outside their role, against both fleets' real aggregators: the monitor uploads as
+    agent `monitor` into both fleets; garage-only car-4 uploads into depot (three updates made
+    from its garage model); depot's aggregator login resumes its own session and uploads there
+    as car-1. Held when each forbidden publish is refused (PUBACK 0x87, or for the aggregator's
+    own login, never delivered to it), none is in either journal, and car-4 in garage and car-1
+    in depot still get answers afterwards, the aggregators not restarted."""
+    garage_state = arena.root / "main"
+    garage = arena.main_aggregator()
+    depot_state = arena.state("roles-depot")
+    depot = arena.aggregator(depot_state, fleet=SECOND_FLEET)
+    forbidden: dict[str, str] = {}  # msg_id -> what it was
+    codes: dict[str, int] = {}
+    try:
+        depot.wait_for(r"aggregator\.started", WAIT_S)
+        with arena.joined(GARAGE_ONLY) as car4:  # closed before its login connects again below
+            ups = [car4.update_envelope(car4.base + step_vector(car4.base.size, i), SPEC.hash, codec="fp32")
+                   for i in range(3)]
+        with v5_login(arena, GARAGE_ONLY) as publish:
+            for i, up in enumerate(ups):
+                forbidden[up.msg_id] = f"{GARAGE_ONLY} into {SECOND_FLEET}"
+                codes[f"{GARAGE_ONLY}_into_{SECOND_FLEET}_{i}"] = publish(
+                    protocol.uplink(SECOND_FLEET, GARAGE_ONLY), protocol.encode(up))
+        with v5_login(arena, "monitor") as publish:
+            for fleet in (FLEET, SECOND_FLEET):
+                up = dataclasses.replace(ups[0], agent="monitor", msg_id=f"monitor-{fleet}")
+                forbidden[up.msg_id] = f"monitor into {fleet}"
+                codes[f"monitor_into_{fleet}"] = publish(protocol.uplink(fleet, "monitor"), protocol.encode(up))
+        with arena.joined(GARAGE_ONLY) as car4:
+            _, garage_reply = round_trip(car4, 1)
+        with arena.joined("car-1", fleet=SECOND_FLEET) as car1:
+            up = car1.update_envelope(car1.base + step_vector(car1.base.size, 7), SPEC.hash, codec="fp32")
+            forbidden[up.msg_id] = "depot's aggregator login as car-1"
+            with v5_login(arena, arena.creds.aggregator_for(SECOND_FLEET)[0], resume=True) as publish:
+                codes["aggregator_as_car-1"] = publish(protocol.uplink(SECOND_FLEET, "car-1"), protocol.encode(up))
+            # Its session was taken and ended with the attacker's: until the aggregator has
+            # subscribed again an upload finds no subscriber, so car-1 re-sends it, as agents do.
+            depot.wait_for(r"transport\.reconnected client=fedmq-aggregator-depot\b", WAIT_S)
+            again = car1.update_envelope(car1.base + step_vector(car1.base.size, 2), SPEC.hash, codec="fp32")
+            deadline = time.monotonic() + WAIT_S
+            while True:
+                car1.send(again)
+                try:
+                    depot_reply = car1.expect(again.msg_id, timeout=5.0)
+                    break
+                except TimeoutError:
+                    if time.monotonic() > deadline:
+                        raise
+        in_journals = journaled(garage_state) | journaled(depot_state)
+        applied = sorted(what for m, what in forbidden.items() if m in in_journals)
+    except Exception:
+        print("".join(depot.lines[-40:]))
+        raise
+    finally:
+        depot.stop()
+    refused = all(code == NOT_AUTHORIZED for name, code in codes.items() if not name.startswith("aggregator"))
+    answered = isinstance(garage_reply, protocol.Model) and isinstance(depot_reply, protocol.Model)
+    return {"held": refused and not applied and answered and garage.proc.poll() is None,
+            "puback_reason_codes": codes, "applied": applied,
+            "after": {"car-4_in_garage": kind(garage_reply), "car-1_in_depot": kind(depot_reply)}}
 
 
 def case_replay(arena: Arena) -> dict[str, Any]:
@@ -695,6 +817,7 @@ def case_secrets(arena: Arena) -> dict[str, Any]:
 
 CASES: dict[str, Callable[[Arena], dict[str, Any]]] = {
     "takeover": case_takeover,
+    "roles": case_roles,
     "replay": case_replay,
     "refusal": case_refusal,
     "status_epoch": case_status_epoch,

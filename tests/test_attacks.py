@@ -19,7 +19,7 @@ import pytest
 from fedmq.broker import find_mosquitto
 
 GROUPS = {
-    "network": ["takeover", "replay", "refusal", "status_epoch", "chunk_stall", "retained", "second_aggregator",
+    "network": ["takeover", "roles", "replay", "refusal", "status_epoch", "chunk_stall", "retained", "second_aggregator",
                 "split_brain_start", "secrets"],
     "cli": ["state_dir_is_file", "agent_state", "secrets"],
 }
