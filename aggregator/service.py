@@ -186,6 +186,26 @@ INSTANCE_FILE = "aggregator.instance"
 """In the state dir: who last served from it (started_at, pid, host), so that its successor
 knows that fleet status "online" is its own dead predecessor's, not another aggregator's."""
 
+MAX_HEARTBEAT_S = 60.0
+"""The longest heartbeat a probe waits on (aggregator.heartbeat_s's upper bound): a status
+advertising more still bounds the wait at 2 * MAX_HEARTBEAT_S + 1 s."""
+
+
+def heartbeat_window(heartbeat_s: float) -> float:
+    """How long a probe waits for a live status from an aggregator advertising `heartbeat_s`:
+    a whole missed beat and a second of delivery delay before silence means it is gone."""
+    return 2.0 * min(heartbeat_s, MAX_HEARTBEAT_S) + 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Predecessor:
+    """The aggregator that last served from our state dir, per its INSTANCE_FILE."""
+
+    started_at: float
+    gone: bool
+    """Known dead: it ran on this host under another pid, now not alive. False where that cannot
+    be checked: another host (a state dir restored from a copy), or this very process."""
+
 
 class SoleAggregator:
     """One aggregator per fleet, asynchronous or rounds.
@@ -195,10 +215,18 @@ class SoleAggregator:
     prod.conf's use_username_as_clientid any connection as the aggregator's user IS the
     session the uplinks are queued in, so a newcomer that connected there would take (and
     answer) uploads before it could tell that another one serves. It serves when the status is
-    absent or offline, or "online" from its own predecessor on this state dir (which must be
-    dead: we hold the state dir's lock); otherwise it waits up to about 1.5 keepalives for the
-    broker to fire the other's will, and stops at once, never having connected, when the other
-    shows that it is alive or the wait ends.
+    absent or offline, or "online" from its own predecessor on this state dir that is known
+    dead (this host, its pid gone).
+
+    A retained "online" alone proves nothing: a kill -9 leaves it behind, and a state dir
+    restored from a copy of a serving aggregator's carries that one's identity. So an
+    aggregator that advertises `heartbeat_s` (the asynchronous service re-publishes its status
+    that often) is judged by its heartbeat: the probe waits up to `heartbeat_window` for a
+    live (non-retained) delivery and stops at once, never having connected, when one comes;
+    silence means a dead predecessor (serve) or, for a foreign status, a wait for the will as
+    below. A status without `heartbeat_s` (rounds, an older aggregator): our predecessor's
+    counts as gone; another's makes us wait up to about 1.5 keepalives for the broker to fire
+    its will, stopping when it shows that it is alive or the wait ends.
 
     Once serving, each watches the status topic (`watch`), and of two that see each other
     announce themselves online, the one that started later stops (each status carries its
@@ -231,10 +259,10 @@ class SoleAggregator:
         self.own_ids.append(msg_id)
         return msg_id
 
-    def predecessor(self) -> float | None:
-        """`started_at` of the aggregator that last served from our state dir, when it is surely
-        gone: this process holds the state dir's lock (its pid is in DIR/lock) and that one was
-        not a live process on this host (a copy of a running aggregator's state dir)."""
+    def predecessor(self) -> Predecessor | None:
+        """The aggregator that last served from our state dir (its INSTANCE_FILE); None when
+        this process does not hold the state dir's lock (its pid in DIR/lock) or that one is a
+        live process on this host (the state dir is a copy of a serving aggregator's)."""
         if self.state_dir is None:
             return None
         try:
@@ -245,9 +273,10 @@ class SoleAggregator:
             return None
         if holder != os.getpid():
             return None  # we do not hold the state dir (library use): cannot vouch for it
-        if record.get("host") == socket.gethostname() and pid != os.getpid() and _alive(pid):
+        here = record.get("host") == socket.gethostname() and pid != os.getpid()
+        if here and _alive(pid):
             return None
-        return started_at
+        return Predecessor(started_at, gone=here)
 
     def record_instance(self) -> None:
         """Written before we take the session: after a kill -9 our successor recognizes the
@@ -271,6 +300,7 @@ class SoleAggregator:
         url = derived_url(broker.url, PROBE) if derived_logins else broker.url
         settings = dataclasses.replace(broker, url=url, session_expiry_s=0)
         seen: list[tuple[protocol.Status, bool]] = []
+        """Each status delivered to the probe, and whether it came retained (not live)."""
         cond = threading.Condition()
 
         def on_status(message: Message) -> None:
@@ -304,42 +334,56 @@ class SoleAggregator:
             probe.close()
 
     def _decide(self, seen: list[tuple[protocol.Status, bool]], cond: threading.Condition,
-                wait_s: float, t0: float) -> bool:
-        with cond:
-            retained = [env for env, _ in seen]
-            last = retained[-1] if retained else None
-            if last is None or last.state != "online":
-                event(log, "aggregator.clear", fleet=self.fleet, status=last.state if last else None,
-                      seconds=round(time.monotonic() - t0, 2))
-                return True
-            if last.started_at and last.started_at == self.predecessor():
-                event(log, "aggregator.clear", fleet=self.fleet, status="online",
-                      reason="our predecessor on this state dir, gone", seconds=round(time.monotonic() - t0, 2))
-                return True
-            event(log, "aggregator.waiting", level=30, fleet=self.fleet, epoch=last.epoch, wait_s=wait_s,
-                  reason="another aggregator's status says online: serving only once the broker "
-                         "publishes its will")
-            n = len(seen)
-            deadline = time.monotonic() + wait_s
+                will_s: float, t0: float) -> bool:
+        """Serve (True) or not, from what the probe got after its two SUBACKs and, for an
+        "online" status, what comes next: a live online status (a heartbeat, or a status sent
+        as the epoch moved) proves a serving aggregator, an offline one a gone one."""
 
-            def settled() -> bool:
-                return any(env.state != "online" or not retain for env, retain in seen[n:])
-
-            cond.wait_for(settled, max(0.0, deadline - time.monotonic()))
-            news = [(env, retain) for env, retain in seen[n:] if env.state != "online" or not retain]
-        if news and news[0][0].state != "online":
-            event(log, "aggregator.clear", fleet=self.fleet, status=news[0][0].state,
-                  reason="the other aggregator went offline", seconds=round(time.monotonic() - t0, 2))
+        def clear(status: str | None, reason: str = "") -> bool:
+            event(log, "aggregator.clear", fleet=self.fleet, status=status, seconds=round(time.monotonic() - t0, 2),
+                  **({"reason": reason} if reason else {}))
             return True
-        proof = "it is alive (it published its status)" if news else \
-            f"its will did not come within {wait_s:.0f} s"
-        last = news[0][0] if news else last
-        self.failure = (f"another aggregator is online for fleet {self.fleet!r} (epoch {last.epoch}): {proof}; "
-                        f"this one stops before taking the MQTT session ({self.client_id}). Stop the other "
-                        f"one, or give this one another --fleet")
-        self.failed.set()
-        event(log, "aggregator.another_online", level=30, fleet=self.fleet, epoch=last.epoch,
-              action="not serving", seconds=round(time.monotonic() - t0, 2))
+
+        def news(n: int) -> protocol.Status | None:
+            """The first status after seen[n] that settles it: offline, or delivered live."""
+            return next((env for env, retain in seen[n:] if env.state != "online" or not retain), None)
+
+        with cond:
+            last = seen[-1][0] if seen else None
+            if last is None or last.state != "online":
+                return clear(last.state if last else None)
+            before = self.predecessor()
+            ours = before is not None and bool(last.started_at) and last.started_at == before.started_at
+            if ours and before is not None and (before.gone or not last.heartbeat_s):
+                return clear("online", "our predecessor on this state dir, gone")
+            n, settled = len(seen), None
+            if last.heartbeat_s:
+                window = heartbeat_window(last.heartbeat_s)
+                event(log, "aggregator.heartbeat_wait", fleet=self.fleet, epoch=last.epoch, wait_s=window,
+                      heartbeat_s=last.heartbeat_s, reason="the retained status says online; a live one "
+                      "tells a serving aggregator from a gone one")
+                cond.wait_for(lambda: news(n) is not None, window)
+                settled = news(n)
+                if settled is None and ours:
+                    return clear("online", f"our predecessor on this state dir: no heartbeat within {window:.1f} s")
+            if settled is None:
+                event(log, "aggregator.waiting", level=30, fleet=self.fleet, epoch=last.epoch, wait_s=will_s,
+                      reason="another aggregator's status says online: serving only once the broker "
+                             "publishes its will")
+                cond.wait_for(lambda: news(n) is not None, max(0.0, t0 + will_s - time.monotonic()))
+                settled = news(n)
+        if settled is not None and settled.state != "online":
+            return clear(settled.state, "the other aggregator went offline")
+        if settled is not None:
+            ago = max(0.0, protocol.now() - settled.sent_at)
+            self.failure = (f"another aggregator is live for fleet {self.fleet!r} (heartbeat {ago:.1f} s ago, "
+                            f"epoch {settled.epoch}); not serving: this one stops before taking the MQTT "
+                            f"session ({self.client_id}). Stop the other one, or give this one another --fleet")
+        else:
+            self.failure = (f"another aggregator is online for fleet {self.fleet!r} (epoch {last.epoch}): its will "
+                            f"did not come within {will_s:.0f} s; this one stops before taking the MQTT session "
+                            f"({self.client_id}). Stop the other one, or give this one another --fleet")
+        self.failed.set()  # no line here: whoever started us says `failure` (the CLI's one error line)
         return False
 
     def watch(self, transport: MqttTransport, handler: Callable[[Message], None]) -> None:
@@ -424,6 +468,9 @@ class AggregatorService:
         """Messages taken and not yet answered, and what a reply costs: the `receipt`s' estimates."""
         self._pieces_seen: OrderedDict[tuple[str, str], set[int]] = OrderedDict()
         self._renewer: threading.Thread | None = None
+        self._heart: threading.Thread | None = None
+        self._online: protocol.Status | None = None
+        """The online status last published, which the heartbeat re-sends (`_beat`)."""
         self._status_epoch = -1
         self._status_at = time.monotonic()
 
@@ -455,6 +502,23 @@ class AggregatorService:
             return
         self.transport.publish(protocol.aggregator_status(self.fleet), self._status("online"), qos=1, retain=True)
 
+    def _beat(self) -> None:
+        """Heartbeat thread: the last online status again, with a fresh msg_id and sent_at,
+        every `aggregator.heartbeat_s`, whatever the worker is doing (one batch may train
+        replies for a minute): a standby's probe takes silence for a dead aggregator
+        (SoleAggregator). A copy of what the worker built: the engine is the worker's alone."""
+        every = self.cfg.aggregator.heartbeat_s
+        topic = protocol.aggregator_status(self.fleet)
+        while not self._stop.wait(every):
+            online = self._online
+            if online is None or not self.transport.connected:
+                continue
+            beat = dataclasses.replace(online, msg_id=self.sole.status_id(), sent_at=protocol.now())
+            try:
+                self.transport.publish(topic, protocol.encode(beat), qos=1, retain=True, timeout=every)
+            except TransportError as e:  # the next beat tries again; the will covers a dead link
+                event(log, "heartbeat.unsent", level=30, fleet=self.fleet, error=str(e)[:300])
+
     def _status(self, state: str) -> bytes:
         """The retained status; it also advertises what a device needs to join (protocol.Status)."""
         if state == "online":
@@ -475,7 +539,10 @@ class AggregatorService:
                               clusters=len(self.engine.strategy.server_models()),
                               codec={"name": c.name, "zstd": c.zstd, "delta": c.delta,
                                      "int8_block": c.int8_block, "topk_ratio": c.topk_ratio},
-                              graph=graph, started_at=self.sole.started_wall)
+                              graph=graph, started_at=self.sole.started_wall,
+                              heartbeat_s=self.cfg.aggregator.heartbeat_s if state == "online" else 0.0)
+        if state == "online":
+            self._online = env
         return protocol.encode(env)
 
     def _export_graph(self) -> None:
@@ -517,6 +584,8 @@ class AggregatorService:
         self._renewer = threading.Thread(target=self._renew_receipts, name="fedmq-aggregator-receipts",
                                          daemon=True)
         self._renewer.start()
+        self._heart = threading.Thread(target=self._beat, name="fedmq-aggregator-heartbeat", daemon=True)
+        self._heart.start()
         event(log, "aggregator.started", fleet=self.fleet, epoch=self.engine.strategy.uploads_applied,
               replayed=replayed, broker=self.cfg.broker.url)
         return self
@@ -527,6 +596,8 @@ class AggregatorService:
             self._worker.join(timeout=30)
         if self._renewer is not None:
             self._renewer.join(timeout=5)
+        if self._heart is not None:  # before the offline status, which no late beat may overwrite
+            self._heart.join(timeout=self.cfg.aggregator.heartbeat_s + 10)
         try:
             self.progress.tick(force=True)
             try:

@@ -452,6 +452,8 @@ class AggregatorSettings:
     """The retained online status (epoch, counters) is re-published when the epoch moved, at most this often (0 = only at connect). Must be >= 0."""
     takeover_grace_s: float = 60.0
     """Of two aggregators on one fleet, the later-started one exits with a clear message rather than trade the MQTT session with the other. A status without a start time makes us the newcomer within this many seconds of our own start. Must be >= 0."""
+    heartbeat_s: float = 2.0
+    """Seconds between re-publications of the online status while serving (the heartbeat, advertised in it): an aggregator starting on the fleet waits up to 2 heartbeats + 1 s for one and exits if it comes, else takes the status for a dead one's. docs/reliability.md. Must be in [0.1, 60]."""
     max_queued_per_agent: int = 4
     """An agent's uploads waiting beyond this many are refused at once (`rate_limited`, acknowledged; re-sent copies count once), so one agent's flood neither fills the inbox nor delays the others (integer >= 0; 0 = no quota)."""
     pretrain_shared: bool = True
@@ -698,7 +700,7 @@ RANGES: dict[str, str] = {
     "fedbuff.staleness_cap": ">= 0",
     "tifl.tiers": ">= 1", "tifl.interval": ">= 1", "tifl.credits": ">= 0",
     "aggregator.max_batch": ">= 1", "aggregator.inbox_max_messages": ">= 1", "aggregator.inbox_max_bytes": ">= 1",
-    "aggregator.status_every_s": ">= 0", "aggregator.takeover_grace_s": ">= 0",
+    "aggregator.status_every_s": ">= 0", "aggregator.takeover_grace_s": ">= 0", "aggregator.heartbeat_s": "in [0.1, 60]",
     "aggregator.max_queued_per_agent": ">= 0", "aggregator.pretrain_epochs": ">= 0",
     "aggregator.pretrain_lr": "> 0",
     "aggregator.accuracy_every": ">= 0", "aggregator.snapshot_every": ">= 1",

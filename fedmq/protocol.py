@@ -603,7 +603,7 @@ class Status(Envelope):
 
     TYPE: ClassVar[str] = "status"
     OMIT_WHEN_DEFAULT: ClassVar[frozenset[str]] = frozenset(
-        {"model", "model_name", "model_spec", "clusters", "codec", "graph", "started_at"})
+        {"model", "model_name", "model_spec", "clusters", "codec", "graph", "started_at", "heartbeat_s"})
 
     state: Annotated[str, StrRule(choices=("online", "offline"))]
     role: Annotated[str, StrRule(choices=("agent", "aggregator"))]
@@ -618,6 +618,10 @@ class Status(Envelope):
     graph: Annotated[dict[str, bool | int | float | str], Settings] = field(default_factory=dict)
     started_at: Annotated[float, SentAt] = 0.0
     """When this aggregator started (its wall clock): of two on one fleet, the later one yields."""
+    heartbeat_s: Annotated[float, NumRule(0.0, 3600.0)] = 0.0
+    """The aggregator re-publishes its online status at least this often while it serves (0: it
+    does not say): a live delivery within about two of these tells a serving aggregator from a
+    dead one's retained status."""
 
 
 @dataclass(frozen=True)

@@ -430,8 +430,8 @@ def test_retained_status_follows_the_epoch(service, mosquitto) -> None:
 def test_a_second_aggregator_on_the_fleet_stops_instead_of_taking_turns(mosquitto, pretrained, tmp_path) -> None:
     """Both use the fleet's client id (as two `fedmq aggregator` runs would), with the shipped
     defaults. The newcomer reads the fleet's status through its probe connection first, sees
-    the running one online and, no will coming, stops with a clear reason before it ever takes
-    the session (and with no offline status over the other's). The other serves on."""
+    the running one online and its heartbeat come, and stops with a clear reason before it
+    ever takes the session (and with no offline status over the other's). The other serves on."""
     dirs = []
     for name in ("running", "second"):
         shutil.copytree(pretrained, tmp_path / name)
@@ -442,7 +442,7 @@ def test_a_second_aggregator_on_the_fleet_stops_instead_of_taking_turns(mosquitt
         second.start()
         try:
             assert second.sole.failed.wait(60), "the newcomer never stopped"
-            assert "another aggregator is online for fleet" in second.sole.failure
+            assert "another aggregator is live for fleet 't' (heartbeat" in second.sole.failure
         finally:
             second.stop()
         a = RawAgent(mosquitto.port, FLEET, "car-7")
