@@ -286,7 +286,7 @@ def test_one_agent_can_neither_lower_the_bound_nor_raise_it_for_itself() -> None
     """The fleet's typical step against one agent's flood, as the engine applies it (a step
     cut to 4x the scale enters at that length): 600 tiny steps from it leave the bound at half
     the busy fleet's at least; 600 boosted ones from it, while the honest agents are busy or
-    quiet, leave it where the honest agents' steps set it."""
+    quiet, move it within the honest steps' own spread (a fifth here), never by its boost."""
     from aggregator.engine import FleetSteps
 
     def send(fleet: FleetSteps, agent: str, sent: float) -> None:
