@@ -29,6 +29,11 @@ applied and its reply superseded: the pending upload is dropped and the model ke
 other refusal (loss_outlier, bad_sketch, ...) drops the upload and keeps the model too. Every
 refusal is counted, in total (`refused`) and by reason (`refused.<reason>`), in the saved
 counters, `status()` and the retained status that `fedmq fleet status` reads.
+
+The broker refusing the agent's own topics to its login, or another process with its id, ends
+the agent (protocol_client.SessionGuard): training stops at the next epoch, an upload stays
+pending on disk, and `start()` or `run()` raises the one-line error (exit status 1). While
+connected it renews its retained online status every `heartbeat_s(cfg)` seconds.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from edge_agent.protocol_client import (
     AgentError,
     EdgeAgent,
     Installed,
+    heartbeat_s,
     refusal_counter,
 )
 from edge_agent.sources import DatasetSource, DataSource, DirectorySource, LocalBuffer
@@ -232,7 +238,9 @@ class DeviceAgent:
         if self.kind.connects:
             self.agent = EdgeAgent(self.cfg, self.agent_id, algorithm=self.algorithm,
                                    profile=self.profile.name,
-                                   reply_timeout_s=self.settings.reply_timeout_s, retries=2)
+                                   reply_timeout_s=self.settings.reply_timeout_s, retries=2,
+                                   heartbeat_s=heartbeat_s(self.cfg))
+            self.agent.guard.on_fatal.append(lambda _error: self._stop.set())  # training ends at the next epoch
             self.agent.counters.update({k: self.counters[k] for k in ("resends", "errors", "rejected")
                                         if k in self.counters})
             self.agent.counters.update(self._refusal_counters())
@@ -252,10 +260,16 @@ class DeviceAgent:
                 self.state.vector = to_vector(build_model(self.model_name, seed=self.cfg.seed))
             elif not self._stop.is_set():
                 self._join()
+        self._check_fatal()
         if self.predictor is None and self.state.vector is not None:
             self._make_predictor()
         self.save()
         return self
+
+    def _check_fatal(self) -> None:
+        """Raise why the agent cannot go on (its login refused its topics, its session taken)."""
+        if self.agent is not None:
+            self.agent.guard.check()
 
     def close(self) -> None:
         """Save (a pending upload stays pending), publish offline, disconnect."""
@@ -286,6 +300,7 @@ class DeviceAgent:
             self.step()
             steps += 1
             self._stop.wait(self.settings.poll_interval_s)
+        self._check_fatal()
 
     # ------------------------------------------------------------------ the loop
 

@@ -18,6 +18,10 @@ started with the same --algorithm): it holds n samples of the dataset's train sp
 in [data.min_samples, data.max_samples] from (seed, id), trains on each invite and prints one
 line per round. It keeps no state on disk (a round is only useful within its deadline), and
 exits 0 when the aggregator says its run is over (docs/catafed.md).
+
+It exits 1 with one line when retrying cannot help: the broker refuses its own topics to its
+login (under broker_config/prod.conf a login is one agent's id, in its fleets), or another
+process with the same id holds its session (the one that connected last stops).
 """
 
 from __future__ import annotations
@@ -62,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
                                   "source_dir": "agent.source_dir"})
     setup_logging(cfg.log.level, cfg.log.json, auto="progress")
     if args.dry_run:
+        from fedmq.transport import check_tls_files
+
+        check_tls_files(cfg.broker)  # a missing --ca-file: one line, exit status 2
         print(dry_run_json(cfg))
         return 0
     if not cfg.agent.id:
@@ -125,12 +132,13 @@ def _run_rounds(cfg) -> int:
                        seed=cfg.seed * 2**32 + seed, on_round=say)
     stop = threading.Event()
     SignalRelay({signal.SIGTERM: stop.set, signal.SIGINT: stop.set})
-    agent.start()
     try:
+        agent.start()
         print(f"agent {agent.agent_id} ({agent.algorithm}, rounds) on {mask_secrets(cfg.broker.url)} "
               f"fleet={cfg.fleet} samples={n}", flush=True)
-        while not stop.wait(0.5) and not agent.finished.is_set():
+        while not stop.wait(0.5) and not agent.finished.is_set() and agent.fatal is None:
             pass
+        agent.guard.check()  # its login refused its topics, or its session taken: exit status 1
         if agent.finished.is_set():
             print(f"agent {agent.agent_id}: the aggregator finished after {agent.finished_after} rounds; "
                   f"stopping", flush=True)

@@ -26,6 +26,13 @@ model it runs and trains (`Installed.vector`) is the reply with those entries it
 while deltas both ways stay against what it decoded (`Installed.wire`), the model the
 aggregator knows it holds. Its uploads still carry its statistics, which the server
 averages into the cluster models as before.
+
+What retrying cannot mend ends the agent (`SessionGuard`): the broker refusing its own topics
+to its login (MQTT 5 reason code 0x87: the login is another agent's, or not in this fleet)
+raises `LoginRefused`, and another process holding its session (the same id, so the same
+client id, or under prod.conf the same login) raises `SessionTakenOver` in the one taken
+over soon after it connected, so the other keeps working. Every other refusal by the broker is
+counted (`broker_refused`) and logged by the transport, and the agent carries on.
 """
 
 from __future__ import annotations
@@ -33,7 +40,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,10 +51,10 @@ from edge_agent.agent_algorithms import agent_algorithm
 from fedmq import codecs, protocol, sketch
 from fedmq.channel import Channel, Received, Refused
 from fedmq.config import Config
-from fedmq.errors import UsageError
+from fedmq.errors import RuntimeFailure, UsageError
 from fedmq.logs import event, get_logger
 from fedmq.models import ModelSpec, batch_norm_index, model_spec, resolve_model_name
-from fedmq.transport import Message, MqttTransport, Will
+from fedmq.transport import Message, MqttTransport, Refusal, TransportError, Will
 
 log = get_logger("agent")
 
@@ -62,6 +71,91 @@ an estimate from recent reply times may be short, and renewed receipts keep the 
 
 INVALID_DOWNLINK = frozenset({"unexpected_reply", "wrong_model", "wrong_shape"})
 """Agent-side reasons (besides codec_*) for refusing a reply; the request keeps waiting."""
+
+
+HEARTBEAT_KEEPALIVES = 2
+"""A device agent re-publishes its retained online status every this many broker keepalives
+(advertised as Status.heartbeat_s): a session cut without a last will (Mosquitto 2.0.11 sends
+none when a reload drops a rotated login) then shows offline in `fedmq fleet status` once the
+heartbeats stop (fedmq/fleet_status.py, STALE_HEARTBEATS)."""
+
+
+def heartbeat_s(cfg: Config) -> float:
+    """How often a device agent renews its retained online status."""
+    return float(HEARTBEAT_KEEPALIVES * cfg.broker.keepalive_s)
+
+
+class LoginRefused(RuntimeFailure):
+    """The broker refuses this agent's own topics to its login: retrying cannot help (exit 1)."""
+
+
+class SessionTakenOver(RuntimeFailure):
+    """Another process holds this agent's session (same id): this one stops (exit 1)."""
+
+
+class SessionGuard:
+    """Watches an agent's transport for what retrying cannot mend, and stops it.
+
+    - The broker refuses (0x87 Not authorized) a publish or subscribe on one of the agent's own
+      topics: the ACL gives them to another login, so every retry would be refused too.
+    - Another client took the session (transport.TAKEOVER_STRIKES): two processes with one id.
+      The one taken over soon after it connected stops; the other keeps the session.
+
+    Either way `fatal` holds the one-line error, the transport gives up (no more reconnects, so
+    the other process's session is left alone) and every `on_fatal` callback runs (any thread).
+    Other refusals are counted in `counters["broker_refused"]` and left to the transport's log.
+    """
+
+    def __init__(self, transport: MqttTransport, fleet: str, agent_id: str,
+                 counters: dict[str, Any]) -> None:
+        self.transport = transport
+        self.fleet, self.agent_id = fleet, agent_id
+        self.counters = counters
+        self.own_topics = {protocol.uplink(fleet, agent_id), protocol.agent_status(fleet, agent_id),
+                           protocol.downlink(fleet, agent_id)}
+        self.fatal: RuntimeFailure | None = None
+        self.on_fatal: list[Callable[[RuntimeFailure], None]] = []
+        self._lock = threading.Lock()
+        transport.on_refused_hooks.append(self._refused)
+        transport.on_taken_over_hooks.append(self._taken_over)
+
+    def check(self) -> None:
+        """Raise the fatal error, if there is one."""
+        if self.fatal is not None:
+            raise self.fatal
+
+    def _refused(self, transport: MqttTransport, r: Refusal) -> bool:
+        self.counters["broker_refused"] = self.counters.get("broker_refused", 0) + 1
+        if not (r.not_authorized and r.topic in self.own_topics):
+            return False
+        who = f"login {r.login!r}" if r.login else "an anonymous login"
+        if r.login and r.login != self.agent_id:
+            fix = (f"the ACL gives login {r.login!r} the topics of agent {r.login!r} only: run it with "
+                   f"--id {r.login}, or give agent {self.agent_id!r} a login of its own (`fedmq creds`)")
+        else:
+            fix = (f"the ACL does not give agent {self.agent_id!r} fleet {self.fleet!r}: check --fleet, "
+                   f"or add the agent to the fleet (`fedmq creds --agents {self.fleet}/{self.agent_id}`)")
+        self._fail(LoginRefused(f"the broker refused {who} to {r.kind} {r.topic}: {r.reason}, so "
+                                f"retrying cannot help; {fix}"))
+        return True
+
+    def _taken_over(self, transport: MqttTransport, why: str) -> None:
+        login = transport.address.username
+        who = f"login {login!r}" if login else f"client id {transport.client_id!r}"
+        self._fail(SessionTakenOver(
+            f"another process is connected as agent {self.agent_id!r} ({who}): {why}; this one stops "
+            f"and leaves the session to it: run one process per agent id (another device needs an "
+            f"id and a login of its own)"))
+
+    def _fail(self, error: RuntimeFailure) -> None:
+        with self._lock:
+            if self.fatal is not None:
+                return
+            self.fatal = error
+        event(log, "agent.stopping", logging.DEBUG, agent=self.agent_id, reason=str(error))
+        self.transport.give_up()
+        for callback in list(self.on_fatal):
+            callback(error)
 
 
 def refusal_counter(reason: str) -> str:
@@ -107,7 +201,7 @@ class EdgeAgent:
     """One device's connection to the fleet. `start()`, `join()`, then `upload()` cycles."""
 
     def __init__(self, cfg: Config, agent_id: str, *, algorithm: str = "cdfl", profile: str = "",
-                 reply_timeout_s: float = 20.0, retries: int = 10) -> None:
+                 reply_timeout_s: float = 20.0, retries: int = 10, heartbeat_s: float = 0.0) -> None:
         self.cfg = cfg
         self.agent_id = protocol.validate_id(agent_id, "agent id")
         self.algorithm = algorithm
@@ -147,6 +241,14 @@ class EdgeAgent:
         self.channel = Channel(self.transport, cfg.protocol)
         self.counters: dict[str, float] = {"uploads": 0, "resends": 0, "errors": 0, "rejected": 0,
                                          "joins": 0}
+        self.guard = SessionGuard(self.transport, self.fleet, self.agent_id, self.counters)
+        """Stops the agent when its login may not use its topics or another process has its session."""
+        self.guard.on_fatal.append(lambda _error: self._wake())
+        self.heartbeat_s = heartbeat_s
+        """Re-publish the retained online status this often (0: only on changes), advertised in
+        it: `fedmq fleet status` shows an agent offline once its heartbeats stop."""
+        self._beats = threading.Event()
+        self._beat_thread: threading.Thread | None = None
         a = cfg.agent
         self.privacy = cfg.privacy.mechanisms(plan=dict(
             n=a.min_samples_to_train, batch_size=a.batch_size, epochs=a.epochs,
@@ -166,7 +268,8 @@ class EdgeAgent:
             agent=self.agent_id, msg_id=protocol.new_msg_id(), sent_at=protocol.now(), state=state,
             role="agent", algorithm=self.algorithm,
             epoch=self.installed.epoch if self.installed else 0,
-            counters=dict(getattr(self, "counters", {}))))
+            counters=dict(getattr(self, "counters", {})),
+            heartbeat_s=getattr(self, "heartbeat_s", 0.0) if state == "online" else 0.0))
 
     def start(self, timeout: float = 10.0) -> EdgeAgent:
         # After every (re)connect: the broker may have published our will meanwhile.
@@ -174,12 +277,37 @@ class EdgeAgent:
             lambda t, _: t.publish(protocol.agent_status(self.fleet, self.agent_id),
                                    self._status("online"), qos=1, retain=True))
         self.transport.on_connect_hooks.append(lambda t, _: self._connected_again())
-        self.transport.connect(timeout)
-        # The SUBACK gets the same time as the CONNACK: a broker creating thousands of sessions
-        # at once (a cluster, mirrored queues) can take longer than the default 10 s for it.
-        self.transport.subscribe(protocol.downlink(self.fleet, self.agent_id), self._on_down, qos=1,
-                                 timeout=timeout)
+        try:
+            self.transport.connect(timeout)
+            # The SUBACK gets the same time as the CONNACK: a broker creating thousands of sessions
+            # at once (a cluster, mirrored queues) can take longer than the default 10 s for it.
+            self.transport.subscribe(protocol.downlink(self.fleet, self.agent_id), self._on_down, qos=1,
+                                     timeout=timeout)
+        except TransportError:
+            self.guard.check()  # the connection given up for a reason of the guard's: that one
+            raise
+        self.guard.check()
+        if self.heartbeat_s > 0 and self._beat_thread is None:
+            self._beat_thread = threading.Thread(target=self._heartbeat, name=f"heartbeat-{self.agent_id}",
+                                                 daemon=True)
+            self._beat_thread.start()
         return self
+
+    @property
+    def fatal(self) -> RuntimeFailure | None:
+        """Why this agent cannot go on (its login refused its topics, its session taken), or None."""
+        return self.guard.fatal
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _heartbeat(self) -> None:
+        while not self._beats.wait(self.heartbeat_s):
+            try:
+                self.publish_status()
+            except TransportError as e:  # closed meanwhile, or the window stayed full
+                event(log, "status.heartbeat_failed", logging.DEBUG, agent=self.agent_id, error=str(e))
 
     def awaiting(self, msg_id: str) -> bool:
         """Whether a reply naming `msg_id` would be taken now (a reply before that is unexpected)."""
@@ -196,8 +324,9 @@ class EdgeAgent:
     def stop(self) -> None:
         """Say offline and disconnect. The connection closes even if the status publish fails:
         a transport left open reconnects on its own and fights a later client of the same id."""
+        self._beats.set()
         try:
-            if self.transport.connected:
+            if self.transport.connected and self.fatal is None:  # fatal: its topics are not its login's
                 self.transport.publish(protocol.agent_status(self.fleet, self.agent_id),
                                        self._status("offline"), qos=1, retain=True).wait(5)
         finally:
@@ -282,6 +411,7 @@ class EdgeAgent:
             self._waiting.add(env.msg_id)
         try:
             while True:
+                self.guard.check()
                 if self._interrupted:
                     raise AgentError("interrupted", f"{env.TYPE} {env.msg_id} stays pending")
                 before = self.channel.bytes_sent
@@ -296,7 +426,8 @@ class EdgeAgent:
                     with self._cond:
                         connects = self._connects
                         while (env.msg_id not in self._replies and not self._interrupted
-                               and self._connects == connects and env.msg_id not in self._receipts):
+                               and self._connects == connects and env.msg_id not in self._receipts
+                               and self.guard.fatal is None):
                             left = deadline - time.monotonic()
                             if left <= 0:
                                 break
@@ -304,6 +435,7 @@ class EdgeAgent:
                         got = self._replies.pop(env.msg_id, None)
                         receipt = self._receipts.pop(env.msg_id, None)
                         reconnected = self._connects != connects
+                    self.guard.check()
                     if got is None and receipt is not None and not reconnected:
                         # Taken: the reply is being made. Wait for it, not re-send.
                         deadline = max(deadline, time.monotonic() + self.reply_timeout_s

@@ -24,6 +24,9 @@ invite as usual.
 
 CATA-Fed agents train with `catafed.epochs/batch_size/lr`, FedAvg and FedProx agents with
 `[fedavg]`'s; batches are shuffled anew each round (seeded by the agent's seed and the round).
+
+The broker refusing the agent's own topics to its login, or another process with its id, sets
+`fatal` (protocol_client.SessionGuard): the agent stops answering and the CLI exits 1 with it.
 """
 
 from __future__ import annotations
@@ -40,14 +43,14 @@ import torch
 
 from edge_agent.agent_algorithms import agent_algorithm
 from edge_agent.deadline import DeadlineLearner, RealEpochRunner, RoundWork, TrainSettings, Watchdog
-from edge_agent.protocol_client import refusal_counter
+from edge_agent.protocol_client import SessionGuard, refusal_counter
 from fedmq import codecs, protocol
 from fedmq.channel import Channel, Refused
 from fedmq.config import Config
-from fedmq.errors import UsageError
+from fedmq.errors import RuntimeFailure, UsageError
 from fedmq.logs import event, get_logger
 from fedmq.models import model_spec, resolve_model_name
-from fedmq.transport import Message, MqttTransport, Will
+from fedmq.transport import Message, MqttTransport, TransportError, Will
 
 log = get_logger("agent.rounds")
 
@@ -113,6 +116,13 @@ class RoundAgent:
             protocol.agent_client_id(self.fleet, self.agent_id), cfg.broker, clean_start=False,
             will=Will(protocol.agent_status(self.fleet, self.agent_id), self._status("offline")))
         self.channel = Channel(self.transport, cfg.protocol)
+        self.guard = SessionGuard(self.transport, self.fleet, self.agent_id, self.counters)
+        self.guard.on_fatal.append(lambda _error: self._stop.set())
+
+    @property
+    def fatal(self) -> RuntimeFailure | None:
+        """Why this agent cannot go on (its login refused its topics, its session taken), or None."""
+        return self.guard.fatal
 
     def _status(self, state: str) -> bytes:
         return protocol.encode(protocol.Status(
@@ -138,10 +148,15 @@ class RoundAgent:
         # The first Join waits for our downlink's SUBACK (an invite may answer it at once): it
         # is sent when the aggregator's retained status, subscribed to last, says online.
         self.transport.on_connect_hooks.append(announce)
-        self.transport.connect(timeout)
-        self.transport.subscribe(protocol.downlink(self.fleet, self.agent_id), self._on_down, qos=1)
-        subscribed.set()
-        self.transport.subscribe(protocol.aggregator_status(self.fleet), self._on_aggregator, qos=1)
+        try:
+            self.transport.connect(timeout)
+            self.transport.subscribe(protocol.downlink(self.fleet, self.agent_id), self._on_down, qos=1)
+            subscribed.set()
+            self.transport.subscribe(protocol.aggregator_status(self.fleet), self._on_aggregator, qos=1)
+        except TransportError:
+            self.guard.check()  # the connection given up for a reason of the guard's: that one
+            raise
+        self.guard.check()
         self._worker = threading.Thread(target=self._run, name=f"round-agent-{self.agent_id}",
                                         daemon=True)
         self._worker.start()
@@ -152,10 +167,12 @@ class RoundAgent:
         self._stop.set()
         if self._worker is not None:
             self._worker.join(timeout=30)
-        if self.transport.connected:
-            self.transport.publish(protocol.agent_status(self.fleet, self.agent_id),
-                                   self._status("offline"), qos=1, retain=True).wait(5)
-        self.transport.close()
+        try:
+            if self.transport.connected and self.fatal is None:  # fatal: its topics are not its login's
+                self.transport.publish(protocol.agent_status(self.fleet, self.agent_id),
+                                       self._status("offline"), qos=1, retain=True).wait(5)
+        finally:
+            self.transport.close()
 
     def kill(self) -> None:
         """Vanish as a crash or a lost network would: no goodbye, the broker sends the will."""
@@ -277,8 +294,12 @@ class RoundAgent:
             tensor=tensor, metrics=metrics)
         t0 = time.monotonic()
         handles = self.channel.send(protocol.uplink(self.fleet, self.agent_id), report)
-        for h in handles:
-            h.wait(invite.deadline_s)
+        try:
+            for h in handles:
+                h.wait(invite.deadline_s)
+        except TransportError as e:  # refused by the broker: counted (SessionGuard) and said once
+            self.errors.append("upload_refused")
+            event(log, "report.refused", level=10, agent=self.agent_id, round=invite.round, error=str(e))
         upload_s = time.monotonic() - t0
         self.learner.uploads.record(upload_s)
         self.counters["reports"] += 1

@@ -12,12 +12,25 @@ itself; one that dies (kill -9, power, network) is marked offline by the broker 
 will about 1.5 keepalives (broker.keepalive_s) later. A will is written when the agent
 connects, so for an agent seen offline only through it, epoch and counters are those of its
 connect time; with --watch the last online values are kept and only the state changes.
+
+A session can also end with no will: Mosquitto 2.0.11 publishes none when a reload (SIGHUP
+after `fedmq creds --rotate`) cuts a login. A member that renews its online status every
+`heartbeat_s` (advertised in it: `fedmq agent` every 2 keepalives, the aggregator every
+aggregator.heartbeat_s) is shown offline ("stale" in --json) once STALE_HEARTBEATS of them
+are missing.
+
+Mosquitto grants a subscription the ACL denies and then delivers nothing, so a login that may
+not read the fleet would see an empty one. It exits 1 with one line instead when what it reads
+cannot be the whole fleet: nothing at all, with a login, or the aggregator's status telling of
+joins and uploads but no agent's status (with --watch it says so in a warning and watches on:
+a fleet may start later).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import signal
 import sys
 import threading
@@ -27,13 +40,19 @@ from typing import Any
 
 from fedmq import protocol
 from fedmq.config import Config, add_config_arguments, config_from_args
-from fedmq.logs import setup_logging
-from fedmq.transport import Message, MqttTransport
+from fedmq.errors import RuntimeFailure
+from fedmq.logs import event, get_logger, mask_secrets, setup_logging
+from fedmq.transport import Message, MqttTransport, check_tls_files
+
+log = get_logger("fleet")
 
 ACCURACY_KEYS = ("last_accuracy", "accuracy", "acc")
 """Counter names an agent may report its latest accuracy under (first found is shown)."""
 UPLOAD_TIME_KEYS = ("last_upload_at", "last_upload_time", "last_upload")
 """Counter names for the wall-clock time (seconds since the epoch) of the last upload."""
+STALE_HEARTBEATS = 3
+"""An online status whose sender announced `heartbeat_s` and has said nothing for this many
+heartbeats is shown offline: its connection ended without a last will."""
 
 
 @dataclass
@@ -49,6 +68,17 @@ class Presence:
     sent_at: float = 0.0
     counters: dict[str, Any] = field(default_factory=dict)
     received_at: float = 0.0
+    heartbeat_s: float = 0.0
+    """How often its sender renews its online status (0: it does not say)."""
+    heard_at: float = 0.0
+    """When its sender last spoke: our clock for a live message, its `sent_at` for a retained one."""
+    stale: bool = False
+    """Online by its last status, but STALE_HEARTBEATS heartbeats overdue: shown offline."""
+
+    def silent(self, now: float) -> bool:
+        """Online by its status, yet STALE_HEARTBEATS heartbeats overdue."""
+        beat = self.heartbeat_s
+        return self.state == "online" and beat > 0 and now - self.heard_at > STALE_HEARTBEATS * beat
 
     @property
     def last_accuracy(self) -> float | None:
@@ -128,13 +158,15 @@ class FleetWatcher:
         name = topic.agent if topic.kind == "status" else "aggregator"
         seen = Presence(name=name or env.agent, state=env.state, role=env.role,
                         algorithm=env.algorithm, epoch=env.epoch, sent_at=env.sent_at,
-                        counters=dict(env.counters), received_at=now)
+                        counters=dict(env.counters), received_at=now, heartbeat_s=env.heartbeat_s,
+                        heard_at=env.sent_at if message.retain else now)
         with self._lock:
             previous = self.aggregator if topic.kind == "aggregator_status" else self.agents.get(seen.name)
             if (seen.state == "offline" and previous is not None and previous.state == "online"
                     and previous.sent_at > seen.sent_at):
                 # A last will, written at connect time: keep what the agent said since.
-                seen = Presence(**{**asdict(previous), "state": "offline", "received_at": now})
+                seen = Presence(**{**asdict(previous), "state": "offline", "received_at": now,
+                                   "heard_at": seen.heard_at})
             if topic.kind == "aggregator_status":
                 self.aggregator = seen
             else:
@@ -151,9 +183,43 @@ class FleetWatcher:
                 return
             time.sleep(0.05)
 
-    def snapshot(self) -> tuple[Presence | None, list[Presence]]:
+    def snapshot(self, now: float | None = None) -> tuple[Presence | None, list[Presence]]:
+        """The aggregator and the agents as of `now`: a member whose heartbeats stopped is offline."""
+        now = time.time() if now is None else now
         with self._lock:
-            return self.aggregator, sorted(self.agents.values(), key=lambda p: p.name)
+            members = [self.aggregator, *sorted(self.agents.values(), key=lambda p: p.name)]
+        shown = [None if p is None else
+                 Presence(**{**asdict(p), "state": "offline", "stale": True}) if p.silent(now) else p
+                 for p in members]
+        return shown[0], [p for p in shown[1:] if p is not None]
+
+    def unreadable(self) -> str | None:
+        """Why what arrived cannot be the whole fleet (its login may not read it), or None.
+
+        Mosquitto acknowledges an ACL-denied subscription like any other, so the sign is what
+        did not arrive: an aggregator status telling of joins or uploads and no agent status
+        (an agent's login reads the aggregator's status only), or, with a login, nothing at all
+        (a login of another fleet)."""
+        login = self.transport.address.username
+        who = f"user {login!r}" if login else "an anonymous client"
+        fix = (f"use a monitor login of the fleet (`fedmq creds --fleet {self.fleet} --monitor-user NAME`) "
+               f"or check --fleet")
+        with self._lock:
+            aggregator, agents = self.aggregator, len(self.agents)
+        if aggregator is not None and not agents:
+            served = max(aggregator.epoch, int(sum(v for k, v in aggregator.counters.items()
+                                                   if k.startswith("applied.") and isinstance(v, int | float))))
+            if served > 0:
+                return (f"{who} reads fleet {self.fleet!r}'s aggregator status ({served} joins and uploads "
+                        f"applied) but no agent's status: the broker's ACL does not let this login read "
+                        f"them (or the broker lost every retained status); {fix}")
+        if login and aggregator is None and not agents:
+            addr = self.transport.address
+            where = f"{'mqtts' if addr.tls else 'mqtt'}://{addr.host}:{addr.port}"
+            return (f"nothing of fleet {self.fleet!r} is readable by {who} on {where}: the "
+                    f"broker's ACL does not let this login read the fleet, or no aggregator of it ever "
+                    f"ran on this broker; {fix}")
+        return None
 
 
 # ------------------------------------------------------------------------------ rendering
@@ -222,11 +288,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="one JSON document (a line per refresh with --watch) instead of a table")
     s.add_argument("--wait", type=float, default=3.0, metavar="SECONDS",
                    help="longest wait for the retained status messages (default 3)")
+    s.add_argument("--dry-run", action="store_true",
+                   help="check the settings (the TLS files exist), print them and exit")
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     setup_logging(cfg.log.level, cfg.log.json)
+    if args.dry_run:
+        check_tls_files(cfg.broker)  # a missing --ca-file: one line, exit status 2
+        broker = {**asdict(cfg.broker), "url": mask_secrets(cfg.broker.url)}
+        print(json.dumps({"fleet": cfg.fleet, "broker": broker, "watch": args.watch, "json": args.json,
+                          "wait": args.wait}, indent=2))
+        return 0
     watcher = FleetWatcher(cfg)
     watcher.start()  # BrokerUnreachable: one line and exit status 1 (fedmq/cli.py)
     # Ctrl-C and SIGTERM end a watch cleanly, even when started with SIGINT ignored (a
@@ -235,6 +309,11 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         watcher.settle(max_s=args.wait)
+        problem = watcher.unreadable()
+        if problem and args.watch is None:
+            raise RuntimeFailure(problem)
+        if problem:
+            event(log, "fleet.unreadable", logging.WARNING, fleet=cfg.fleet, reason=problem)
         clear = sys.stdout.isatty() and not args.json
         while True:
             aggregator, agents = watcher.snapshot()

@@ -30,6 +30,14 @@ Delivery model (what the aggregator and agents rely on):
 - `close()` sends DISCONNECT, so the broker does NOT publish the will: publish your own
   "offline" status before closing. `kill()` drops the socket without DISCONNECT (tests,
   crash drills), and the broker publishes the will.
+- A publish or subscribe the broker refuses (MQTT 5 reason code >= 0x80, e.g. 0x87 Not
+  authorized for an ACL-denied QoS 1 publish) is counted in `refused` and goes to
+  `on_refused_hooks`; unless a hook reports it, one warning line names the login and the topic.
+  Mosquitto 2.0.11 grants an ACL-denied SUBSCRIBE (0x01) and drops the messages instead.
+- Another client that connects with this client id takes the session: the broker says so
+  (DISCONNECT 0x8E) or, as Mosquitto 2.0.11 does, just closes the connection, and the two then
+  take it from each other at every reconnect. `on_taken_over_hooks` hear of it
+  (see `TAKEOVER_STRIKES`); a hook may `give_up()`.
 
 Many connections in one process (the fleet simulator): paho's own loop is one thread per
 client and uses select(), which fails once a file descriptor passes 1023 (about 340
@@ -47,14 +55,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import selectors
 import socket
 import ssl
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as paho
@@ -73,7 +83,7 @@ from fedmq.broker_urls import (  # noqa: F401 (parsed without paho for config ch
     parse_broker_urls,
 )
 from fedmq.config import BrokerSettings
-from fedmq.errors import RuntimeFailure
+from fedmq.errors import RuntimeFailure, UsageError
 from fedmq.logs import event, get_logger
 
 log = get_logger("transport")
@@ -81,6 +91,22 @@ log = get_logger("transport")
 PARKED_LIMIT = 10_000
 """Messages held for lack of a handler (see MqttTransport.subscribe); beyond it they are dropped."""
 PROTOCOL_NAMES = {MQTTProtocolVersion.MQTTv5: "5", MQTTProtocolVersion.MQTTv311: "3.1.1"}
+NOT_AUTHORIZED = 0x87
+SESSION_TAKEN_OVER = 0x8E
+TAKEOVER_STRIKES = 3
+"""Connections in a row that the broker closed within TAKEOVER_WINDOW_S of their CONNACK, with
+no DISCONNECT and while it went on answering (`broker_answers`, right after each): taken for
+another client with our id. Mosquitto 2.0.11 closes a taken-over connection without saying
+why, and two processes with one id then take the session from each other at every reconnect
+(every reconnect_min_s). A broker that restarts closes connections the same way (even on
+SIGTERM) and may be back before the reconnect, but it does not answer the probe while it goes
+down; a reload that cuts a rotated login is followed by a refused reconnect, which starts the
+count again. The first cut of a long-lived connection does not count, so of two such
+processes the one that connected last reaches this first."""
+TAKEOVER_WINDOW_S = 10.0
+_TAKEOVER_PROBES = threading.BoundedSemaphore(4)
+"""Probes under way in this process: many cuts at once are the broker's doing (a restart cuts
+every client of a simulated fleet together), not takeovers, and go unprobed and uncounted."""
 PROTOCOL_CHOICES = {
     "auto": (MQTTProtocolVersion.MQTTv5, MQTTProtocolVersion.MQTTv311),
     "5": (MQTTProtocolVersion.MQTTv5,),
@@ -336,6 +362,7 @@ class NetworkLoop:
             try:
                 client.reconnect()
             except (OSError, ssl.SSLError, ValueError) as e:
+                transport._short_cuts = 0  # the broker is away (restarting, unreachable), not taken
                 event(log, "transport.reconnect_failed", logging.DEBUG, client=transport.client_id,
                       error=str(e), retry_in_s=min(delay * 2, transport.settings.reconnect_max_s))
                 transport._next_node(client)
@@ -391,6 +418,48 @@ def _connect_failure(e: OSError, where: str, host: str) -> str:
     return f"cannot connect to {where}: {e}; check --broker"
 
 
+def broker_answers(addr: BrokerAddress, settings: BrokerSettings, protocol: MQTTProtocolVersion | None,
+                   timeout_s: float = 5.0) -> bool:
+    """Whether the broker at `addr` answers a CONNECT now, with any CONNACK (a refusal too).
+
+    The probe is anonymous, with a client id of its own, a clean start and no session: it takes
+    nobody's session (a login's would, where the broker makes the user name the client id)."""
+    v5 = protocol == MQTTProtocolVersion.MQTTv5
+    probe = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"fedmq-probe-{os.urandom(6).hex()}",
+                        clean_session=None if v5 else True,
+                        protocol=MQTTProtocolVersion.MQTTv5 if v5 else MQTTProtocolVersion.MQTTv311)
+    answered = threading.Event()
+    probe.on_connect = lambda *_args: answered.set()
+    kwargs: dict[str, Any] = {}
+    if v5:
+        props = Properties(PacketTypes.CONNECT)
+        props.SessionExpiryInterval = 0
+        kwargs = {"clean_start": True, "properties": props}
+    try:
+        if addr.tls:
+            probe.tls_set(ca_certs=settings.ca_file or None, certfile=settings.cert_file or None,
+                          keyfile=settings.key_file or None)
+            probe.tls_insecure_set(settings.tls_insecure)
+        probe.connect_timeout = timeout_s
+        probe.connect(addr.host, addr.port, keepalive=max(5, int(timeout_s) * 2), **kwargs)
+        deadline = time.monotonic() + timeout_s
+        while not answered.is_set() and time.monotonic() < deadline:
+            if probe.loop(timeout=0.05) != MQTTErrorCode.MQTT_ERR_SUCCESS:
+                break
+    except (OSError, ssl.SSLError, ValueError):
+        return False
+    finally:
+        with contextlib.suppress(Exception):
+            probe.disconnect()
+            probe.loop(timeout=0.01)
+        sock = probe.socket()
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+        _close_wakeup_pair(probe)
+    return answered.is_set()
+
+
 def check_reachable(url: str, timeout_s: float = 10.0) -> None:
     """Raise BrokerUnreachable (the message a start would give) when nothing accepts a TCP
     connection at the broker URL: a service checks this before minutes of set-up, then
@@ -405,6 +474,25 @@ def check_reachable(url: str, timeout_s: float = 10.0) -> None:
         except OSError as e:
             failures.append(_connect_failure(e, where, addr.host))
     raise BrokerUnreachable("; ".join(failures))
+
+
+TLS_FILES = (("ca_file", "--ca-file", "the CA certificate that signed the broker's (`fedmq creds` "
+                                      "writes it to OUT/mosquitto/certs/ca.crt)"),
+             ("cert_file", "--cert-file", "this client's certificate"),
+             ("key_file", "--key-file", "the key of this client's certificate"))
+
+
+def check_tls_files(settings: BrokerSettings) -> None:
+    """Raise UsageError (exit status 2) naming the first TLS file the settings name that is not
+    a readable file: `--dry-run` says so, rather than the first connect minutes later."""
+    for attr, flag, what in TLS_FILES:
+        path = getattr(settings, attr)
+        if not path:
+            continue
+        problem = ("no such file" if not Path(path).exists() else "not a file" if not Path(path).is_file()
+                   else "not readable" if not os.access(path, os.R_OK) else "")
+        if problem:
+            raise UsageError(f"{flag} (broker.{attr}) {path}: {problem}; pass {what}")
 
 
 @dataclass(frozen=True)
@@ -432,18 +520,42 @@ class Message:
     """Which connection of this transport it arrived on; an ack on a later one is void."""
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """The broker said no to one publish (its PUBACK) or subscribe (its SUBACK): MQTT 5 only,
+    since a 3.1.1 PUBACK has no reason code."""
+
+    kind: str
+    """publish or subscribe"""
+    topic: str
+    code: int
+    reason: str
+    """The reason code's name and value, e.g. `Not authorized (0x87)`."""
+    login: str | None
+    """The user name this transport logs in with (None: anonymous)."""
+
+    @property
+    def not_authorized(self) -> bool:
+        """The ACL forbids it: the same request will be refused again."""
+        return self.code == NOT_AUTHORIZED
+
+
 Handler = Callable[[Message], None]
 ConnectHook = Callable[["MqttTransport", bool], None]
 DisconnectHook = Callable[["MqttTransport", str], None]
+RefusedHook = Callable[["MqttTransport", Refusal], bool | None]
+TakenOverHook = Callable[["MqttTransport", str], None]
 
 
 class PublishHandle:
     """The fate of one publish: `wait()` for its PUBACK (QoS 1) or its write (QoS 0)."""
 
-    def __init__(self, mid: int, topic: str, qos: int, on_done: Callable[[], None] | None) -> None:
+    def __init__(self, mid: int, topic: str, qos: int, on_done: Callable[[], None] | None,
+                 on_refused: Callable[[str, ReasonCode], None] | None = None) -> None:
         self.mid = mid
         self.topic = topic
         self.qos = qos
+        self._on_refused = on_refused
         self.reason: str | None = None
         """None while pending; the broker's reason code name once done; an error text on failure."""
         self._failed = False
@@ -469,17 +581,20 @@ class PublishHandle:
     def _resolve(self, outcome: ReasonCode | _Abandoned) -> None:
         """paho's PUBACK reason (or write, at QoS 0), or why it will never come."""
         if isinstance(outcome, ReasonCode):
-            self._complete(_reason_text(outcome), outcome.is_failure)
+            if (self._complete(_reason_text(outcome), outcome.is_failure) and outcome.is_failure
+                    and self._on_refused is not None):
+                self._on_refused(self.topic, outcome)
         else:
             self._complete(str(outcome), True)
 
-    def _complete(self, reason: str, failed: bool) -> None:
+    def _complete(self, reason: str, failed: bool) -> bool:
         if self._event.is_set():
-            return
+            return False
         self.reason, self._failed = reason, failed
         self._event.set()  # before freeing the window slot: a waiter never sees a freed slot early
         if self._on_done is not None:
             self._on_done()
+        return True
 
 
 class _Abandoned(str):
@@ -571,6 +686,7 @@ class _Subscription:
     qos: int
     handler: Handler
     retain_as_published: bool = False
+    no_local: bool = False
     granted: bool = False
 
 
@@ -623,6 +739,15 @@ class MqttTransport:
         """Called as hook(transport, reason) whenever an established connection ends."""
         self.yielded = False
         """Set by `give_up()`: the connection is not re-established after it ends."""
+        self.on_refused_hooks: list[RefusedHook] = []
+        """Called as hook(transport, refusal) when the broker refuses a publish or a subscribe
+        (any thread). A hook that returns True reports it itself; else the transport logs it."""
+        self.on_taken_over_hooks: list[TakenOverHook] = []
+        """Called as hook(transport, why) (any thread) when another client with this client id
+        holds the session (TAKEOVER_STRIKES); a hook may `give_up()`. Without a hook the
+        transport says so in one line and goes on reconnecting."""
+        self.refused: Counter[str] = Counter()
+        """Refusals by the broker, by kind (publish, subscribe)."""
 
         self._client: _GatedClient | None = None
         self._protocol: MQTTProtocolVersion | None = None
@@ -642,6 +767,14 @@ class MqttTransport:
         self._read_paused = False
         self._unacked: set[int] = set()
         self._unacked_lock = threading.Lock()
+        self._refusal_lock = threading.Lock()
+        self._refusals_said: set[tuple[str, str, int]] = set()
+        """(kind, topic, code) logged on this connection: repeats go to debug."""
+        self._connected_at = 0.0
+        self._takeover_lock = threading.Lock()
+        self._short_cuts = 0
+        """Connections in a row closed by the broker soon after their CONNACK (TAKEOVER_STRIKES)."""
+        self._cut_times: list[float] = []
 
     # -- state ---------------------------------------------------------------------------
 
@@ -889,10 +1022,16 @@ class MqttTransport:
         if not self._ever_connected:
             self._first_connack = (reason, session_present)
         if reason.is_failure:
+            self._short_cuts = 0  # refused, not taken: whoever holds the session, it is not us
             if self._ever_connected:
                 event(log, "transport.refused", logging.WARNING, client=self.client_id,
                       reason=_reason_text(reason))
             return
+        self._connected_at = time.monotonic()
+        if not session_present:
+            self._short_cuts = 0  # the broker lost our session (a restart without it): nobody took it
+        with self._refusal_lock:
+            self._refusals_said.clear()
         receive_maximum = getattr(properties, "ReceiveMaximum", None) if properties else None
         if receive_maximum:
             limit = min(self.settings.max_inflight, int(receive_maximum))
@@ -918,6 +1057,7 @@ class MqttTransport:
         self._run_hooks(self.on_connect_hooks, session_present)
 
     def _on_connect_fail(self, client: paho.Client, userdata: Any) -> None:
+        self._short_cuts = 0  # the broker is away (restarting, unreachable), not taken
         event(log, "transport.connect_failed", logging.DEBUG, client=self.client_id, broker=self._where())
         self._next_node(client)  # paho's own thread: its next reconnect goes to the next node
 
@@ -925,15 +1065,94 @@ class MqttTransport:
                        properties: Properties | None) -> None:
         was_connected = self._connected.is_set()
         self._connected.clear()
+        if was_connected and not self._closed and not self.yielded:
+            self._check_taken_over(flags, reason)
         if self.network is not None and self._ever_connected and not self._closed and not self.yielded:
             # paho's own thread reconnects by itself; the shared loop does it on request
             self.network.reconnect_later(client, self.settings.reconnect_min_s, self.settings.reconnect_max_s)
+        if self.yielded and not self._closed:  # no reconnect will bring these acknowledgements
+            self._fail_pending("the transport gave up its session")
         if not was_connected:
             return
         text = _reason_text(reason)
-        if not self._closed:
-            event(log, "transport.disconnected", logging.WARNING, client=self.client_id, reason=text)
+        if not self._closed:  # given up: the end we asked for, no news
+            event(log, "transport.disconnected", logging.DEBUG if self.yielded else logging.WARNING,
+                  client=self.client_id, reason=text)
         self._run_hooks(self.on_disconnect_hooks, text)
+
+    def _check_taken_over(self, flags: Any, reason: ReasonCode) -> None:
+        """A connection the broker ended soon after making it may have been taken by another
+        client with our id: said at once on DISCONNECT 0x8E; a close with no reason counts once a
+        probe shows the broker still up (TAKEOVER_STRIKES)."""
+        lived = time.monotonic() - self._connected_at
+        from_broker = bool(getattr(flags, "is_disconnect_packet_from_server", False))
+        code = getattr(reason, "value", None)
+        if lived < TAKEOVER_WINDOW_S and from_broker and code == SESSION_TAKEN_OVER:
+            self._taken_over(f"the broker took this session for another client {lived:.1f} s after "
+                             f"it was made: {_reason_text(reason)}")
+        elif (lived < TAKEOVER_WINDOW_S and not from_broker and code == 0x80  # closed, no DISCONNECT
+              and _TAKEOVER_PROBES.acquire(blocking=False)):
+            threading.Thread(target=self._confirm_cut, name=f"takeover-probe-{self.client_id}",
+                             daemon=True).start()
+        else:  # a long-lived connection, the broker's own reason, our keepalive, or a mass cut
+            with self._takeover_lock:
+                self._short_cuts = 0
+                self._cut_times.clear()
+
+    def _confirm_cut(self) -> None:
+        """Probe thread: count the cut if the broker answers a CONNECT right after it (another
+        client took the session); a broker that does not answer was going down (a restart)."""
+        cut_at = time.monotonic()
+        try:
+            up = broker_answers(self.address, self.settings, self._protocol)
+        finally:
+            _TAKEOVER_PROBES.release()
+        with self._takeover_lock:
+            if self.yielded or self._closed:
+                return
+            if not up:
+                self._short_cuts = 0
+                self._cut_times.clear()
+                return
+            self._short_cuts += 1
+            self._cut_times.append(cut_at)
+            if self._short_cuts != TAKEOVER_STRIKES:
+                return
+            span = cut_at - self._cut_times[0]
+        self._taken_over(f"the broker closed this connection {TAKEOVER_STRIKES} times in {span:.1f} s, "
+                         f"each within {TAKEOVER_WINDOW_S:.0f} s of connecting, with no reason given and "
+                         f"while it went on answering: what it does when another client connects with "
+                         f"the same client id")
+
+    def _taken_over(self, why: str) -> None:
+        event(log, "transport.taken_over", logging.DEBUG if self.on_taken_over_hooks else logging.WARNING,
+              client=self.client_id, login=self.address.username, reason=why)
+        for hook in list(self.on_taken_over_hooks):
+            self._call_user(hook, self, why)
+
+    def _broker_refused(self, kind: str, topic: str, reason: ReasonCode) -> None:
+        """The broker refused a publish or a subscribe: count it, tell the hooks, log it once per
+        (kind, topic, reason) and connection unless a hook reported it."""
+        refusal = Refusal(kind, topic, reason.value, _reason_text(reason), self.address.username)
+        with self._refusal_lock:
+            self.refused[kind] += 1
+            total = self.refused[kind]
+            key = (kind, topic, reason.value)
+            first = key not in self._refusals_said
+            self._refusals_said.add(key)
+        reported = False
+        for hook in list(self.on_refused_hooks):
+            try:
+                reported = bool(hook(self, refusal)) or reported
+            except Exception:
+                log.exception("refusal hook %s raised", getattr(hook, "__qualname__", hook))
+        if not reported:
+            event(log, f"transport.{kind}_refused", logging.WARNING if first else logging.DEBUG,
+                  client=self.client_id, login=refusal.login, topic=topic, reason=refusal.reason,
+                  refused=total)
+
+    def _publish_refused(self, topic: str, reason: ReasonCode) -> None:
+        self._broker_refused("publish", topic, reason)
 
     def _on_publish(self, client: paho.Client, userdata: Any, mid: int, reason: ReasonCode,
                     properties: Properties | None) -> None:
@@ -982,7 +1201,7 @@ class MqttTransport:
     # -- subscribe -----------------------------------------------------------------------
 
     def subscribe(self, topic_filter: str, handler: Handler, qos: int = 1,
-                  timeout: float = 10.0, *, retain_as_published: bool = False) -> None:
+                  timeout: float = 10.0, *, retain_as_published: bool = False, no_local: bool = False) -> None:
         """Route messages matching `topic_filter` to `handler` and subscribe at `qos`.
 
         Before connect(), this only registers: the SUBSCRIBE goes out at connect time. After
@@ -993,6 +1212,9 @@ class MqttTransport:
         Mosquitto grants even ACL-denied subscriptions, so a grant does not prove access.
         `retain_as_published` (MQTT 5; ignored on 3.1.1): live messages keep the retain flag
         their sender set, so a handler can tell what the broker is storing.
+        `no_local` (MQTT 5; ignored on 3.1.1): what this client id publishes never comes back
+        on this subscription, so a topic a client writes (e.g. to delete a retained message)
+        is not one it can feed itself through.
         """
         if qos not in (0, 1, 2):
             raise TransportError(f"qos must be 0, 1 or 2, not {qos!r}")
@@ -1001,7 +1223,7 @@ class MqttTransport:
                 ("#" in level and (level != "#" or i != len(levels) - 1)) or ("+" in level and level != "+")
                 for i, level in enumerate(levels)):
             raise TransportError(f"invalid topic filter {topic_filter!r} (+ and # must fill a whole level, # last)")
-        sub = _Subscription(topic_filter, qos, handler, retain_as_published)
+        sub = _Subscription(topic_filter, qos, handler, retain_as_published, no_local)
         with self._dispatch_lock:  # parked messages reach the handler before newer ones
             with self._subs_lock:
                 self._subs[topic_filter] = sub
@@ -1026,7 +1248,8 @@ class MqttTransport:
 
     def _send_subscribe(self, client: paho.Client, sub: _Subscription) -> _SubackWait | None:
         if self._protocol == MQTTProtocolVersion.MQTTv5:
-            options = paho.SubscribeOptions(qos=sub.qos, retainAsPublished=sub.retain_as_published)
+            options = paho.SubscribeOptions(qos=sub.qos, retainAsPublished=sub.retain_as_published,
+                                            noLocal=sub.no_local)
             rc, mid = client.subscribe(sub.topic_filter, options=options)
         else:
             rc, mid = client.subscribe(sub.topic_filter, sub.qos)
@@ -1071,7 +1294,8 @@ class MqttTransport:
             raise TransportError(
                 f"publish to {topic!r}: {self._window.limit} messages still unacknowledged after "
                 f"{timeout}s (broker slow or unreachable)")
-        handle = PublishHandle(0, topic, qos, self._window.release if counted else None)
+        handle = PublishHandle(0, topic, qos, self._window.release if counted else None,
+                               self._publish_refused)
         try:
             info = client.publish(topic, payload, qos, retain)
         except (ValueError, TypeError) as e:
@@ -1220,3 +1444,5 @@ class _SubackWait:
             else:
                 self.sub.granted = True
         self.event.set()
+        if isinstance(reasons, list) and reasons and isinstance(reasons[0], ReasonCode) and reasons[0].is_failure:
+            self.transport._broker_refused("subscribe", self.sub.topic_filter, reasons[0])
