@@ -71,6 +71,9 @@ def run(args: argparse.Namespace) -> int:
 
         load_init_vector(cfg.aggregator.init, resolve_model_name(cfg.model, cfg.data.dataset))
     if args.dry_run:
+        from fedmq.transport import check_tls_files
+
+        check_tls_files(cfg.broker)  # a missing --ca-file: one line, exit status 2
         print(dry_run_json(cfg))
         return 0
     stop = threading.Event()

@@ -619,9 +619,10 @@ class Status(Envelope):
     started_at: Annotated[float, SentAt] = 0.0
     """When this aggregator started (its wall clock): of two on one fleet, the later one yields."""
     heartbeat_s: Annotated[float, NumRule(0.0, 3600.0)] = 0.0
-    """The aggregator re-publishes its online status at least this often while it serves (0: it
-    does not say): a live delivery within about two of these tells a serving aggregator from a
-    dead one's retained status."""
+    """The sender (the aggregator, or an agent) re-publishes its online status at least this often
+    while connected (0: it does not say): a live delivery within about two of these tells a
+    serving aggregator from a dead one's retained status, and three missed ones mark a member
+    whose session ended without a last will offline."""
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,8 @@ RULES: list[Rule] = [
     Rule(r"^fedmq privacy plan ", "run", proof="noise multiplier"),
     Rule(r"^fedmq (agent|aggregator) .*backbone=mnv3-shapes\.pt.*--dry-run$", "run", proof='"parameters": 601098',
          needs=("backbone",)),
+    Rule(r"^fedmq (agent|aggregator) .*--ca-file deploy/creds/.*--dry-run$", "run", proof='"resolved"',
+         needs=("creds",)),
     Rule(r"^fedmq (agent|aggregator) .*--dry-run$", "run", proof='"resolved"'),
     Rule(r"^fedmq creds ", "run", proof=""),
     Rule(r"^fedmq sim report ", "run", proof="report:", timeout=900),
