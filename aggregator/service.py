@@ -44,6 +44,7 @@ from fedmq.logs import PROGRESS, event, get_logger
 from fedmq.onnx_export import INPUT_NAME, OUTPUT_NAME, fleet_graph
 from fedmq.service_logins import PROBE, derived_url
 from fedmq.transport import (
+    BrokerUnreachable,
     Message,
     MqttTransport,
     NetworkLoop,
@@ -243,6 +244,8 @@ class SoleAggregator:
         """Where INSTANCE_FILE lives (None: no state dir, every earlier "online" is foreign)."""
         self.cleared = False
         """`clear_to_serve` said yes (the CLI asks before its reply pool connects)."""
+        self.probe_refused: str | None = None
+        """Why the broker refused the probe login, when it did (reported once connected)."""
         self.own_ids: deque[str] = deque(maxlen=64)
         """msg_ids of the statuses this aggregator published (its will included)."""
         self.started()
@@ -321,10 +324,20 @@ class SoleAggregator:
             probe.subscribe(topic, on_status, qos=1)
             # A second SUBACK comes after the retained status the first SUBSCRIBE was sent.
             probe.subscribe(topic, on_status, qos=1)
+        except BrokerUnreachable as e:
+            probe.close()
+            if not e.login_refused:
+                raise  # no broker there: the one line the aggregator's own connect would give
+            # The probe's password derives from the aggregator's, so a wrong password fails here
+            # first, and the aggregator's own connect then says so in one line; credentials made
+            # before probe logins existed fail the same way, which `watch` reports once connected.
+            self.probe_refused = str(e)
+            self.cleared = True
+            return True
         except TransportError as e:
             probe.close()
             event(log, "aggregator.probe_failed", level=30, fleet=self.fleet, error=str(e)[:300],
-                  action="serving; run `fedmq creds` again to add the probe login")
+                  action="serving without the check")
             self.cleared = True
             return True
         try:
@@ -395,6 +408,17 @@ class SoleAggregator:
         topic = protocol.aggregator_status(self.fleet)
         transport.subscribe(topic, handler, qos=1)
         transport.on_connect_hooks.append(lambda t, _: t.subscribe(topic, handler, qos=1))
+        if self.probe_refused:
+            said: list[bool] = []
+
+            def report(t: MqttTransport, _: object) -> None:
+                if not said:
+                    said.append(True)
+                    event(log, "aggregator.probe_refused", level=30, fleet=self.fleet,
+                          error=(self.probe_refused or "")[:300],
+                          action="served without the check; the credentials have no probe login: "
+                                 "run `fedmq creds` again")
+            transport.on_connect_hooks.append(report)
 
     def must_stop(self, message: Message) -> bool:
         """Network thread: True (once) when `message` shows an earlier aggregator on the fleet."""

@@ -92,6 +92,8 @@ PARKED_LIMIT = 10_000
 """Messages held for lack of a handler (see MqttTransport.subscribe); beyond it they are dropped."""
 PROTOCOL_NAMES = {MQTTProtocolVersion.MQTTv5: "5", MQTTProtocolVersion.MQTTv311: "3.1.1"}
 NOT_AUTHORIZED = 0x87
+LOGIN_REFUSALS = ("Bad user name or password", "Not authorized")
+"""CONNACK reasons that refuse the login itself (MQTT 5 and 3.1.1 names alike)."""
 SESSION_TAKEN_OVER = 0x8E
 TAKEOVER_STRIKES = 3
 """Connections in a row that the broker closed within TAKEOVER_WINDOW_S of their CONNACK, with
@@ -136,7 +138,12 @@ class _GatedClient(paho.Client):
 
 
 class BrokerUnreachable(TransportError, RuntimeFailure):
-    """connect() failed: no broker there, it refused us, or it did not answer (exit status 1)."""
+    """connect() failed: no broker there, it refused us, or it did not answer (exit status 1).
+    `login_refused`: the broker answered and refused the user or password."""
+
+    def __init__(self, message: str, *, login_refused: bool = False) -> None:
+        super().__init__(message)
+        self.login_refused = login_refused
 
 
 class NetworkLoop:
@@ -912,7 +919,8 @@ class MqttTransport:
             if version_refused and i + 1 < len(attempts) and time.monotonic() < deadline:
                 event(log, "transport.fallback", client=self.client_id, reason=error)
                 continue
-            raise BrokerUnreachable(error)
+            refusal = self._first_connack[0] if self._first_connack else None
+            raise BrokerUnreachable(error, login_refused=refusal is not None and refusal.getName() in LOGIN_REFUSALS)
         if self.network is not None:
             self.network.attach(client, self)
         else:
@@ -1000,7 +1008,7 @@ class MqttTransport:
             return None
         version_refused = reason.getName() == "Unsupported protocol version" or (
             not v5 and reason.value == 0x84)
-        if reason.getName() in ("Bad user name or password", "Not authorized"):
+        if reason.getName() in LOGIN_REFUSALS:
             who = f"user {addr.username!r}" if addr.username else "anonymous client"
             return (f"{self._where()} refused {who} (client id {self.client_id!r}): {_reason_text(reason)}; "
                     f"check the user and password in --broker mqtts://USER:PASS@HOST:PORT against the "

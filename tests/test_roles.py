@@ -262,3 +262,26 @@ def test_cli_refuses_a_stray_fleet_in_one_line(tmp_path, capsys) -> None:
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "depott" in err and "--fleet" in err, err
     assert not out.exists()
+
+
+# --------------------------------------------------------------------------- the aggregator's logins
+
+
+@needs_mosquitto
+@pytest.mark.parametrize("case", ["wrong password", "no broker"])
+def test_an_aggregator_that_cannot_log_in_says_why_in_one_line(case, creds, broker, tmp_path) -> None:
+    """Its probe connects first; a refusal there must not send the user to `fedmq creds` when the
+    password is wrong or no broker listens: the one line is the aggregator's own connect's."""
+    import subprocess
+
+    from tests.cli_process import BIN, cli_env
+
+    url = (f"mqtts://aggregator-garage:wrong@127.0.0.1:{broker.port}" if case == "wrong password"
+           else "mqtt://127.0.0.1:1")
+    done = subprocess.run([str(BIN / "fedmq"), "aggregator", "--broker", url, "--ca-file", str(creds.ca_cert),
+                           "--fleet", "garage", "--state-dir", str(tmp_path / "state")],
+                          capture_output=True, text=True, timeout=300, env=cli_env(), cwd=tmp_path)
+    lines = [ln for ln in (done.stdout + done.stderr).splitlines() if ln.strip()]
+    assert done.returncode == 1 and len(lines) == 1, lines
+    assert "fedmq creds` again" not in lines[0] and "wrong" not in lines[0], lines
+    assert ("refused user 'aggregator-garage'" if case == "wrong password" else "no broker listens") in lines[0]
