@@ -33,7 +33,25 @@ REPO_BROKER_CONFIG = Path(__file__).resolve().parent.parent / "broker_config"
 
 
 class BrokerError(RuntimeError):
-    """The broker could not be found, started or stopped."""
+    """The broker could not be found, started or stopped. `detail`: its stderr and log, when it
+    died starting (the message itself is one line)."""
+
+    def __init__(self, message: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.detail = detail
+
+
+def _startup_failure(log: str, ports: list[int]) -> str:
+    """One line for why Mosquitto exited while it started, from its log's error lines."""
+    errors = [ln.split("Error:", 1)[1].strip() for ln in log.splitlines() if "Error:" in ln]
+    if any("Address already in use" in e for e in errors):
+        opened = re.findall(r"listen socket on port (\d+)", log)  # the last one tried is taken
+        busy = opened[-1] if opened else ", ".join(map(str, ports))
+        return (f"port {busy} is already in use by another process; stop it, or pass --port 0 "
+                "(and --ws-port 0) for free ports")
+    if errors:
+        return f"mosquitto stopped while starting: {errors[-1]}"
+    return "mosquitto stopped while starting; its log has no error line (see the log for more)"
 
 
 def find_mosquitto() -> str | None:
@@ -358,7 +376,9 @@ class MosquittoBroker:
         except BrokerError as e:
             err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
             self.stop()
-            raise BrokerError(f"{e}\nstderr: {err}\nlog:\n{self.log_tail()}") from None
+            log_text = self.log_tail()
+            raise BrokerError(f"{e}: {_startup_failure(log_text + err, self.ports)}",
+                              detail=f"stderr: {err}\nlog:\n{log_text}") from None
         except BaseException:  # a signal while it starts: __exit__ will not run, so stop it here
             self.stop()
             raise

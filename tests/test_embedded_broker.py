@@ -20,6 +20,7 @@ import pytest
 
 from fedmq.broker import BrokerError, MosquittoBroker, find_mosquitto, free_port
 from fedmq.embedded_broker import EmbeddedBroker
+from tests.cli_process import BIN
 
 
 def _client(client_id: str) -> mqtt.Client:
@@ -238,3 +239,16 @@ def test_cli_refuses_embedded_for_a_config_that_needs_auth():
     )
     assert out.returncode == 2
     assert "embedded broker cannot provide" in out.stderr
+
+
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
+def test_fedmq_broker_on_a_port_in_use_says_so_in_one_line(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([str(BIN / "fedmq"), "broker", "--port", str(port)], capture_output=True,
+                              text=True, timeout=120, cwd=tmp_path)
+    said = [ln for ln in (done.stdout + done.stderr).splitlines() if ln.strip()]
+    assert done.returncode == 1 and len(said) == 1, said
+    assert f"port {port} is already in use" in said[0] and "--port 0" in said[0], said
