@@ -475,7 +475,7 @@ class AggregatorSettings:
     norm_bound: float = 0.0
     """Longest step ||v - base|| applied as sent, in parameter-space L2 units (0 = off); a longer one is scaled down to it and applied (`bounded.norm_bound`). Must be >= 0."""
     norm_factor: float = 4.0
-    """Longest step applied as sent, as a multiple of the fleet's typical step (the median of the latest applied ones, at most 3 per agent; it never falls below half the largest such median, so a fleet that went quiet still takes a drifting agent's normal step), >= 0 (0 = off); a longer one is scaled down to it and applied (`bounded.norm_outlier`). docs/reliability.md says what it guarantees."""
+    """Longest step applied as sent, as a multiple of the fleet's typical step (median of the latest applied, at most 3 per agent, never below half its peak), >= 0 (0 = off); a longer one is scaled down to it (`bounded.norm_outlier`). docs/reliability.md."""
     loss_margin: float = 0.0
     """Refuse an upload whose lowest mean loss over the K proxy sets exceeds that of its start model by more than this many nats (`loss_outlier`; >= 0, 0 = off). Catches sign-flipped updates; costs two proxy forward passes per upload. docs/reliability.md."""
     norm_window: int = 100
