@@ -12,15 +12,16 @@ Table 1 for this run, the cost table and where the figures are.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from tqdm import tqdm
-
 from fedmq.config import add_config_arguments, config_from_args
 from fedmq.logs import setup_logging
+from sim.log_progress import LogProgress
+
+PROGRESS_EVERY_S = 10.0
+"""At most this long without a line while the demo runs."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,13 +61,24 @@ def run(args: argparse.Namespace) -> int:
         print(f"broker: {kind} at {url}")
         if kind == "embedded":
             cfg.broker.protocol = EMBEDDED_PROTOCOL
-        bar = tqdm(total=total, desc="uploads", unit="upd", disable=not sys.stderr.isatty())  # none in logs
-        for spec in specs:
-            bar.set_postfix_str(spec.method)
-            result = run_fleet(spec, cfg, broker_url=url, progress=bar.update)
-            write_run(result, args.out)
-        bar.close()
-    report, paths, text = write_report(args.out, "fedmq demo")
+        # A line every 10 s, in a terminal too: pre-training and slow replies move no bar.
+        bar = LogProgress(total, "uploads", every_s=PROGRESS_EVERY_S).keep_talking()
+        try:
+            for spec in specs:
+                bar.set_postfix_str(f"{spec.method}: starting (pre-training its models)")
+
+                def step(n: int = 1, method: str = spec.method) -> None:
+                    bar.set_postfix_str(method)
+                    bar.update(n)
+
+                result = run_fleet(spec, cfg, broker_url=url, progress=step)
+                write_run(result, args.out)
+                print(f"{spec.method}: {len(result.updates)} updates done, {time.perf_counter() - t0:.0f} s",
+                      flush=True)
+            bar.set_postfix_str("writing the report and figures")
+            report, paths, text = write_report(args.out, "fedmq demo")
+        finally:
+            bar.close()
     print()
     print(text)
     print(f"{len(specs)} runs, {total} updates, wall {time.perf_counter() - t0:.0f}s")

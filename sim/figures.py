@@ -41,6 +41,40 @@ def save_figure(fig: Any, path: Path) -> Path:
     return path
 
 
+FIGURE_CAPTIONS = {
+    "accuracy_over_time": "Each agent's accuracy right after its update, averaged over agents and seeds in "
+                          "tenths of the run's updates: higher is better.",
+    "kl": "How far each method's estimate of an agent's cluster mixture is from the true one "
+          "(KL divergence, log scale, value on each bar): lower is better.",
+    "relative_cost": "Download bytes and client compute per update, each method's divided by CDFL's "
+                     "(dashed line = CDFL); Local downloads nothing, so it has no download bar.",
+}
+"""One line under each figure of `sim report` (and in report.md), keyed by the file's suffix."""
+
+
+def caption(path: Path) -> str:
+    """The one-line explanation of a figure file, or "" when it has none."""
+    return next((text for key, text in FIGURE_CAPTIONS.items() if path.stem.endswith(key)), "")
+
+
+def add_caption(fig: Any, text: str) -> None:
+    """`text` under the figure's legend, wrapped to its width."""
+    import textwrap
+
+    width = int(fig.get_figwidth() * 14)
+    fig.text(0.5, -0.12 if fig.legends else -0.04, "\n".join(textwrap.wrap(text, width)), ha="center",
+             va="top", fontsize=7.5, color="dimgray")
+
+
+def label_bars(ax: Any, bars: Any, values: list[float]) -> None:
+    """Write each bar's value above it (3 significant figures), so a bar too small to see still
+    shows what it is."""
+    for bar, value in zip(bars, values, strict=True):
+        if value == value:  # not NaN
+            ax.annotate(f"{value:.3g}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        xytext=(0, 2), textcoords="offset points", ha="center", va="bottom", fontsize=7)
+
+
 def figure_legend(fig: Any, axes: Any) -> None:
     """One legend for the whole figure, below the plots, so it never covers data."""
     seen: dict[str, Any] = {}

@@ -24,6 +24,7 @@ class LogProgress:
         self.done = 0
         self.postfix = ""
         self.t0 = self._last = clock()
+        self._first: float | None = None
         self._lock = threading.Lock()  # agents report from their worker threads
 
     def set_postfix_str(self, text: str) -> None:
@@ -31,19 +32,43 @@ class LogProgress:
 
     def update(self, n: int = 1) -> None:
         with self._lock:
+            if self.done == 0:
+                self._first = self.clock()
             self.done += n
-            now = self.clock()
-            if not (now - self._last >= self.every_s and self.done < self.total):
-                return
-            self._last = now
-            elapsed = now - self.t0
-            left = elapsed / self.done * (self.total - self.done) if self.done else float("nan")
-            print(f"progress: {self.done}/{self.total} {self.unit} ({100 * self.done / self.total:.0f} %), "
-                  f"{elapsed:.0f} s, about {left:.0f} s left" + (f", {self.postfix}" if self.postfix else ""),
-                  file=self.out, flush=True)
+            self._print_if_due()
+
+    def _print_if_due(self) -> None:
+        now = self.clock()
+        if not (now - self._last >= self.every_s and self.done < self.total):
+            return
+        self._last = now
+        elapsed = now - self.t0
+        # The rate since the first update: what came before it (pre-training) does not repeat.
+        if self.done >= 2 and self._first is not None and now > self._first:
+            left = f"about {(now - self._first) / (self.done - 1) * (self.total - self.done):.0f} s left"
+        else:
+            left = "time left known after the first few"
+        print(f"progress: {self.done}/{self.total} {self.unit} ({100 * self.done / self.total:.0f} %), "
+              f"{elapsed:.0f} s, {left}" + (f", {self.postfix}" if self.postfix else ""),
+              file=self.out, flush=True)
+
+    def keep_talking(self) -> LogProgress:
+        """Also print while no update comes (pre-training, a slow reply, writing the report):
+        a line at least every `every_s` until `close`."""
+        self._stop = threading.Event()
+
+        def talk() -> None:
+            while not self._stop.wait(min(1.0, self.every_s / 4)):
+                with self._lock:
+                    self._print_if_due()
+
+        threading.Thread(target=talk, name="fedmq-progress", daemon=True).start()
+        return self
 
     def close(self) -> None:
-        pass
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()
 
 
 def progress_bar(total: int, unit: str = "updates") -> tqdm | LogProgress:

@@ -39,7 +39,15 @@ import numpy as np
 
 from fedmq.algorithms import ASYNC_SERVER, DISPLAY
 from fedmq.errors import UsageError
-from sim.figures import figure_legend, method_color, pyplot, save_figure
+from sim.figures import (
+    add_caption,
+    caption,
+    figure_legend,
+    label_bars,
+    method_color,
+    pyplot,
+    save_figure,
+)
 from sim.stats import paired_interval
 
 METHOD_ORDER = (*ASYNC_SERVER, "local")
@@ -323,7 +331,9 @@ def figures(runs: list[dict[str, Any]], fig_dir: Path) -> list[Path]:
             ax.grid(alpha=0.3)
         figure_legend(fig, axes)
         fig.suptitle(f"{scenario}: client accuracy over time")
-        paths.append(save_figure(fig, fig_dir / f"{tag}_accuracy_over_time.png"))
+        path = fig_dir / f"{tag}_accuracy_over_time.png"
+        add_caption(fig, caption(path))
+        paths.append(save_figure(fig, path))
 
         # Figure 5: KL(true || estimated) per method and K.
         kl_methods = [m for m in methods if m != "local" and any(
@@ -334,13 +344,23 @@ def figures(runs: list[dict[str, Any]], fig_dir: Path) -> list[Path]:
             for j, m in enumerate(kl_methods):
                 means = [np.mean([r["kl"] for r in groups.get((scenario, m, k), [])] or [np.nan]) for k in ks]
                 stds = [np.std([r["kl"] for r in groups.get((scenario, m, k), [])] or [np.nan]) for k in ks]
-                ax.bar(np.arange(len(ks)) + j * width, means, width, yerr=stds, label=_name(m),
-                       color=method_color(_base(m)), hatch=styles[m][2], edgecolor="white")
+                # Log scale: estimates differ by orders of magnitude (CDFL's KL can be 1e-4 where
+                # FedSoft-Async's is 0.1), so on a linear axis the better one has no visible bar.
+                bars = ax.bar(np.arange(len(ks)) + j * width, means, width, label=_name(m),
+                              color=method_color(_base(m)), hatch=styles[m][2], edgecolor="white")
+                ax.errorbar(np.arange(len(ks)) + j * width, means,
+                            yerr=[np.minimum(stds, np.array(means) * 0.99), stds], fmt="none", ecolor="black",
+                            elinewidth=0.8)
+                label_bars(ax, bars, means)
+            ax.set_yscale("log")
+            ax.margins(y=0.15)
             ax.set_xticks(np.arange(len(ks)) + width * (len(kl_methods) - 1) / 2, [f"K={k}" for k in ks])
             ax.set_ylabel("mean KL(true ‖ estimated)")
             figure_legend(fig, ax)
             ax.set_title(f"{scenario}: mixture estimation")
-            paths.append(save_figure(fig, fig_dir / f"{tag}_kl.png"))
+            path = fig_dir / f"{tag}_kl.png"
+            add_caption(fig, caption(path))
+            paths.append(save_figure(fig, path))
 
         # Figure 6: download bytes and client compute per update, relative to CDFL.
         if "cdfl" in methods:
@@ -356,16 +376,21 @@ def figures(runs: list[dict[str, Any]], fig_dir: Path) -> list[Path]:
                         base = np.mean([r[key] for r in groups.get((scenario, "cdfl", k), [])] or [np.nan])
                         val = np.mean([r[key] for r in groups.get((scenario, m, k), [])] or [np.nan])
                         ratios.append(val / base if base else np.nan)
-                    ax.bar(np.arange(len(ks)) + j * width, ratios, width, label=_name(m),
-                           color=method_color(_base(m)), hatch=styles[m][2], edgecolor="white")
+                    bars = ax.bar(np.arange(len(ks)) + j * width, ratios, width, label=_name(m),
+                                  color=method_color(_base(m)), hatch=styles[m][2], edgecolor="white")
+                    label_bars(ax, bars, ratios)
                 ax.axhline(1.0, color=method_color("cdfl"), lw=1.0, ls="--", label="CDFL (= 1)")
+                ax.margins(y=0.12)  # room for the values above the bars
                 ax.set_xticks(np.arange(len(ks)) + width * (len(series) - 1) / 2, [f"K={k}" for k in ks])
-                ax.set_title(title)
+                ax.set_title(title + (" (Local: none)" if key == "bytes_down_per_update" and "local" in methods
+                                      else ""))
                 ax.set_ylabel("relative to CDFL (x)")
                 ax.grid(alpha=0.3, axis="y")
             figure_legend(fig, axes)
             fig.suptitle(f"{scenario}: cost relative to CDFL")
-            paths.append(save_figure(fig, fig_dir / f"{tag}_relative_cost.png"))
+            path = fig_dir / f"{tag}_relative_cost.png"
+            add_caption(fig, caption(path))
+            paths.append(save_figure(fig, path))
     return paths
 
 
@@ -481,6 +506,7 @@ def write_report(out: Path, command: str | None = None,
     if command:
         lines += ["Made by:", "", "```sh", command, "```", ""]
     lines += [text, "## Figures", ""]
-    lines += [f"![{p.stem}](figures/{p.name})" for p in paths]
+    for p in paths:
+        lines += [f"![{p.stem}](figures/{p.name})", ""] + ([caption(p), ""] if caption(p) else [])
     report.write_text("\n".join(lines) + "\n")
     return report, paths, text

@@ -28,3 +28,27 @@ def test_a_log_gets_a_line_a_minute_with_the_time_left() -> None:
 
 def test_without_a_terminal_the_simulator_gets_lines_not_a_bar(capsys) -> None:
     assert isinstance(progress_bar(10), LogProgress)  # pytest's stderr is not a tty
+
+
+def test_while_nothing_moves_it_still_says_so_and_stops_when_closed() -> None:
+    """The demo's pre-training moves no bar for most of a minute: a line comes anyway."""
+    import threading
+
+    class Out(io.StringIO):
+        said = threading.Event()
+
+        def write(self, text: str) -> int:
+            n = super().write(text)
+            if text.strip():
+                self.said.set()
+            return n
+
+    out = Out()
+    bar = LogProgress(10, out=out, every_s=0.2).keep_talking()
+    bar.set_postfix_str("cdfl: starting")
+    try:
+        assert out.said.wait(60), "no line while nothing moved"
+    finally:
+        bar.close()
+    assert out.getvalue().splitlines()[0].startswith("progress: 0/10 updates (0 %), ")
+    assert "time left known after the first few, cdfl: starting" in out.getvalue()
