@@ -76,7 +76,7 @@ RULES: list[Rule] = [
          "the secure compose stack's set-up: tests/test_compose.py runs it with these credentials"),
     Rule(r"^(sudo |journalctl )", "elsewhere", "administration of a device (users, systemd, ACLs); "
          "tests/test_compose.py checks the unit files' commands and tests/test_security.py the credentials"),
-    Rule(r"^(python -m venv|pip install)", "elsewhere", "what `make venv` runs before every test run"),
+    Rule(r"^(python3? -m venv|pip install)", "elsewhere", "what `make venv` runs before every test run"),
     Rule(r"^fedmq sim (merge|report) runs-split", "elsewhere",
          "tests/test_sim_multiprocess.py splits a small run the same way, then merges and reports it"),
     Rule(r"^fedmq fleet status --broker mqtts://monitor@127", "elsewhere",
