@@ -45,7 +45,7 @@ from fedmq.models import (
     resolve_model_name,
     to_vector,
 )
-from fedmq.training import fit
+from fedmq.training import TrainResult, fit
 
 log = get_logger("aggregator")
 pretrain_log = get_logger("aggregator.pretrain")
@@ -66,6 +66,10 @@ def resolve_device(device: str) -> str:
 # 2000 per cluster for 5 epochs, so that small datasets get as far as large ones.
 PRETRAIN_SAMPLES_SEEN = 10_000
 
+PRETRAIN_MAX_AUTO_EPOCHS = 50
+"""Where auto epochs stop: a small pool's loss reaches 0 long before 10,000 samples (on a folder of
+500 28x28 images in 5 classes, 0.0001 after 34 epochs), and a pool of 4 would take 2,500 epochs."""
+
 
 PROGRESS_EVERY_S = 10.0
 """Pre-training reports an epoch at the default (progress) level when this long passed since
@@ -74,10 +78,11 @@ its last such line: a real model's minutes of pre-training show, a small one's s
 
 class PretrainProgress:
     """`fit`'s epoch callback for pre-training: one `pretrain.epoch` line per epoch at info, and
-    at the default level at most every PROGRESS_EVERY_S (with the models still to train)."""
+    at the default level at most every PROGRESS_EVERY_S (with the models still to train, and
+    the time budget the seconds run against)."""
 
-    def __init__(self, models: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self.models, self.clock = models, clock
+    def __init__(self, models: int, clock: Callable[[], float] = time.monotonic, budget_s: float = 0.0) -> None:
+        self.models, self.clock, self.budget_s = models, clock, budget_s
         self.started = self.last = clock()
         self.model = ""
         self.index = 0
@@ -93,14 +98,43 @@ class PretrainProgress:
         if level == PROGRESS:
             self.last = now
         event(pretrain_log, "pretrain.epoch", level=level, model=self.model, of_models=f"{self.index}/{self.models}",
-              epoch=f"{epoch + 1}/{self.epochs}", loss=round(loss, 4), seconds=round(now - self.started, 1))
+              epoch=f"{epoch + 1}/{self.epochs}", loss=round(loss, 4), seconds=round(now - self.started, 1),
+              **({"budget_s": self.budget_s} if self.budget_s else {}))
 
 
 def pretrain_epochs(configured: int, samples: int) -> int:
-    """`aggregator.pretrain_epochs`, or for 0 (auto) ceil(10,000 / samples), at least 5."""
+    """`aggregator.pretrain_epochs`, or for 0 (auto) ceil(10,000 / samples) within [5, 50]."""
     if configured:
         return configured
-    return max(5, -(-PRETRAIN_SAMPLES_SEEN // max(samples, 1)))
+    return min(PRETRAIN_MAX_AUTO_EPOCHS, max(5, -(-PRETRAIN_SAMPLES_SEEN // max(samples, 1))))
+
+
+class PretrainBudget:
+    """`aggregator.pretrain_max_seconds` over the models pre-training trains, one after another:
+    each gets what is left in proportion to the samples it is planned to see (epochs x pool), so
+    the shared model, which sees every pool, gets its larger part."""
+
+    def __init__(self, seconds: float, work: list[int], clock: Callable[[], float] = time.monotonic) -> None:
+        self.seconds, self.work, self.clock = seconds, work, clock
+        self.started = clock()
+        self.spent = False
+        """Whether a model stopped on its share: the result then depends on this machine's speed."""
+
+    def share(self, model: int) -> float | None:
+        """Seconds model `model` (its index in `work`) may train; None: no limit."""
+        if not self.seconds:
+            return None
+        left = self.seconds - (self.clock() - self.started)
+        return max(0.0, left * self.work[model] / max(1, sum(self.work[model:])))
+
+    def check(self, name: str, result: TrainResult, epochs: int) -> None:
+        """Say where a model stopped on its share, with what to change."""
+        if not result.stopped_early:
+            return
+        self.spent = True
+        event(pretrain_log, "pretrain.budget_spent", logging.WARNING, model=name, epochs=f"{result.epochs_done}/{epochs}",
+              seconds=round(result.seconds, 1), budget_s=self.seconds,
+              hint="raise aggregator.pretrain_max_seconds (0: no limit) or lower aggregator.pretrain_epochs")
 
 
 def pretrain_clusters(cfg: Config, clusters: RotatedClusters, model_name: str) -> list[torch.Tensor]:
@@ -117,8 +151,8 @@ def pretrain_clusters(cfg: Config, clusters: RotatedClusters, model_name: str) -
     if kept is not None:
         event(log, "cluster.pretrained", cluster="all", samples=sum(len(p) for p in pools), cached=name)
         return kept
-    vectors = _pretrain(cfg, pools, model_name, init)
-    if name:
+    vectors, complete = _pretrain(cfg, pools, model_name, init)
+    if name and complete:  # one cut by the time budget is this machine's speed, not the settings'
         disk_cache.write("pretrain", name, torch.stack(vectors).numpy().tobytes())
     return vectors
 
@@ -182,42 +216,52 @@ def warn_if_stuck(cluster: int | str, loss: float, model_name: str, lr: float) -
               hint="the model learned nothing at this rate: lower aggregator.pretrain_lr (or give more epochs)")
 
 
-def _pretrain(cfg: Config, pools: list, model_name: str, init: torch.Tensor | None = None) -> list[torch.Tensor]:
+def _pretrain(cfg: Config, pools: list, model_name: str,
+              init: torch.Tensor | None = None) -> tuple[list[torch.Tensor], bool]:
     """Each cluster's model from the shared start: `init` (a user's weights, which stand for
     the shared pre-training), else a seeded init, trained on all pools first with
-    `aggregator.pretrain_shared`."""
+    `aggregator.pretrain_shared`; and whether every model trained all its epochs (none was
+    stopped by `aggregator.pretrain_max_seconds`)."""
     start = to_vector(build_model(model_name, seed=cfg.seed)) if init is None else init
     rate = cfg.aggregator.pretrain_lr
     lr = rate if init is None else rate / SPECIALIZE_SLOWER
     train_shared = cfg.aggregator.pretrain_shared and init is None
     if init is not None:
         event(log, "cluster.init", path=cfg.aggregator.init, values=init.numel())
-    progress = PretrainProgress(len(pools) + train_shared)
+    progress = PretrainProgress(len(pools) + train_shared, budget_s=cfg.aggregator.pretrain_max_seconds)
+    # Epochs of the shared model by all pools together: it sees as many samples as one
+    # cluster model does, not K times as many (compose and the demo wait for it).
+    shared_samples = sum(len(p) for p in pools) if train_shared else 0
+    plan = ([pretrain_epochs(cfg.aggregator.pretrain_epochs, shared_samples)] if train_shared else []) + [
+        pretrain_epochs(cfg.aggregator.pretrain_epochs, len(p)) for p in pools]
+    sizes = ([shared_samples] if train_shared else []) + [len(p) for p in pools]
+    budget = PretrainBudget(cfg.aggregator.pretrain_max_seconds, [e * n for e, n in zip(plan, sizes, strict=True)])
+    event(pretrain_log, "pretrain.start", logging.INFO, model=model_name, models=len(plan),
+          epochs=plan, samples=sizes, budget_s=cfg.aggregator.pretrain_max_seconds or "none")
     if train_shared:
         t0 = time.perf_counter()
         x = torch.cat([p.x for p in pools])
         y = torch.cat([p.y for p in pools])
-        # Epochs by all pools together: the shared model sees as many samples as one
-        # cluster model does, not K times as many (compose and the demo wait for it).
-        epochs = pretrain_epochs(cfg.aggregator.pretrain_epochs, len(y))
-        progress.next_model("shared", epochs)
-        shared = fit(model_name, start, x, y, epochs=epochs, batch_size=32, lr=lr, momentum=0.9, seed=cfg.seed,
-                     on_epoch=progress)
+        progress.next_model("shared", plan[0])
+        shared = fit(model_name, start, x, y, epochs=plan[0], batch_size=32, lr=lr, momentum=0.9, seed=cfg.seed,
+                     on_epoch=progress, max_seconds=budget.share(0))
+        budget.check("shared", shared, plan[0])
         event(log, "cluster.pretrained", cluster="shared", samples=len(y),
               seconds=time.perf_counter() - t0, loss=shared.final_loss)
         start, lr = shared.vector, rate / SPECIALIZE_SLOWER
     vectors = []
     for k, data in enumerate(pools):
         t0 = time.perf_counter()
-        epochs = pretrain_epochs(cfg.aggregator.pretrain_epochs, len(data))
-        progress.next_model(f"cluster {k}", epochs)
-        result = fit(model_name, start, data.x, data.y, epochs=epochs,
-                     batch_size=32, lr=lr, momentum=0.9, seed=cfg.seed + k, on_epoch=progress)
+        i = k + train_shared
+        progress.next_model(f"cluster {k}", plan[i])
+        result = fit(model_name, start, data.x, data.y, epochs=plan[i], batch_size=32, lr=lr, momentum=0.9,
+                     seed=cfg.seed + k, on_epoch=progress, max_seconds=budget.share(i))
+        budget.check(f"cluster {k}", result, plan[i])
         event(log, "cluster.pretrained", cluster=k, samples=len(data),
               seconds=time.perf_counter() - t0, loss=result.final_loss)
         warn_if_stuck(k, result.final_loss, model_name, lr)
         vectors.append(result.vector)
-    return vectors
+    return vectors, not budget.spent
 
 
 ASYNC_STRATEGIES: dict[str, Callable[..., Strategy]] = {

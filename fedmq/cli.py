@@ -14,12 +14,20 @@ import sys
 from collections.abc import Collection
 
 from fedmq import __version__
+from fedmq.algorithms import ASYNC_SERVER, DISPLAY, ROUNDS
 from fedmq.errors import ArgumentParser, expected_failure, report_failure, unwind_on_sigterm
+
+
+def _names(algorithms: tuple[str, ...]) -> str:
+    """Algorithms as `--help` names them, from the registry (fedmq/algorithms.py): one added
+    there shows here without an edit."""
+    return ", ".join(DISPLAY.get(a, a) for a in algorithms)
+
 
 # name -> (module, one-line help). Order is the order shown in --help.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("sim.demo", "run a small fleet end to end over a real broker"),
-    "aggregator": ("aggregator.cli", "run the aggregator (CDFL, FedSoft-Async, FedAsync; CATA-Fed, FedAvg, FedProx rounds)"),
+    "aggregator": ("aggregator.cli", f"run the aggregator ({_names(ASYNC_SERVER)}; {_names(ROUNDS)} rounds)"),
     "worker": ("aggregator.worker_cli", "run a CDFL reply worker for an aggregator (docs/scaling.md)"),
     "agent": ("edge_agent.cli", "run an edge agent"),
     "sim": ("sim.cli", "simulated fleets: run experiments and report"),
@@ -37,7 +45,7 @@ def build_parser(load: Collection[str] | None = None) -> argparse.ArgumentParser
     """
     parser = ArgumentParser(
         prog="fedmq",
-        description="Federated learning for edge fleets over MQTT (CDFL, CATA-Fed).",
+        description=f"Federated learning for edge fleets over MQTT ({_names(ASYNC_SERVER)}; {_names(ROUNDS)}).",
     )
     parser.add_argument("--version", action="version", version=f"fedmq {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

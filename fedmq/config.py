@@ -461,7 +461,9 @@ class AggregatorSettings:
     pretrain_lr: float = 0.05
     """SGD rate (momentum 0.9) of pre-training from a random init; clusters specialize from the shared model or `init` at a fifth of it. A cluster left at chance's loss logs `cluster.pretrain_stuck`: lower it. Must be > 0."""
     pretrain_epochs: int = 0
-    """Epochs of server-side pre-training of each cluster model on its pretrain pool. 0 = auto: enough epochs to see about 10,000 samples, at least 5 (5 for the paper's 2000 per cluster; 24 for digits' 418 at K = 3). Must be >= 0."""
+    """Epochs of server-side pre-training of each cluster model on its pretrain pool. 0 = auto: enough to see about 10,000 samples, within [5, 50] (5 for the paper's 2000 per cluster; 24 for digits' 418 at K = 3; 50 for pools of 200 or fewer). Must be >= 0."""
+    pretrain_max_seconds: float = 900.0
+    """Seconds the whole server-side pre-training may take, shared by its models in proportion to their planned samples; one out of time stops at its next batch, logs `pretrain.budget_spent` and is not cached. Must be >= 0 (0 = no limit)."""
     init: str = ""
     """A starting checkpoint (`--init FILE`): a torch state dict (.pt) or the raw float32 vector (.f32), used in place of the random init and shared pre-training. A new state dir only; empty = random init. docs/models.md#start-from-your-own-weights."""
     accuracy_every: int = 10
@@ -702,7 +704,7 @@ RANGES: dict[str, str] = {
     "aggregator.max_batch": ">= 1", "aggregator.inbox_max_messages": ">= 1", "aggregator.inbox_max_bytes": ">= 1",
     "aggregator.status_every_s": ">= 0", "aggregator.takeover_grace_s": ">= 0", "aggregator.heartbeat_s": "in [0.1, 60]",
     "aggregator.max_queued_per_agent": ">= 0", "aggregator.pretrain_epochs": ">= 0",
-    "aggregator.pretrain_lr": "> 0",
+    "aggregator.pretrain_lr": "> 0", "aggregator.pretrain_max_seconds": ">= 0",
     "aggregator.accuracy_every": ">= 0", "aggregator.snapshot_every": ">= 1",
     "aggregator.snapshot_journal_ratio": ">= 0", "aggregator.snapshot_journal_min_mb": ">= 0", "aggregator.norm_bound": ">= 0",
     "aggregator.norm_factor": ">= 0", "aggregator.loss_margin": ">= 0", "aggregator.norm_window": ">= 1",

@@ -479,7 +479,10 @@ def resolve_model_name(model: str, dataset: str) -> str:
         if model == "auto":
             if default is None:
                 canonical_dataset(dataset)  # an unknown dataset is named as such, with the known ones
-                raise UsageError(f"no default model for dataset {dataset!r}; pass --model: {MODEL_HELP}")
+                # The commands that get here take the model by different flags (--model, --set
+                # model=...), so the setting is named, not a flag one of them would refuse.
+                raise UsageError(f"dataset {dataset!r} has no default model until its images are read "
+                                 f"(fedmq sim run reads them, docs/data.md); name the model: {MODEL_HELP}")
             return default
         ref = parse_reference(model)
         if default is not None:
@@ -500,6 +503,12 @@ def resolve_model_name(model: str, dataset: str) -> str:
     return _zoo_for_dataset(model, dataset)
 
 
+def has_default_model(dataset: str) -> bool:
+    """Whether `auto` knows the dataset's model by its name; a folder's or a factory's needs its
+    images (`model_for_images`)."""
+    return _dataset_key(dataset) in DEFAULT_MODEL_FOR_DATASET
+
+
 def _dataset_key(dataset: str) -> str:
     return dataset if dataset in DEFAULT_MODEL_FOR_DATASET else dataset.lower().replace("-", "").replace("_", "")
 
@@ -512,22 +521,73 @@ channels or classes they are built for it, by reference (`fedmq.models:ResNet20?
 def _zoo_for_dataset(model: str, dataset: str) -> str:
     """A zoo name on a dataset of its shape and class count, as it is; a ResNet-20 on another
     (MNIST's 1x28x28) as the same network built for it; another zoo model there is one clear
-    error, not a failed first training step. A dataset of unknown shape (a folder) is the user's."""
+    error, not a failed first training step. A dataset of unknown shape (a folder) is the user's
+    here; `model_for_images` fits it once its images are read."""
     default = DEFAULT_MODEL_FOR_DATASET.get(_dataset_key(dataset))
-    entry = ZOO[model]
-    if default is None or (ZOO[default].input_shape, ZOO[default].num_classes) == (entry.input_shape,
-                                                                                     entry.num_classes):
+    if default is None:
         return model
-    shape, classes = ZOO[default].input_shape, ZOO[default].num_classes
-    if model not in RESHAPEABLE:
-        raise UsageError(f"model {model} takes {'x'.join(map(str, entry.input_shape))} inputs of "
-                         f"{entry.num_classes} classes; {dataset} has {'x'.join(map(str, shape))} of {classes}: "
-                         f"use --model auto ({default}), resnet20-gn or a torchvision model")
-    ref = ModelReference("fedmq.models:ResNet20", "fedmq.models:ResNet20",
-                         (("in_channels", shape[0]), ("norm", RESHAPEABLE[model]), ("num_classes", classes)), shape)
-    name = str(ref)
-    model_spec(name)
-    return name
+    return _zoo_fitted(model, ZOO[default].input_shape, ZOO[default].num_classes, dataset, default)
+
+
+def _zoo_fitted(model: str, shape: tuple[int, ...], classes: int, dataset: str, default: str,
+                spare_outputs: bool = False) -> str:
+    """Zoo model `model` for images of `shape` in `classes` classes: itself where it takes that
+    shape and class count (or, with `spare_outputs`, more classes: a folder's 5 classes train
+    under cnn28's 10 outputs, whose spare ones are never a label), a ResNet-20 built for them,
+    else one line naming `default`, the model auto picks there."""
+    entry = ZOO[model]
+    if (entry.input_shape, entry.num_classes) == (tuple(shape), classes):
+        return model
+    if model in RESHAPEABLE:
+        name = _resnet20_for(shape, classes, RESHAPEABLE[model])
+        model_spec(name)
+        return name
+    if spare_outputs and entry.input_shape == tuple(shape) and entry.num_classes > classes:
+        return model  # outputs no label asks for are trained down, never predicted
+    raise UsageError(f"model {model} takes {'x'.join(map(str, entry.input_shape))} inputs of "
+                     f"{entry.num_classes} classes; {dataset} has {'x'.join(map(str, shape))} of {classes}: "
+                     f"model auto ({default}), resnet20-gn or a torchvision model fits it")
+
+
+def _resnet20_for(shape: tuple[int, ...], classes: int, norm: str) -> str:
+    return str(ModelReference("fedmq.models:ResNet20", "fedmq.models:ResNet20",
+                              (("in_channels", shape[0]), ("norm", norm), ("num_classes", classes)), tuple(shape)))
+
+
+def default_model_for_images(shape: tuple[int, ...], classes: int) -> str:
+    """What `auto` picks for images of `shape` (C, H, W) in `classes` classes, where the dataset
+    is known only by its files (folder:NAME, a factory): the zoo's default of that shape and
+    class count (cnn28 for 1x28x28 in 10); the zoo's small CNN written for that shape, built
+    for the class count (`fedmq.models:ReferenceCNN?input=1x28x28&num_classes=5`); else
+    ResNet-20 with GroupNorm built for them, which fits any size (convolutions and a global
+    pool) and keeps no statistics to average."""
+    shape = tuple(int(d) for d in shape)
+    for name in dict.fromkeys(DEFAULT_MODEL_FOR_DATASET.values()):  # the zoo's small CNNs, in order
+        entry = ZOO[name]
+        if entry.input_shape == shape and entry.num_classes == classes:
+            return name
+    for name in dict.fromkeys(DEFAULT_MODEL_FOR_DATASET.values()):
+        entry = ZOO[name]
+        if entry.input_shape == shape and isinstance(entry.factory, type):
+            return str(ModelReference(f"fedmq.models:{entry.factory.__name__}", f"fedmq.models:{entry.factory.__name__}",
+                                      (("num_classes", classes),), shape))
+    return _resnet20_for(shape, classes, "group")
+
+
+def model_for_images(model: str, dataset: str, shape: tuple[int, ...], classes: int) -> str:
+    """`model` on a dataset whose images were read: `auto` is `default_model_for_images` where
+    the dataset has no default of its own, a zoo model is fitted to the images as on a named
+    dataset, a reference gets their shape (and torchvision the class count) unless it names
+    them. What `resolve_model_name(result, dataset)` gives back unchanged."""
+    if has_default_model(dataset):
+        return resolve_model_name(model, dataset)
+    if model == "auto":
+        return default_model_for_images(shape, classes)
+    if model in ZOO:
+        return _zoo_fitted(model, shape, classes, dataset, default_model_for_images(shape, classes), spare_outputs=True)
+    if is_reference(model):
+        return resolve_model_name(str(parse_reference(model).with_defaults(tuple(shape), classes)), dataset)
+    return resolve_model_name(model, dataset)  # an unknown name: its error
 
 
 def resolve_dataset_and_model(dataset: str, model: str) -> dict[str, str | int]:

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fedmq.algorithms import ASYNC_SERVER, DISPLAY, ROUNDS
 from fedmq.config import Config, add_config_arguments, config_from_args, dataset_named
 from fedmq.logs import mask_secrets, setup_logging
 from fedmq.signals import SignalRelay
@@ -31,15 +32,19 @@ from sim.seeds import int_list, seed_list
 if TYPE_CHECKING:
     from sim.scenarios import Scenario
 
+FLEET_METHODS = (*ASYNC_SERVER, "local")
+"""What a simulated fleet runs (sim/fleet.py METHODS): the asynchronous server algorithms, and
+agents training alone."""
+
 
 def _add_part_arguments(p: argparse.ArgumentParser) -> None:
     """The flags that decide one run; every process of a split run gets the same ones."""
-    add_config_arguments(p, ("broker", "fleet", "log_level", "data_dir", "seed"))
+    add_config_arguments(p, ("broker", "fleet", "log_level", "data_dir", "download", "seed"))
     _add_init_argument(p)
     p.add_argument("--dry-run", action="store_true",
                    help="check the scenario, dataset and flags, print the plan and exit")
     p.add_argument("--scenario", help="as in `fedmq sim run` (default rotated-digits, or the dataset under --data-dir)")
-    p.add_argument("--method", default="cdfl", help="cdfl (default), fedsoft-async, fedasync, fedbuff or local")
+    p.add_argument("--method", default="cdfl", help=f"{', '.join(FLEET_METHODS)} (default cdfl)")
     p.add_argument("--clusters", type=int, help="K (default: the scenario's, 3 for most)")
     p.add_argument("--agents", type=int, help="agents in the whole fleet (default: the scenario's, 20*K for most)")
     p.add_argument("--updates-per-agent", type=float,
@@ -88,7 +93,7 @@ def fleet_defaults(args: argparse.Namespace, scenario: Scenario) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="sim_command", metavar="{run,report,rounds,ablation,aggregator,agents,merge}")
     r = sub.add_parser("run", help="run scenarios x methods x K x seeds and write CSV/JSON + report")
-    add_config_arguments(r, ("broker", "fleet", "log_level", "data_dir", "seed"))
+    add_config_arguments(r, ("broker", "fleet", "log_level", "data_dir", "download", "seed"))
     r.add_argument("--scenario",
                    help="rotated-digits (default; with --data-dir: the rotated scenario of the dataset there), rotated-mnist, rotated-fashionmnist, rotated-cifar100, "
                         "rotated-shapes, digits-domains, rotated (the dataset --set data.dataset=NAME names), "
@@ -97,7 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "an offline scenario with --data-dir runs its fleet on the dataset there")
     _add_init_argument(r)
     r.add_argument("--methods", default="cdfl,fedsoft-async,local",
-                   help="comma list of cdfl, fedsoft-async, fedasync, fedbuff, local (default cdfl,fedsoft-async,local)")
+                   help=f"comma list of {', '.join(FLEET_METHODS)} (default cdfl,fedsoft-async,local)")
     r.add_argument("--clusters", help="K, or a comma list (default: the scenario's, 3 for most)")
     r.add_argument("--agents", type=int, help="agents per run (default: the scenario's, 20*K for most)")
     r.add_argument("--seeds", default="1",
@@ -119,8 +124,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="another `sim run` dir (a control: the same fleet with other --set values) whose "
                           "runs join the tables as rows named by that dir, paired by seed (repeatable)")
     rounds = sub.add_parser("rounds", add_help=False, prefix_chars="+",
-                            help="CATA-Fed vs FedAvg/FedProx deadline rounds on a simulated clock "
-                                 "(fedmq sim rounds --help)")
+                            help=f"{', '.join(DISPLAY[a] for a in ROUNDS)} deadline rounds on a simulated "
+                                 "clock (fedmq sim rounds --help)")
     rounds.add_argument("rest", nargs=argparse.REMAINDER)
     ablation = sub.add_parser("ablation", add_help=False, prefix_chars="+",
                               help="replay one fleet per CDFL variant (personalization, estimator, "
@@ -273,10 +278,12 @@ def run_experiments(args: argparse.Namespace) -> int:
                      test_samples=args.test_samples, **local_training(cfg.agent))
              for k in clusters for s in seeds for m in methods]
     total = sum(len(make_schedule(sp.seed, sp.resolved_agents(), sp.updates_per_agent)) for sp in specs)
-    if args.dry_run:
-        from sim.scenarios import describe_plan
+    from sim.scenarios import describe_plan
 
-        print(describe_plan(scenario.name, cfg, clusters))
+    # A real run checks what a dry run does (data, set sizes, one training step) before it
+    # writes anything: what would fail an hour in fails here, in one line, with no --out left.
+    print(describe_plan(scenario.name, cfg, clusters), flush=True)
+    if args.dry_run:
         print(f"{len(specs)} runs (methods {', '.join(methods)}; K {', '.join(map(str, clusters))}; "
               f"seeds {', '.join(map(str, seeds))}), {total} updates in all; output {args.out} "
               "(dry run: nothing started)")

@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -205,9 +206,10 @@ class DomainClusters(RotatedClusters):
         return part.with_x(x, name=f"{self.name}/{DOMAINS[cluster]}/{label}")
 
 
-def apply_defaults(scenario: Scenario, cfg: Config) -> None:
+def apply_defaults(scenario: Scenario, cfg: Config) -> str:
     """Set the scenario's dataset on `cfg` (the generic `rotated` keeps data.dataset), then its
-    defaults where `cfg` still holds Config's own."""
+    defaults where `cfg` still holds Config's own, then the model for the dataset's images
+    (`fit_model`); returns what the plan says of that model ("" where nothing was chosen)."""
     cfg.data.dataset = scenario.dataset or cfg.data.dataset
     pristine = Config()
     for key, value in scenario.defaults:
@@ -215,6 +217,27 @@ def apply_defaults(scenario: Scenario, cfg: Config) -> None:
         mine, default = (getattr(c, section[0]) if section else c for c in (cfg, pristine))
         if getattr(mine, name) == getattr(default, name):
             setattr(mine, name, value)
+    return fit_model(cfg)
+
+
+def fit_model(cfg: Config) -> str:
+    """A dataset known only by its files (folder:NAME, a factory) has no default model until its
+    images are read: read them (the run loads them anyway; cached per process) and set
+    cfg.model to `auto`'s pick for their shape and class count, or the model named built for
+    them, so the aggregator, every agent and every process of a split run build the same one.
+    Returns the plan's words on it."""
+    from fedmq.models import has_default_model, model_for_images
+
+    d = cfg.data
+    if has_default_model(d.dataset):
+        return ""
+    train = load_dataset(d.dataset, data_dir=d.data_dir, train=True, download=d.download)
+    asked = cfg.model
+    cfg.model = model_for_images(asked, d.dataset, train.image_shape, train.num_classes)
+    images = f"{'x'.join(map(str, train.image_shape))} images in {train.num_classes} classes"
+    if asked == "auto":
+        return f"the default for {images}; --set model=NAME for another"
+    return f"{asked} built for {images}" if cfg.model != asked else ""
 
 
 def build_clusters(scenario: Scenario, cfg: Config, num_clusters: int) -> RotatedClusters:
@@ -262,29 +285,80 @@ def draw_cycle(scenario: Scenario, clusters: RotatedClusters, cfg: Config, seed:
 def describe_plan(scenario_name: str, cfg: Config, clusters: list[int]) -> str:
     """What a run of `scenario_name` at each K would use, checked without running it.
 
-    Loads the scenario's dataset from `cfg.data.data_dir` and lays out its clusters at every K,
-    so a `--dry-run` fails here, in seconds, on a missing dataset, an unknown scenario or
-    server set sizes that do not fit, instead of an hour into an experiment.
+    Loads the scenario's dataset from `cfg.data.data_dir`, lays out its clusters at every K and
+    trains the model one step on a batch of them (`check_training_step`), so a `--dry-run`, and
+    a run before it writes anything, fails here, in seconds and one line, on a missing dataset,
+    an unknown scenario, a dataset too small for its sets, server set sizes that do not fit, or
+    a model that does not take the images, instead of an hour into an experiment.
     """
+    from aggregator.bootstrap import pretrain_epochs
     from fedmq.models import ZOO, resolve_model_name
 
     scenario = get_scenario(scenario_name)
     cfg = copy.deepcopy(cfg)
-    apply_defaults(scenario, cfg)
+    chosen = apply_defaults(scenario, cfg)
     model = cfg.model
-    if model in ZOO:  # a zoo model that does not fit the dataset is refused here, or built for it
+    if chosen:
+        model += f" ({chosen})"
+    elif model in ZOO:  # a zoo model that does not fit the dataset is refused here, or built for it
         built = resolve_model_name(model, cfg.data.dataset)
         model += f" (built for {cfg.data.dataset}: {built})" if built != model else ""
     elif model == "auto":
         model += f" ({resolve_model_name(model, cfg.data.dataset)})"
+    a = cfg.aggregator
+    budget = f"{a.pretrain_max_seconds:g} s" if a.pretrain_max_seconds else "no time limit"
     lines = [f"scenario {scenario.name}: {scenario.description}; dataset {cfg.data.dataset}"
              + ("" if canonical_dataset(cfg.data.dataset) in OFFLINE else f" from {cfg.data.data_dir}")
-             + f"; model {model}, pre-training {cfg.aggregator.pretrain_epochs or 'auto'} epochs at "
-             f"{cfg.aggregator.pretrain_lr:g}"]
+             + f"; model {model}, pre-training {a.pretrain_epochs or 'auto'} epochs at {a.pretrain_lr:g}"
+             f" (at most {budget}: aggregator.pretrain_max_seconds)"]
+    step = ""
     for k in clusters:
         c = build_clusters(scenario, cfg, k)
+        step = step or check_training_step(c, cfg)
         lines.append(f"  K={k}: {len(c.train_data)} train / {len(c.test_data)} test images, per cluster "
-                     f"proxy {c.proxy_size}, pretrain {c.pretrain_size}, agents' pool "
-                     f"{len(c.pool('agents', 0))}" + (" (disjoint base images)" if c.disjoint_clusters
-                                                       else " (base images shared across clusters)"))
+                     f"proxy {c.proxy_size}, pretrain {c.pretrain_size} ({pretrain_epochs(a.pretrain_epochs, c.pretrain_size)}"
+                     f" epochs), agents' pool {len(c.pool('agents', 0))}"
+                     + (" (disjoint base images)" if c.disjoint_clusters else " (base images shared across clusters)"))
+    lines.append(step)
     return "\n".join(lines)
+
+
+STEP_BATCH = 32
+"""Images in the one training step a plan takes: pre-training's batch."""
+
+
+def check_training_step(clusters: RotatedClusters, cfg: Config) -> str:
+    """Train the run's model one step on a batch of cluster 0's pre-training images, as
+    pre-training would, and score it: what would stop the run (a shape or class count the model
+    does not take, a model that fails to train) stops here, as one UsageError. Returns the
+    plan's line on it."""
+    from fedmq.models import build_model, model_spec, resolve_model_name, to_vector
+    from fedmq.training import evaluate, fit
+
+    name = resolve_model_name(cfg.model, cfg.data.dataset)
+    spec = model_spec(name)
+    shape, classes, dataset = clusters.image_shape, clusters.num_classes, cfg.data.dataset
+    fix = "--set model=NAME names another (docs/models.md), or leave model at auto for the dataset's default"
+    if tuple(spec.input_shape) != shape:
+        raise UsageError(f"model {name} takes {'x'.join(map(str, spec.input_shape))} inputs; {dataset}'s images "
+                         f"are {'x'.join(map(str, shape))}: {fix}")
+    if spec.num_classes < classes:
+        raise UsageError(f"model {name} has {spec.num_classes} outputs; {dataset} has {classes} classes: {fix}")
+    batch = clusters.rotated(clusters.train_data, 0, clusters.pool("pretrain", 0)[:STEP_BATCH], "pretrain")
+    x, y = batch.x, batch.y
+    t0 = time.perf_counter()
+    try:
+        result = fit(name, to_vector(build_model(name, seed=cfg.seed)), x, y, epochs=1, batch_size=len(y),
+                     lr=cfg.aggregator.pretrain_lr, momentum=0.9, seed=cfg.seed)
+        evaluate(name, result.vector, x, y)
+    except UsageError:
+        raise
+    except Exception as exc:  # whatever the model does wrong on this data, said in one line
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UsageError(f"model {name} failed a training step on {len(y)} {dataset} images: "
+                         f"{type(exc).__name__}: {first}; {fix}") from None
+    if not math.isfinite(result.final_loss):
+        raise UsageError(f"model {name}: one training step on {len(y)} {dataset} images gave a loss of "
+                         f"{result.final_loss}; lower aggregator.pretrain_lr (--set aggregator.pretrain_lr=...)")
+    return (f"  one training step of the model on {len(y)} images: loss {result.final_loss:.3f} in "
+            f"{time.perf_counter() - t0:.2f} s")

@@ -8,6 +8,7 @@
 
 from fedmq.data.clusters import (
     PURPOSES,
+    DatasetTooSmall,
     RotatedClusters,
     cluster_angles,
     clusters_from_settings,
@@ -30,6 +31,7 @@ __all__ = [
     "AgentData",
     "Dataset",
     "DatasetNotFound",
+    "DatasetTooSmall",
     "RotatedClusters",
     "clear_cache",
     "cluster_angles",

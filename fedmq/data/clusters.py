@@ -9,6 +9,7 @@ base images.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 
@@ -17,6 +18,7 @@ import torch
 
 from fedmq.config import DataSettings
 from fedmq.data.sources import Dataset, load_dataset
+from fedmq.errors import UsageError
 
 PURPOSES: tuple[str, ...] = ("proxy", "pretrain", "agents", "test")
 
@@ -24,6 +26,15 @@ PURPOSES: tuple[str, ...] = ("proxy", "pretrain", "agents", "test")
 # shrunk to what the dataset can give.
 PAPER_PROXY_PER_CLUSTER = 1000
 PAPER_PRETRAIN_PER_CLUSTER = 2000
+
+MIN_POOL_PER_CLASS = 1
+"""Each cluster's proxy set, pre-training set and agents' pool hold at least this many images per
+class: a smaller one cannot hold every class, and a 6-image folder split into sets of 1, 2 and 3
+pre-trained for minutes at a loss of 0."""
+
+
+class DatasetTooSmall(UsageError):
+    """A train split too small to lay out the server's sets and the agents' pools (exit status 2)."""
 
 
 def rotate(x: torch.Tensor, angle_deg: float, fill: Sequence[float] | None = None) -> torch.Tensor:
@@ -192,9 +203,41 @@ class RotatedClusters:
                 pools[purpose] = [np.sort(block)] * k
         test_order = rng.permutation(n_test)
         pools["test"] = [rng.permutation(test_order) for _ in range(k)]  # own order per cluster
-        if any(len(p) == 0 for p in pools["agents"]):
-            raise ValueError(f"{self.name}: {n_train} train images leave no agent pool for {k} clusters")
+        self._check_sizes(n_train, {purpose: min(len(p) for p in pools[purpose])
+                                    for purpose in ("proxy", "pretrain", "agents")}, proxy, pretrain)
         return pools
+
+    def _check_sizes(self, n_train: int, smallest: dict[str, int], proxy: int | None, pretrain: int | None) -> None:
+        """DatasetTooSmall where a cluster's proxy set, pre-training set or agents' pool is
+        smaller than MIN_POOL_PER_CLASS images per class, saying how many train images it takes."""
+        need = max(1, MIN_POOL_PER_CLASS * self.num_classes)
+        if min(smallest.values()) >= need:
+            return
+        sets = (f"each cluster's proxy set, pre-training set and agents' pool needs {need} images "
+                f"({MIN_POOL_PER_CLASS} per class), and these would get "
+                + ", ".join(f"{n}" for n in smallest.values()))
+        explicit = [f"data.{name}_per_cluster={n}" for name, n in (("proxy", proxy), ("pretrain", pretrain))
+                    if n and n < need]
+        if explicit:
+            raise DatasetTooSmall(f"{self.name}: {' and '.join(explicit)} is too small: {sets}; set {need} or "
+                                  f"more, or 0 for auto")
+        needed = next((n for n in range(n_train + 1, 100 * n_train + 1000 * need)
+                       if self._fits(n, need, proxy, pretrain)), None)
+        has = f"needs at least {needed} train images and has {n_train}" if needed else f"has {n_train} train images"
+        raise DatasetTooSmall(f"{self.name} is too small for {self.num_clusters} clusters: {sets}; it {has}: "
+                              f"add images (docs/data.md)")
+
+    def _fits(self, n_train: int, need: int, proxy: int | None, pretrain: int | None) -> bool:
+        """Whether a train split of n_train images gives every pool `need` images (same sizes)."""
+        probe = copy.copy(self)  # _server_sizes sets disjoint_clusters: keep ours
+        try:
+            p, q = probe._server_sizes(n_train, proxy, pretrain)
+        except ValueError:
+            return False
+        k = self.num_clusters
+        if probe.disjoint_clusters:
+            return min(p, q, (n_train - k * (p + q)) // k) >= need
+        return min(p, q, n_train - p - q) >= need
 
     def pool(self, purpose: str, cluster: int) -> np.ndarray:
         """Base-image indices (into the train split, or the test split for 'test')."""
