@@ -171,7 +171,7 @@ class CDFLSettings:
     staleness_cap: int = 1
     """Times each agent's uploads count toward an upload's staleness (integer >= 0; 1: staleness = 1 + agents that uploaded since, so a frequent uploader cannot make others stale; 0 = every upload counts, the papers' t - tau). Also FedSoft-Async and FedAsync."""
     beta0: float = 0.025
-    """Base update ratio (the paper's value); beta_mk = beta0 * alpha_mk * s(t - tau). Must be >= 0."""
+    """Base update ratio (the paper's value); beta_mk = beta0 * alpha_mk * s(t - tau). Must be in [0, 1]."""
     hinge_a: float = 10.0
     """Hinge staleness slope: s(d) = 1 if d <= b else 1 / (a (d - b) + 1). Must be >= 0."""
     hinge_b: float = 5.0
@@ -197,7 +197,7 @@ class CDFLSettings:
     sketch_floor: float = 0.01
     """sketch estimator: mix this much uniform into alpha. Must be in [0, 1]."""
     sketch_shrinkage: float = 0.25
-    """sketch estimator: the mixture is fitted by least squares in the metric of the features' noise, its covariance shrunk this far toward its mean variance (in [0, 1]; 1 = plain least squares). docs/results_cdfl.md#estimation."""
+    """sketch estimator: the mixture is fitted by least squares in the metric of the features' noise, its covariance shrunk this far toward its mean variance (in (0, 1]; 1 = plain least squares). docs/results_cdfl.md#estimation."""
     sketch_pretrain: bool = True
     """sketch estimator: a cluster's reference sketch is made from its proxy and pre-training inputs (labels unused), not the proxy set alone (less reference noise). docs/results_cdfl.md#estimation."""
     trajectory_epochs: int = 2
@@ -675,9 +675,9 @@ RANGES: dict[str, str] = {
     "codec.int8_block": ">= 1", "codec.topk_ratio": "in (0, 1]",
     "data.min_samples": ">= 1", "data.max_samples": ">= 1", "data.primary_min": "in [0, 1]",
     "data.primary_max": "in [0, 1]", "data.proxy_per_cluster": ">= 0", "data.pretrain_per_cluster": ">= 0",
-    "cdfl.clusters": ">= 1", "cdfl.tau0": ">= 0", "cdfl.staleness_cap": ">= 0", "cdfl.beta0": ">= 0",
+    "cdfl.clusters": ">= 1", "cdfl.tau0": ">= 0", "cdfl.staleness_cap": ">= 0", "cdfl.beta0": "in [0, 1]",
     "cdfl.hinge_a": ">= 0", "cdfl.hinge_b": ">= 0", "cdfl.temperature": "> 0", "cdfl.proxy_batch": ">= 1",
-    "cdfl.estimator_floor": "in [0, 1]", "cdfl.sketch_floor": "in [0, 1]", "cdfl.sketch_shrinkage": "in [0, 1]",
+    "cdfl.estimator_floor": "in [0, 1]", "cdfl.sketch_floor": "in [0, 1]", "cdfl.sketch_shrinkage": "in (0, 1]",
     "cdfl.trajectory_epochs": ">= 0", "cdfl.trajectory_lr": "> 0", "cdfl.trajectory_rho": ">= 0",
     "cdfl.eval_workers": ">= 0", "cdfl.eval_chunk": ">= 0",
     "cdfl.personalize_epochs": ">= 0", "cdfl.personalize_lr": "> 0", "cdfl.personalize_batch_size": ">= 1",

@@ -109,3 +109,39 @@ def test_an_unknown_dataset_is_refused_at_load_naming_the_known_ones() -> None:
 def test_shipped_configs_and_the_defaults_load(path: Path) -> None:
     load_config(None)
     load_config(path)
+
+
+def far_inside(need: str, typ: type) -> float:
+    """A value well inside `need`, away from the edge that `inside_and_outside` tries: the top of a
+    closed interval, or 10 above a lower bound."""
+    if need.startswith(">"):
+        return float(need.lstrip(">=")) + 10
+    lo, hi = (float(v) for v in need[4:-1].split(","))
+    return hi if need[-1] == "]" else (lo + hi) / 2
+
+
+STRATEGY_SECTIONS = ("cdfl", "fedasync", "fedbuff")
+"""The sections the asynchronous strategies read their knobs from (aggregator/bootstrap.py)."""
+
+
+@pytest.mark.parametrize("key", sorted(k for k in RANGES if k.split(".")[0] in STRATEGY_SECTIONS))
+def test_a_value_a_range_allows_builds_every_strategy(key: str) -> None:
+    """A value the documented range allows must not be refused later by the strategy that uses
+    it: that would be a traceback minutes into a run (cdfl.beta0 = 5 once was)."""
+    import torch
+
+    from aggregator.bootstrap import ASYNC_STRATEGIES
+    from fedmq.models import model_spec
+
+    typ = numeric_keys()[key]
+    spec = model_spec("digits-cnn")
+    for value in {inside_and_outside(RANGES[key], typ)[0], far_inside(RANGES[key], typ)}:
+        cfg = load_config(None, {key: int(value) if typ is int else float(value)})
+        k = cfg.cdfl.clusters
+        clusters = [torch.zeros(spec.numel) for _ in range(k)]
+        proxies = [(torch.zeros(4, 1, 8, 8), torch.zeros(4, dtype=torch.long)) for _ in range(k)]
+        for name, build in ASYNC_STRATEGIES.items():
+            try:
+                build(cfg, spec, clusters, proxies, "cpu")
+            except ValueError as e:
+                pytest.fail(f"{key}={value} is within {RANGES[key]} but {name} refuses it: {e}")
