@@ -83,7 +83,7 @@ def assert_one_line(done: subprocess.CompletedProcess, status: int, *names: str)
     (("sim", "ablation", "--seeds", "1,"), ("fedmq sim ablation", "--out")),
     (("sim", "rounds", "--seeds", "x"), ("fedmq sim rounds", "--seeds", "'x'")),
     (("fleet", "status", "--watch", "soon"), ("fedmq fleet status", "--watch", "soon")),
-    (("creds", "--out", "OUT", "--agents", "bad/name"), ("bad/name",)),
+    (("creds", "--out", "OUT", "--agents", "bad+name"), ("bad+name",)),
     (("broker", "--port", "nope"), ("fedmq broker", "--port")),
     # Every config value is checked at load: `--dry-run` fails where a start would.
     (("aggregator", "--clusters", "0", "--dry-run"), ("fedmq aggregator", "--clusters (cdfl.clusters) must be >= 1, got 0")),
