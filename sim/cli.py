@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from fedmq.algorithms import ASYNC_SERVER, DISPLAY, ROUNDS
 from fedmq.config import Config, add_config_arguments, config_from_args, dataset_named
+from fedmq.errors import UsageError
 from fedmq.logs import mask_secrets, setup_logging
 from fedmq.signals import SignalRelay
 from sim.log_progress import LogProgress, progress_bar
@@ -80,6 +81,11 @@ def check_init(cfg: Config, scenario: Scenario) -> None:
 def fleet_defaults(args: argparse.Namespace, scenario: Scenario) -> None:
     """--clusters, --agents, --updates-per-agent and --test-samples not given: the scenario's (the real-size
     fleet's differ from the paper's 3 clusters, 20*K agents and 25 uploads each)."""
+    # What the user gave (a scenario's 0 agents means 20*K, resolved per run).
+    for flag, value, low in (("--agents", args.agents, 1), ("--updates-per-agent", args.updates_per_agent, 0),
+                             ("--test-samples", args.test_samples, 1), ("--workers", getattr(args, "workers", 1), 1)):
+        if value is not None and (value < low if low else value <= 0):
+            raise UsageError(f"{flag} must be {'>= ' + str(low) if low else '> 0'}, got {value:g}")
     if args.clusters is None:
         args.clusters = str(scenario.fixed_clusters or scenario.clusters)
     if args.agents is None:
@@ -291,6 +297,7 @@ def run_experiments(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     command = invoked_command()
     bar = progress_bar(total)
+    finished = 0
     try:
         for i, sp in enumerate(specs):
             bar.set_postfix_str(sp.label)
@@ -305,6 +312,15 @@ def run_experiments(args: argparse.Namespace) -> int:
                       + (f", {sum(refused.values())} refused ("
                          + ", ".join(f"{k} {n}" for k, n in refused.items()) + ")" if refused else ""),
                       flush=True)
+            finished += 1
+    except KeyboardInterrupt:
+        bar.close()
+        kept = (f"kept the {finished} finished run{'s' if finished != 1 else ''} of {len(specs)} in {args.out} "
+                f"(`fedmq sim report {args.out}` reads them)" if finished else f"no run had finished; {args.out} holds none")
+        print(("\n" if sys.stderr.isatty() else "")  # below the bar
+              + f"fedmq sim run: stopped; {kept}; {specs[finished].label} was under way and is not kept",
+              file=sys.stderr)
+        return 130
     finally:
         bar.close()
     report, paths, text = write_report(args.out, command)

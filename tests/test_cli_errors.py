@@ -80,6 +80,8 @@ def assert_one_line(done: subprocess.CompletedProcess, status: int, *names: str)
     (("sim", "run", "--seeds", "1,x", "--out", "OUT"), ("fedmq sim run", "--seeds", "1,x")),
     (("sim", "run", "--clusters", "two", "--out", "OUT"), ("--clusters", "two")),
     (("sim", "run", "--methods", "cdfl,nope", "--out", "OUT"), ("unknown method 'nope'",)),
+    (("sim", "run", "--agents", "-1", "--out", "OUT"), ("fedmq sim run", "--agents must be >= 1, got -1")),
+    (("sim", "run", "--set", "cdfl.beta0=5", "--out", "OUT"), ("fedmq sim run", "cdfl.beta0 must be in [0, 1]")),
     (("sim", "ablation", "--seeds", "1,"), ("fedmq sim ablation", "--out")),
     (("sim", "rounds", "--seeds", "x"), ("fedmq sim rounds", "--seeds", "'x'")),
     (("fleet", "status", "--watch", "soon"), ("fedmq fleet status", "--watch", "soon")),
@@ -106,6 +108,7 @@ def test_usage_errors_are_one_line_and_exit_2(argv, names, tmp_path) -> None:
     argv = tuple(str(tmp_path / "out") if a == "OUT" else a for a in argv)
     line = assert_one_line(run(*argv), 2, *names)
     assert "secret" not in line  # a password in a broker URL is never echoed
+    assert not (tmp_path / "out").exists()  # a refused command leaves nothing behind
 
 
 @pytest.mark.parametrize("argv", [
