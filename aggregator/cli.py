@@ -9,7 +9,7 @@ examples:
 
 State (cluster models, journal) lives in --state-dir; a restart resumes from it. SIGTERM or
 Ctrl-C stops cleanly (final snapshot, offline status). Deadline rounds (catafed, fedavg,
-fedprox) wait for --min-agents agents (`fedmq agent --algorithm` the same) before round 1
+fedprox, tifl) wait for --min-agents agents (`fedmq agent --algorithm` the same) before round 1
 and print one line per round.
 """
 

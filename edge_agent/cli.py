@@ -46,8 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                              "data_dir", "download", "model", "seed", "log_level"))
     p.add_argument("--id", dest="agent_id", metavar="ID", help="agent id (required; config agent.id)")
     p.add_argument("--algorithm", choices=ASYNC_AGENT + ROUNDS,
-                   help="cdfl (default), fedsoft-async, local (never talks to a server), or the "
-                        "deadline rounds catafed, fedavg, fedprox, tifl")
+                   help=f"{ASYNC_AGENT[0]} (default), {', '.join(a for a in ASYNC_AGENT[1:] if a != 'local')}, "
+                        f"local (never talks to a server), or the deadline rounds {', '.join(ROUNDS)}")
     p.add_argument("--profile", choices=("car", "phone", "device"), help="device profile (default device)")
     p.add_argument("--state-dir", metavar="DIR", help="durable state (default state/agent-ID); one agent per dir")
     p.add_argument("--clusters", type=int, metavar="K", help="rotation clusters of the dataset source (default 3)")
