@@ -516,7 +516,7 @@ class CDFL(SoftClusters):
                       settings: CDFLSettings, device: str = "auto", **kwargs: Any) -> CDFL:
         options = estimator_options(settings, settings.estimator)
         refresh = settings.cluster_refresh_steps
-        if refresh and spec.trainable is not None:
+        if refresh and spec.statistics_numel > 0:
             # The refresh trains with batch norm in eval mode, against running statistics that
             # uploads mix and codecs round: on ResNet-20 a weight went from 1 to 571 in two
             # uploads and the replies turned NaN. Such models take the paper's rule alone.

@@ -332,10 +332,13 @@ def test_reply_average_makes_replies_from_a_short_average_and_survives_a_restart
 def test_a_model_with_batch_norm_statistics_takes_no_proxy_refresh() -> None:
     """The refresh trains in eval mode against mixed running statistics: a ResNet-20 with batch
     norm blew up (a weight from 1 to 571 in two uploads). The GroupNorm variant and the zoo's
-    statistics-free models keep the shipped refresh."""
+    statistics-free models keep the shipped refresh, and so does one built by reference (a folder
+    dataset's default) that has no statistics."""
     shipped = CDFLSettings(clusters=2)
     assert shipped.cluster_refresh_steps > 0
-    for arch, refreshed in (("resnet20", False), ("resnet20-gn", True), (ARCH, True)):
+    by_reference = "fedmq.models:ReferenceCNN?input=1x28x28&num_classes=5"
+    assert model_spec(by_reference).statistics_numel == 0
+    for arch, refreshed in (("resnet20", False), ("resnet20-gn", True), (ARCH, True), (by_reference, True)):
         spec = model_spec(arch)
         shape = (16, *spec.input_shape)
         data = [(torch.randn(shape), torch.randint(0, spec.num_classes, (16,))) for _ in range(2)]
