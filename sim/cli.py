@@ -260,7 +260,15 @@ def invoked_command() -> str | None:
 
 
 def run_experiments(args: argparse.Namespace) -> int:
-    from sim.fleet import METHODS, RunSpec, local_training, make_schedule, run_fleet, write_run
+    from sim.fleet import (
+        METHODS,
+        RunSpec,
+        describe_split,
+        local_training,
+        make_schedule,
+        run_fleet,
+        write_run,
+    )
     from sim.report import write_report
     from sim.scenarios import resolve_scenario
 
@@ -308,7 +316,7 @@ def run_experiments(args: argparse.Namespace) -> int:
             if isinstance(bar, LogProgress):  # no bar in a log: one line per finished run too
                 refused = result.summary()["refused"]
                 print(f"run {i + 1}/{len(specs)} {sp.label}: {len(result.updates)} updates in "
-                      f"{time.perf_counter() - t0:.0f} s"
+                      f"{time.perf_counter() - t0:.0f} s ({describe_split(result.info['wall_split'])})"
                       + (f", {sum(refused.values())} refused ("
                          + ", ".join(f"{k} {n}" for k, n in refused.items()) + ")" if refused else ""),
                       flush=True)

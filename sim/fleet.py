@@ -31,7 +31,7 @@ import math
 import tempfile
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -371,6 +371,50 @@ def agent_name(index: int) -> str:
     return f"sim-{index:05d}"
 
 
+class Stopwatch:
+    """Seconds spent per kind of work, summed over threads (agents' cycles may run side by side)."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = defaultdict(float)
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def timing(self, kind: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.spent[kind] += time.perf_counter() - t0
+
+
+WALL_PARTS = ("setup_s", "agents_training_s", "aggregator_s", "evaluation_s", "rest_s")
+"""summary.json's `wall_split`: where a run's wall time went."""
+
+
+def wall_split(wall_s: float, setup_s: float, spent: dict[str, float], aggregator_s: float,
+               workers: int) -> dict[str, float]:
+    """A run's wall split into set-up (pre-training, broker, aggregator and agents starting),
+    agents' local training, the aggregator's work on uploads, evaluation (agents scoring their
+    models and the cluster models' checkpoints) and the rest (data drawn per cycle, encoding,
+    messaging, waiting). The aggregator works while an agent waits for its reply, so its share is
+    taken out of that wait. With several workers the agents' parts run side by side and are
+    divided by their number."""
+    share = 1.0 / max(1, workers)
+    parts = {"setup_s": setup_s, "agents_training_s": spent.get("training", 0.0) * share,
+             "aggregator_s": aggregator_s,
+             "evaluation_s": spent.get("evaluation", 0.0) * share + spent.get("cluster_evaluation", 0.0)}
+    parts["rest_s"] = max(0.0, wall_s - sum(parts.values()))
+    return {k: round(v, 2) for k, v in parts.items()}
+
+
+def describe_split(split: dict[str, float]) -> str:
+    """`wall_split` as a progress line says it."""
+    names = {"setup_s": "set-up", "agents_training_s": "agents' training", "aggregator_s": "aggregator",
+             "evaluation_s": "evaluation", "rest_s": "rest"}
+    return ", ".join(f"{names[k]} {split[k]:.0f} s" for k in WALL_PARTS if k in split)
+
+
 @dataclass
 class CyclePlayer:
     """Plays one agent's cycle: new data, local training, upload, install; one UpdateRecord."""
@@ -380,6 +424,7 @@ class CyclePlayer:
     clusters: Any
     cfg: Config
     model_name: str
+    clock: Stopwatch = field(default_factory=Stopwatch)
 
     def play(self, i: int, a: int, c: int, agent: Any, held: dict[int, torch.Tensor] | None) -> UpdateRecord:
         """`agent` is the EdgeAgent (None for Local, whose models live in `held`)."""
@@ -393,15 +438,19 @@ class CyclePlayer:
         x, y, xt, yt = train.data.x, train.data.y, test.data.x, test.data.y
         seed = int(np.random.default_rng([spec.seed, a, c, 1]).integers(2**31))
         start = held[a] if local else agent.installed.vector
-        acc_held = evaluate(model_name, start, xt, yt)[0]
+        with self.clock.timing("evaluation"):
+            acc_held = evaluate(model_name, start, xt, yt)[0]
         cpu0 = time.thread_time()
-        result, alpha_own = train_cycle(
-            model_name, spec.method, start, None if local else agent.installed.clusters, x, y,
-            privacy=None if local else agent.privacy, dp_seed=dp_seed(spec.seed, a, c),
-            **{**agent_knobs(self.cfg.agent), "epochs": spec.local_epochs, "lr": spec.local_lr, "rho": spec.rho},
-            seed=seed)
+        with self.clock.timing("training"):
+            result, alpha_own = train_cycle(
+                model_name, spec.method, start, None if local else agent.installed.clusters, x, y,
+                privacy=None if local else agent.privacy, dp_seed=dp_seed(spec.seed, a, c),
+                **{**agent_knobs(self.cfg.agent), "epochs": spec.local_epochs, "lr": spec.local_lr,
+                   "rho": spec.rho},
+                seed=seed)
         compute_s = time.thread_time() - cpu0
-        acc_before = evaluate(model_name, result.vector, xt, yt)[0]
+        with self.clock.timing("evaluation"):
+            acc_before = evaluate(model_name, result.vector, xt, yt)[0]
         bad = diverged(result.vector)
         if bad:  # as a device does: nothing is sent, and it joins again
             event(log, "sim.train_diverged", level=30, agent=agent_name(a), cycle=c,
@@ -433,7 +482,8 @@ class CyclePlayer:
                                  agent.channel.bytes_sent - sent0, agent.channel.bytes_received - got0,
                                  compute_s, encode_s, time.perf_counter() - r0)
         round_trip = time.perf_counter() - r0
-        acc_after = evaluate(model_name, installed.vector, xt, yt)[0]
+        with self.clock.timing("evaluation"):
+            acc_after = evaluate(model_name, installed.vector, xt, yt)[0]
         alpha_est = alpha_own if alpha_own is not None else installed.alpha
         kl = kl_divergence(train.alpha, alpha_est) if alpha_est else math.nan
         return UpdateRecord(i, 0, agent.agent_id, c, len(train), tau, installed.epoch,
@@ -545,10 +595,13 @@ def run_fleet(spec: RunSpec, base: Config | None = None, *, broker_url: str | No
     cluster_acc: list[dict[str, Any]] = []
     busy = {"seconds": 0.0, "batches": 0}
 
+    player = CyclePlayer(spec, scenario, clusters, cfg, model_name)
+
     def score_clusters(vectors: list[torch.Tensor], events: int) -> None:
         if local:
             return  # Local has no cluster models
-        accs = [evaluate(model_name, w, t.x, t.y)[0] for w, t in zip(vectors, test_sets, strict=True)]
+        with player.clock.timing("cluster_evaluation"):
+            accs = [evaluate(model_name, w, t.x, t.y)[0] for w, t in zip(vectors, test_sets, strict=True)]
         cluster_acc.append({"events": events, "acc": accs})
 
     t_start = time.perf_counter()
@@ -578,8 +631,8 @@ def run_fleet(spec: RunSpec, base: Config | None = None, *, broker_url: str | No
             current_clusters = lambda: server_models(engine.strategy, len(test_sets))  # noqa: E731
 
         score_clusters(current_clusters(), 0)
+        setup_s = time.perf_counter() - t_start - player.clock.spent["cluster_evaluation"]
         dispatcher = _Dispatcher(schedule, eval_every, lambda i: score_clusters(current_clusters(), i))
-        player = CyclePlayer(spec, scenario, clusters, cfg, model_name)
         records, _ = play_events(dispatcher, player, agents, held, spec.workers, progress)
         score_clusters(current_clusters(), len(schedule))
         agent_bytes = {}
@@ -589,7 +642,9 @@ def run_fleet(spec: RunSpec, base: Config | None = None, *, broker_url: str | No
                 agent_bytes[agent.agent_id] = {"up": agent.channel.bytes_sent,
                                                "down": agent.channel.bytes_received}
             info.update(aggregator_info(engine, busy))
-    return RunResult(spec, records, cluster_acc, agent_bytes, time.perf_counter() - t_start, kind, info)
+    wall = time.perf_counter() - t_start  # the aggregator's shutdown included, in the rest
+    info["wall_split"] = wall_split(wall, setup_s, player.clock.spent, busy["seconds"], spec.workers)
+    return RunResult(spec, records, cluster_acc, agent_bytes, wall, kind, info)
 
 
 def aggregator_info(engine: Any, busy: dict[str, float]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import pytest
 
 from fedmq import protocol
 from fedmq.config import Config
-from sim.fleet import RunSpec, kl_divergence, make_schedule, run_fleet, write_run
+from sim.fleet import WALL_PARTS, RunSpec, kl_divergence, make_schedule, run_fleet, write_run
 from sim.report import write_report
 from sim.scenarios import SCENARIOS, build_clusters, draw_cycle, route_mixture
 from tests.wire_counter import WireCounter
@@ -165,6 +165,11 @@ def test_tiny_fleet_end_to_end_over_mosquitto(mosquitto, tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["updates"] == len(schedule)
     assert summary["client_acc"] == pytest.approx(sum(float(r["acc_after"]) for r in rows) / len(rows))
+    split = summary["wall_split"]  # where the wall went: its parts add up to it
+    assert list(split) == list(WALL_PARTS) and min(split.values()) >= 0
+    assert sum(split.values()) == pytest.approx(summary["wall_s"], abs=0.1)
+    assert split["aggregator_s"] == pytest.approx(summary["aggregator_busy_s"], abs=0.01)
+    assert split["agents_training_s"] > 0 and split["setup_s"] > 0
     agents = list(csv.DictReader((run_dir / "agents.csv").read_text().splitlines()))
     assert sum(int(a["bytes_down"]) for a in agents) == sum(b["down"] for b in cdfl.agent_bytes.values())
     assert protocol.validate_id(cfg.fleet)
