@@ -81,12 +81,25 @@ class PretrainProgress:
     at the default level at most every PROGRESS_EVERY_S (with the models still to train, and
     the time budget the seconds run against)."""
 
-    def __init__(self, models: int, clock: Callable[[], float] = time.monotonic, budget_s: float = 0.0) -> None:
+    def __init__(self, models: int, clock: Callable[[], float] = time.monotonic, budget_s: float = 0.0,
+                 work: list[int] | None = None) -> None:
         self.models, self.clock, self.budget_s = models, clock, budget_s
         self.started = self.last = clock()
         self.model = ""
         self.index = 0
         self.epochs = 0
+        self.work = work
+        """Samples each model is planned to see (epochs x pool): what the end is estimated from."""
+
+    def left_s(self, epoch: int) -> float | None:
+        """Seconds to the end of pre-training, from the rate so far, within the time budget;
+        None without a plan."""
+        if not self.work or not self.epochs or self.index < 1:
+            return None
+        done = sum(self.work[:self.index - 1]) + self.work[self.index - 1] * (epoch + 1) / self.epochs
+        elapsed = self.clock() - self.started
+        left = elapsed / max(done, 1e-9) * (sum(self.work) - done)
+        return max(0.0, min(left, self.budget_s - elapsed) if self.budget_s else left)
 
     def next_model(self, name: str, epochs: int) -> None:
         self.model, self.epochs = name, epochs
@@ -97,8 +110,10 @@ class PretrainProgress:
         level = PROGRESS if now - self.last >= PROGRESS_EVERY_S else logging.INFO
         if level == PROGRESS:
             self.last = now
+        left = self.left_s(epoch)
         event(pretrain_log, "pretrain.epoch", level=level, model=self.model, of_models=f"{self.index}/{self.models}",
               epoch=f"{epoch + 1}/{self.epochs}", loss=round(loss, 4), seconds=round(now - self.started, 1),
+              **({"left_s": round(left)} if left is not None else {}),
               **({"budget_s": self.budget_s} if self.budget_s else {}))
 
 
@@ -228,14 +243,15 @@ def _pretrain(cfg: Config, pools: list, model_name: str,
     train_shared = cfg.aggregator.pretrain_shared and init is None
     if init is not None:
         event(log, "cluster.init", path=cfg.aggregator.init, values=init.numel())
-    progress = PretrainProgress(len(pools) + train_shared, budget_s=cfg.aggregator.pretrain_max_seconds)
     # Epochs of the shared model by all pools together: it sees as many samples as one
     # cluster model does, not K times as many (compose and the demo wait for it).
     shared_samples = sum(len(p) for p in pools) if train_shared else 0
     plan = ([pretrain_epochs(cfg.aggregator.pretrain_epochs, shared_samples)] if train_shared else []) + [
         pretrain_epochs(cfg.aggregator.pretrain_epochs, len(p)) for p in pools]
     sizes = ([shared_samples] if train_shared else []) + [len(p) for p in pools]
-    budget = PretrainBudget(cfg.aggregator.pretrain_max_seconds, [e * n for e, n in zip(plan, sizes, strict=True)])
+    work = [e * n for e, n in zip(plan, sizes, strict=True)]
+    progress = PretrainProgress(len(pools) + train_shared, budget_s=cfg.aggregator.pretrain_max_seconds, work=work)
+    budget = PretrainBudget(cfg.aggregator.pretrain_max_seconds, work)
     event(pretrain_log, "pretrain.start", logging.INFO, model=model_name, models=len(plan),
           epochs=plan, samples=sizes, budget_s=cfg.aggregator.pretrain_max_seconds or "none")
     if train_shared:

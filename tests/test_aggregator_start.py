@@ -57,3 +57,20 @@ def test_a_sim_run_shows_its_pretraining_at_the_default_level(tmp_path) -> None:
         sim.stop(signal.SIGTERM, timeout=120)
     assert "progress" in line.string and "of_models=" in line.string
     assert "Traceback" not in sim.output
+
+
+def test_pretraining_progress_estimates_the_end_from_its_plan_within_the_budget() -> None:
+    now = [0.0]
+    progress = PretrainProgress(2, clock=lambda: now[0], budget_s=100.0, work=[300, 100])
+    progress.next_model("shared", 3)
+    now[0] = 10.0
+    assert progress.left_s(0) == 30.0  # 100 of 400 samples seen in 10 s: 300 to go at that rate
+    progress.next_model("cluster 0", 1)
+    now[0] = 80.0
+    assert progress.left_s(0) == 0.0  # the plan is done
+    now[0] = 0.0
+    progress = PretrainProgress(1, clock=lambda: now[0], budget_s=100.0, work=[1000])
+    progress.next_model("shared", 10)
+    now[0] = 90.0
+    assert progress.left_s(0) == 10.0  # the rate says 810 s more; the budget ends it in 10
+    assert PretrainProgress(1).left_s(0) is None  # no plan, no estimate
