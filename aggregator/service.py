@@ -36,7 +36,7 @@ from aggregator.engine import Engine, Inbound, Rejected
 from aggregator.inbox import FairInbox
 from aggregator.journal import JournalError
 from aggregator.receipts import ReplyClock
-from fedmq import protocol
+from fedmq import device_spec, protocol
 from fedmq.atomic_file import atomic_write
 from fedmq.channel import Channel, Received, Refused
 from fedmq.config import BrokerSettings, Config, LogSettings
@@ -479,6 +479,9 @@ class AggregatorService:
         self._inbox_lock = threading.Lock()
         self.graph: bytes | None = None
         """The fleet's ONNX graph (no weights), made at start; None if the export failed."""
+        self.device: device_spec.DeviceSpec | None = None
+        """What a device needs beside the graph (fedmq/device_spec.py), made at start; None if
+        the dataset could not say."""
         shared = default_network()
         self._own_network = None if shared is not None else NetworkLoop(f"fedmq-aggregator-{cfg.fleet}")
         self.transport = MqttTransport(
@@ -553,6 +556,8 @@ class AggregatorService:
             graph = {"topic": protocol.model_graph(self.fleet), "format": "onnx",
                      "bytes": len(self.graph), "sha256": hashlib.sha256(self.graph).hexdigest(),
                      "input": INPUT_NAME, "output": OUTPUT_NAME}
+            if self.device is not None:
+                graph.update(device_topic=protocol.device_spec(self.fleet), device_spec=self.device.hash)
         env = protocol.Status(agent="aggregator", msg_id=self.sole.status_id(),
                               sent_at=protocol.now(), state=state, role="aggregator",
                               algorithm=self.cfg.aggregator.algorithm,
@@ -583,6 +588,18 @@ class AggregatorService:
         event(log, "graph.exported", model=self.engine.spec.arch, bytes=info.bytes,
               exporter=info.exporter, seconds=round(info.seconds, 2), cached=info.reused_graph)
 
+    def _make_device_spec(self) -> None:
+        """The device spec published beside the graph (docs/protocol.md, "Device spec"); a
+        failure is logged and only leaves it unpublished (no `graph.device_spec` in the status)."""
+        data = self.cfg.data
+        try:
+            self.device = device_spec.for_dataset(self.engine.spec, self.engine.spec.public_name, data.dataset,
+                                                  data.data_dir)
+        except Exception as e:  # a dataset the loader cannot read here: Python agents need no spec
+            event(log, "device_spec.unavailable", level=30, dataset=data.dataset, error=f"{type(e).__name__}: {e}"[:300])
+            return
+        event(log, "device_spec.made", hash=self.device.hash, bytes=len(self.device.payload()))
+
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> AggregatorService:
@@ -596,6 +613,11 @@ class AggregatorService:
         if self.graph is not None:  # retained before the online status, which points at it
             self.transport.on_connect_hooks.append(lambda t, _: t.publish(
                 protocol.model_graph(self.fleet), self.graph or b"", qos=1, retain=True))
+            self._make_device_spec()
+        if self.device is not None:  # beside the graph, before the status that names its hash
+            payload = self.device.payload()
+            self.transport.on_connect_hooks.append(lambda t, _: t.publish(
+                protocol.device_spec(self.fleet), payload, qos=1, retain=True))
         if not self.sole.clear_to_serve(self.cfg.broker, derived_logins=self.cfg.aggregator.derived_logins,
                                         network=self.transport.network):
             return self  # never connected: `sole.failure` says why

@@ -169,6 +169,13 @@ def model_graph(fleet: str) -> str:
     return f"{TOPIC_ROOT}/{validate_id(fleet, 'fleet')}/model/onnx"
 
 
+def device_spec(fleet: str) -> str:
+    """Retained device spec beside the graph (fedmq/device_spec.py: msgpack, not an envelope):
+    input normalization, label names, head cut and the sketch's feature map; the aggregator's
+    status names its hash (`graph.device_spec`)."""
+    return f"{TOPIC_ROOT}/{validate_id(fleet, 'fleet')}/model/device"
+
+
 def all_uplinks(fleet: str) -> str:
     """What the aggregator subscribes to for every agent's uploads."""
     return f"{TOPIC_ROOT}/{validate_id(fleet, 'fleet')}/agents/+/up"

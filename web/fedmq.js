@@ -1,6 +1,7 @@
-// fedmq wire protocol v1 for the browser (docs/protocol.md): envelopes, rising msg_ids,
-// chunks, every model codec, the CDFL data sketch, the drift rule and head training.
-// No DOM and no transport here: agent.js joins a fleet with these, fleet.js reads statuses.
+// fedmq wire protocol v1 in JavaScript (docs/protocol.md): envelopes, rising msg_ids, chunks,
+// every model codec, the fleet's device spec, the CDFL data sketch, the drift rule and head
+// training. No DOM and no transport here: agent.js joins a fleet with these (in a browser or
+// in Node.js, agent-cli.mjs), fleet.js reads statuses.
 
 import { encode as packb, decode as unpackb } from "@msgpack/msgpack";
 import { decompress as zstdDecompress } from "fzstd";
@@ -22,6 +23,8 @@ export const topics = {
   agentStatus: (fleet, agent) => `fedmq/${fleet}/agents/${agent}/status`,
   allAgentStatus: (fleet) => `fedmq/${fleet}/agents/+/status`,
   aggregatorStatus: (fleet) => `fedmq/${fleet}/aggregator/status`,
+  graph: (fleet) => `fedmq/${fleet}/model/onnx`,
+  deviceSpec: (fleet) => `fedmq/${fleet}/model/device`,
 };
 
 /** An agent's MQTT client id, as Python's `protocol.agent_client_id`: two fleets on one
@@ -369,13 +372,66 @@ export async function readSpec(status) {
   return spec;
 }
 
-/** Inputs as fedmq's loader normalizes them (docs/protocol.md, "Inputs"), digits' constants. */
-export const NORMALIZE = { digits: { scale: 1 / 16, mean: 0.30555450916290283, std: 0.37612447142601013 } };
+/** The digits fleet's normalization (what its device spec publishes), for the page's bundled samples. */
+export const NORMALIZE = { digits: { scale: 16, mean: [0.30555450916290283], std: [0.37612447142601013] } };
 
-export function normalize(pixels, how = NORMALIZE.digits) {
+/**
+ * Raw values (pixels, samples after one another, channels first) as model inputs, bit for bit
+ * as fedmq's loader makes them (the device spec's `normalize`): x = ((p / scale) - mean[c]) /
+ * std[c], every step rounded to float32, mean and std too. `perChannel`: values per channel
+ * in one sample (H * W).
+ */
+export function normalize(pixels, how = NORMALIZE.digits, perChannel = pixels.length) {
+  const channels = how.mean.length;
+  const mean = how.mean.map(Math.fround);
+  const std = how.std.map(Math.fround);
   const out = new Float32Array(pixels.length);
-  for (let i = 0; i < pixels.length; i++) out[i] = (Math.fround(pixels[i] * how.scale) - how.mean) / how.std;
+  for (let i = 0; i < pixels.length; i++) {
+    const c = Math.floor(i / perChannel) % channels;
+    out[i] = Math.fround(Math.fround(pixels[i] / how.scale) - mean[c]) / std[c];
+  }
   return out;
+}
+
+// ------------------------------------------------------------------------- device spec
+
+export const DEVICE_SPEC_FORMAT = "fedmq-device-spec/1";
+
+async function sha256Hex(bytes) {
+  return hex(new Uint8Array(await crypto.subtle.digest("SHA-256", bytes)));
+}
+
+/**
+ * The fleet's device spec (docs/protocol.md, "Device spec") from its retained message, checked:
+ * SHA-256(spec)[:16] must equal `advertised` (the status's `graph.device_spec`; null: not
+ * checked here), the feature
+ * map's SHA-256 the spec's. Returns {hash, doc, featureMap (Float32Array or null)}; a
+ * ProtocolRefusal (thrown) names what does not match.
+ */
+export async function readDeviceSpec(payload, advertised) {
+  let msg;
+  try {
+    msg = unpackb(payload, { maxStrLength: 65536, maxMapLength: 16 });
+  } catch (e) {
+    throw new ProtocolRefusal("bad_device_spec", `not msgpack: ${e.message || e}`);
+  }
+  if (!msg || typeof msg.spec !== "string" || Object.keys(msg).length !== 2 || !("feature_map" in msg)) {
+    throw new ProtocolRefusal("bad_device_spec", "a map of exactly spec (str) and feature_map (bin or nil)");
+  }
+  const hash = (await sha256Hex(new TextEncoder().encode(msg.spec))).slice(0, 16);
+  if (advertised != null && hash !== advertised) throw new ProtocolRefusal("bad_device_spec", `hash ${hash}, the aggregator advertises ${advertised}`);
+  const doc = JSON.parse(msg.spec);
+  if (doc.format !== DEVICE_SPEC_FORMAT) throw new ProtocolRefusal("bad_device_spec", `format ${doc.format}, this agent reads ${DEVICE_SPEC_FORMAT}`);
+  let featureMap = null;
+  if (doc.sketch) {
+    const blob = msg.feature_map;
+    if (!(blob instanceof Uint8Array) || blob.byteLength !== doc.sketch.bytes || (await sha256Hex(blob)) !== doc.sketch.sha256) {
+      throw new ProtocolRefusal("bad_device_spec", "the feature map differs from the spec's length or SHA-256");
+    }
+    featureMap = new Float32Array(blob.byteLength / 4);
+    new Uint8Array(featureMap.buffer).set(blob); // aligned copy; little-endian as every platform ORT runs on
+  }
+  return { hash, doc, featureMap };
 }
 
 // ------------------------------------------------------------------------- data sketch
@@ -384,20 +440,22 @@ export const SKETCH_METHOD = "rff-1024-5eed-v1";
 export const SKETCH_DIM = 1024;
 
 /**
- * The CDFL data sketch (fedmq/sketch.py): the mean over inputs of cos(x W + b), W [d, 1024]
- * and b [1024] the fixed random feature map for d input values (made by numpy's PCG64 stream
- * in Python; the page loads it as a file), sent as little-endian float16.
+ * The CDFL data sketch (docs/protocol.md, "Device spec"; fedmq/device_spec.py
+ * reference_sketch), bit for bit: per input z_j = b_j + sum_i x_i W_ij in float64 with i
+ * rising, cos(z_j) in float64, the mean over inputs rounded to float32 then float16 (nearest
+ * even), little-endian. W [d, 1024] and b [1024] are the fleet's published feature map.
  */
 export function dataSketch(inputs, d, featureMap) {
+  if (featureMap.length !== (d + 1) * SKETCH_DIM) throw new Error(`a feature map of ${featureMap.length} values is not for ${d} inputs`);
   const w = featureMap.subarray(0, d * SKETCH_DIM);
   const b = featureMap.subarray(d * SKETCH_DIM, d * SKETCH_DIM + SKETCH_DIM);
   const total = new Float64Array(SKETCH_DIM);
   const n = inputs.length / d;
+  const acc = new Float64Array(SKETCH_DIM);
   for (let s = 0; s < n; s++) {
-    const acc = new Float32Array(b);
+    acc.set(b);
     for (let i = 0; i < d; i++) {
-      const xi = inputs[s * d + i];
-      if (xi === 0) continue;
+      const xi = inputs[s * d + i]; // a float32 times a float32 is exact in float64
       const row = i * SKETCH_DIM;
       for (let j = 0; j < SKETCH_DIM; j++) acc[j] += xi * w[row + j];
     }
