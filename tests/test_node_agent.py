@@ -11,15 +11,28 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import queue
+import re
 import shutil
+import signal
 import subprocess
+import sys
+import threading
+from pathlib import Path
 
+import numpy as np
+import paho.mqtt.client as mqtt
 import pytest
 
-from fedmq import device_spec
+from fedmq import codecs, device_spec, protocol
+from fedmq.broker import MosquittoBroker
+from fedmq.data import clear_cache
 from fedmq.models import model_spec
-from tests.cli_process import ROOT
-from tests.test_device_spec import documented_vectors
+from soak.fleet_setup import pretrained_state
+from tests.cli_process import ROOT, CliProcess, cli_env
+from tests.test_browser import journal_records
+from tests.test_device_spec import documented_vectors, write_idx
 
 WEB = ROOT / "web"
 WAIT_S = 120.0
@@ -98,3 +111,205 @@ def test_node_computes_every_published_vector_bit_for_bit(node, tmp_path) -> Non
     assert sum("int8" in mine for mine in got["codecs"]) == 2
     assert got["normalize"] == [c["inputs"] for c in vectors["normalize"]]
     assert got["sketch"] == {k: vectors["sketch"][k] for k in got["sketch"]}
+
+
+# ------------------------------------------------------------------ a command-line device
+
+FLEET = "f28"
+NODE = "node-1"
+CYCLES = 3
+SAMPLES = 150
+AGGREGATOR = {"cdfl.clusters": 2, "data.proxy_per_cluster": 100, "data.pretrain_per_cluster": 200,
+              "aggregator.pretrain_epochs": 2, "aggregator.accuracy_every": 0, "cdfl.personalize_epochs": 1,
+              "cdfl.personalize_min_steps": 8, "aggregator.status_every_s": 1, "device": "cpu"}
+"""cnn28, K = 2, small server sets and short replies: a 28x28 fleet that starts in seconds."""
+
+
+@pytest.fixture(scope="module")
+def fleet28(tmp_path_factory) -> tuple[Path, Path]:
+    """(data root, pre-trained state dir): scripts/digits28_files.py's 28x28 stand-in, small, as
+    MNIST and, the same images, as Fashion-MNIST (whose normalization differs); the aggregator's
+    cluster models pre-trained once on the MNIST copy."""
+    if node_missing():
+        pytest.skip(node_missing())
+    root = tmp_path_factory.mktemp("d28")
+    made = subprocess.run([sys.executable, str(ROOT / "scripts" / "digits28_files.py"), str(root), "--train", "1200",
+                           "--test", "300"], capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr
+    shutil.copytree(root / "MNIST", root / "FashionMNIST")
+    clear_cache()
+    try:
+        state = pretrained_state(tmp_path_factory.mktemp("state28") / "state", **{
+            **AGGREGATOR, "data.dataset": "mnist", "data.data_dir": str(root), "model": "auto"})
+    finally:
+        clear_cache()
+    return root, state
+
+
+def start_aggregator(broker: MosquittoBroker, data: Path, state: Path, dataset: str = "mnist") -> CliProcess:
+    argv = ["fedmq", "aggregator", "--broker", broker.url, "--fleet", FLEET, "--state-dir", str(state),
+            "--dataset", dataset, "--data-dir", str(data), "--log-level", "info"]
+    for key, value in AGGREGATOR.items():
+        argv += ["--set", f"{key}={value}"]
+    agg = CliProcess(argv, cwd=ROOT, env=cli_env(OMP_NUM_THREADS="1"))
+    try:
+        agg.wait_for(r"aggregator\.started", WAIT_S)
+    except AssertionError:
+        agg.stop()
+        raise
+    return agg
+
+
+def node_agent(broker: MosquittoBroker, data: Path, out: Path, *extra: str) -> CliProcess:
+    raw = data / "MNIST" / "raw"
+    return CliProcess(["node", str(WEB / "agent-cli.mjs"), "--broker", broker.url, "--fleet", FLEET, "--id", NODE,
+                       "--images", str(raw / "t10k-images-idx3-ubyte"), "--labels", str(raw / "t10k-labels-idx1-ubyte"),
+                       "--samples", str(SAMPLES), "--state-dir", str(out / "state"), "--report", str(out / "report.jsonl"),
+                       "--timeout-s", str(int(WAIT_S)), *extra], cwd=ROOT)
+
+
+def report(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "report.jsonl").read_text().splitlines()]
+
+
+class Downlink:
+    """Every message on the Node agent's downlink, seen by a second client (dev.conf has no ACL)."""
+
+    def __init__(self, broker: MosquittoBroker) -> None:
+        self.seen: queue.Queue[bytes] = queue.Queue()
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="downlink-watcher")
+        self.client.on_message = lambda c, u, m: self.seen.put(bytes(m.payload))
+        subscribed = threading.Event()
+        self.client.on_subscribe = lambda *a: subscribed.set()
+        self.client.connect("127.0.0.1", broker.port)
+        self.client.loop_start()
+        self.client.subscribe(protocol.downlink(FLEET, NODE), qos=1)
+        assert subscribed.wait(WAIT_S)
+
+    def models(self) -> dict[str, protocol.Model]:
+        """in_reply_to -> the model that answered it."""
+        out = {}
+        while not self.seen.empty():
+            env = protocol.decode(self.seen.get(), 64 << 20)
+            if isinstance(env, protocol.Model):
+                out[env.in_reply_to] = env
+        return out
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def samples_as_published(data: Path, published: device_spec.DeviceSpec) -> np.ndarray:
+    """The Node agent's training inputs as Python makes them from the same file and spec."""
+    raw = (data / "MNIST" / "raw" / "t10k-images-idx3-ubyte").read_bytes()
+    pixels = np.frombuffer(raw[16:], np.uint8).reshape(-1, 1, 28, 28)[:SAMPLES]
+    return device_spec.reference_normalize(pixels, published.doc["normalize"]).reshape(SAMPLES, -1)
+
+
+@pytest.mark.slow
+def test_the_node_agent_joins_a_28x28_fleet_and_every_upload_is_applied(mosquitto, fleet28, tmp_path) -> None:
+    data, pristine = fleet28
+    state = tmp_path / "agg"
+    shutil.copytree(pristine, state)
+    downlink = Downlink(mosquitto)
+    agg = start_aggregator(mosquitto, data, state)
+    try:
+        node = node_agent(mosquitto, data, tmp_path, "--cycles", str(CYCLES))
+        assert node.wait(WAIT_S * 2) == 0, node.output[-3000:]
+        replies = downlink.models()
+        # Images the fleet's model does not take: one line, before anything is sent.
+        small = tmp_path / "small"
+        write_idx(small / "images", np.zeros((4, 8, 8), np.uint8))
+        write_idx(small / "labels", np.arange(4))
+        wrong = CliProcess(["node", str(WEB / "agent-cli.mjs"), "--broker", mosquitto.url, "--fleet", FLEET,
+                            "--id", "node-8x8", "--images", str(small / "images"), "--labels", str(small / "labels")],
+                           cwd=ROOT)
+        assert wrong.wait(WAIT_S) == 1
+        assert wrong.lines[-1] == ("agent-cli: refused: wrong_input: the images are 8x8, the fleet's model takes "
+                                   "1x28x28 (cnn28 on mnist)"), wrong.output
+    finally:
+        agg.stop()
+        downlink.close()
+    clear_cache()
+    try:
+        published = device_spec.for_dataset(model_spec("cnn28"), "cnn28", "mnist", str(data))
+    finally:
+        clear_cache()
+    joined, *cycles = report(tmp_path)
+    print(node.output)
+    assert joined["join"] and joined["deviceSpec"] == published.hash
+    assert "dataset=mnist input=1x28x28 sketch=rff-1024-5eed-v1" in node.output
+
+    # Three cycles, each answered with a model; msg_ids rise, each tau the epoch it held.
+    assert [c["refused"] for c in cycles] == [None] * CYCLES, cycles
+    ids = [c["msgId"] for c in cycles]
+    assert ids == sorted(ids) and len(set(ids)) == CYCLES
+    assert [c["tau"] for c in cycles] == [joined["epoch"], *[c["epoch"] for c in cycles[:-1]]]
+
+    # The aggregator applied every upload: the journal holds each with the vector the agent
+    # sent, bit for bit, and its sketch, which is Python's reference sketch of the same inputs.
+    assert len(re.findall(rf"update\.applied .*agent={NODE}\b", agg.output)) == CYCLES, agg.output[-3000:]
+    mine = [r for r in journal_records(state) if r["op"] == "update" and r["agent"] == NODE]
+    assert [r["msg_id"] for r in mine] == ids
+    sketch = device_spec.reference_sketch(samples_as_published(data, published), published.feature_map or b"")
+    for rec, cycle in zip(mine, cycles, strict=True):
+        sent = np.frombuffer(base64.b64decode(cycle["uploaded"]), dtype="<f4")
+        assert np.asarray(rec["vector"], dtype=np.float32).tobytes() == sent.tobytes()
+        assert bytes(rec["sketch"]) == bytes.fromhex(cycle["sketch"]) == sketch
+
+    # Every model it installed is the one Python decodes from the same replies, bit for bit.
+    base = None
+    for msg_id, held in [(joined["msgId"], joined), *[(c["msgId"], c) for c in cycles]]:
+        wire = replies[msg_id].tensors[0]
+        base = codecs.decode(wire, base=base if wire.get("delta") else None)
+        assert codecs.base_checksum(base) == held["installedCrc"], msg_id
+    print(f"node agent on {FLEET}: join {joined['seconds']:.2f} s; cycles "
+          + ", ".join(f"{c['seconds']:.2f} s (agent {c['computeS']:.2f} s, reply {c['replyS']:.2f} s)" for c in cycles))
+
+
+@pytest.mark.slow
+def test_an_agent_holding_an_old_device_spec_refuses_to_upload_in_one_line(mosquitto, fleet28, tmp_path) -> None:
+    data, pristine = fleet28
+    state = tmp_path / "agg"
+    shutil.copytree(pristine, state)
+    agg = start_aggregator(mosquitto, data, state)
+    node = node_agent(mosquitto, data, tmp_path, "--cycles", "1", "--stay")
+    try:
+        old = node.wait_for(r"agent\.joined .*device_spec=(\w+)", WAIT_S).group(1)
+        node.wait_for(r"agent\.waiting", WAIT_S)
+        agg.stop()
+        # The same fleet and model, its normalization now Fashion-MNIST's: another device spec.
+        agg = start_aggregator(mosquitto, data, state, "fashionmnist")
+        new = node.wait_for(rf"device_spec\.changed agent={NODE} held={old} published=(\w+)", WAIT_S).group(1)
+        assert new != old
+        os.kill(node.proc.pid, signal.SIGUSR1)  # train and upload now
+        node.wait_for(rf"agent\.joined .*device_spec={new}", WAIT_S)  # it read the new spec and joined again
+        assert node.stop() == 0
+    finally:
+        node.kill()
+        agg.stop()
+    refused = [line for line in node.lines if "upload.refused" in line]
+    assert refused == [f'upload.refused agent={NODE} reason=device_spec_changed detail="holds device spec {old}, '
+                       f'the fleet publishes {new}: read it again and rejoin"'], node.output[-3000:]
+    assert "dataset=fashionmnist" in node.output
+    # Nothing reached the aggregator between the change and the new join: no upload, no error.
+    assert not re.search(rf"update\.applied .*agent={NODE}\b", agg.output), agg.output[-3000:]
+    assert not re.search(rf"(refus|reject)\w*\b.*agent={NODE}\b", agg.output), agg.output[-3000:]
+
+
+def test_a_bad_command_line_is_one_line_and_status_2(node, tmp_path) -> None:
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([node, str(WEB / "agent-cli.mjs"), *args], capture_output=True, text=True, timeout=WAIT_S)
+
+    (tmp_path / "notidx").write_bytes(b"PNG not IDX")
+    for args, says in ((["--broker", "mqtt://127.0.0.1:1", "--id", "a"], "--fleet is required"),
+                       (["--broker", "mqtt://127.0.0.1:1", "--fleet", "f", "--id", "a", "--images", str(tmp_path / "notidx"),
+                         "--labels", str(tmp_path / "notidx")], "not an IDX file of unsigned bytes"),
+                       (["--broker", "mqtt://h", "--fleet", "f", "--id", "a", "--images", "i", "--labels", "l",
+                         "--cycles", "two"], "--cycles must be an integer >= 0, got two"),
+                       (["--fleet", "f", "--colour"], "Unknown option '--colour'")):
+        done = run(*args)
+        assert done.returncode == 2 and done.stdout == "", (args, done.stderr)
+        assert done.stderr.count("\n") == 1 and done.stderr.startswith("agent-cli: "), done.stderr
+        assert says in done.stderr, done.stderr

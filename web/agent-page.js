@@ -64,7 +64,7 @@ page.cycle = async () => {
   const r = await page.agent.cycle();
   page.results.push(r);
   show(page.agent);
-  return { ...r, uploaded: undefined };
+  return { ...r, uploaded: undefined, sketchBytes: undefined };
 };
 
 /** Test-then-train over the sample set (in order, or relabelled by `relabel`): each prediction

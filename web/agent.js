@@ -1,8 +1,11 @@
-// The browser agent: joins a fedmq fleet over MQTT over WebSockets with an agent's login,
-// runs the fleet's published ONNX graph in ONNX Runtime Web, watches its accuracy for
-// drift, trains the output layer and uploads it (int8 delta + CDFL sketch), installs its
-// personalized model. What a device must do is docs/protocol.md ("Joining"); this is that
-// list in JavaScript. Refusals come back as values ({refused: reason}), never as throws.
+// The JavaScript agent: joins a fedmq fleet with an agent's login (MQTT over WebSockets in a
+// browser, any MQTT URL in Node.js: agent-cli.mjs), runs the fleet's published ONNX graph in
+// ONNX Runtime Web, watches its accuracy for drift, trains the output layer and uploads it
+// (int8 delta + CDFL sketch), installs its personalized model. What a device must do is
+// docs/protocol.md ("Joining"); this is that list in JavaScript. With `deviceSpec` it takes the
+// input normalization, head and sketch feature map from the fleet's published device spec and
+// refuses to upload once the fleet publishes another. Refusals come back as values
+// ({refused: reason}), never as throws.
 
 import mqtt from "mqtt";
 import * as ort from "onnxruntime-web";
@@ -23,7 +26,10 @@ export const DEFAULTS = {
 };
 
 export class BrowserAgent {
-  /** opts: url (ws:// or wss://), fleet, agent, password, profile; log(line) gets one line per event. */
+  /** opts: url (ws:// or wss://; mqtt:// or mqtts:// in Node.js), fleet, agent, password, profile,
+   *  deviceSpec (read the fleet's device spec: required to be ready), storage (the msg_id floor's
+   *  store, localStorage by default), mqtt (more MQTT.js options, e.g. a CA); log(line) gets one
+   *  line per event. */
   constructor(opts, log = () => {}) {
     this.url = opts.url;
     this.fleet = P.checkId(opts.fleet, "fleet");
@@ -32,13 +38,19 @@ export class BrowserAgent {
     this.profile = opts.profile || "browser";
     this.settings = { ...DEFAULTS, ...(opts.settings || {}) };
     this.log = log;
-    this.ids = new P.MsgIds(`fedmq.msg_id.${this.fleet}.${this.agent}`);
+    this.useDeviceSpec = !!opts.deviceSpec;
+    this.mqttOptions = opts.mqtt || {};
+    this.ids = new P.MsgIds(`fedmq.msg_id.${this.fleet}.${this.agent}`, opts.storage || globalThis.localStorage);
     this.reassembler = new P.Reassembler();
     this.waiters = new Map(); // msg_id -> {settle, receipt}
     this.aggregator = null; // its latest status
     this.graph = null; // bytes of the published ONNX graph
     this.session = null;
     this.spec = null;
+    this.device = null; // the device spec held: {hash, doc, featureMap}
+    this.devicePayload = null; // its retained message as last received
+    this._parsedDevice = null;
+    this.loadError = null;
     this._loadingModel = null;
     this._loading = null;
     this.base = null; // Float32Array: the model held (the aggregator's base for our deltas)
@@ -70,9 +82,7 @@ export class BrowserAgent {
 
   /** Connect, subscribe (QoS 1), wait for the aggregator's online status and the graph. */
   async connect(timeoutS = 60) {
-    let resolveReady;
-    this._statusReady = new Promise((r) => (resolveReady = r));
-    this._resolveReady = resolveReady;
+    this._armReady();
     const will = P.envelope("status", this.agent, this.ids.next(), { state: "offline", role: "agent", algorithm: this.algorithm });
     this.client = await mqtt.connectAsync(this.url, {
       clientId: P.agentClientId(this.fleet, this.agent), // prod.conf makes it the username anyway
@@ -83,6 +93,7 @@ export class BrowserAgent {
       reconnectPeriod: 2000,
       connectTimeout: timeoutS * 1000,
       will: { topic: P.topics.agentStatus(this.fleet, this.agent), payload: will, qos: 1, retain: true },
+      ...this.mqttOptions,
     }, false); // a first connection that fails is a refusal (later drops reconnect by themselves)
     this.client.on("message", (topic, payload) => this._onMessage(topic, new Uint8Array(payload)));
     this.client.on("connect", () => {
@@ -90,15 +101,44 @@ export class BrowserAgent {
       this.publishStatus();
     });
     this.client.on("error", (e) => this._event("transport.error", { error: JSON.stringify(String(e.message || e)) }));
-    await this.client.subscribeAsync(
-      [P.topics.aggregatorStatus(this.fleet), `fedmq/${this.fleet}/model/onnx`, P.topics.down(this.fleet, this.agent)],
-      { qos: 1 },
-    );
+    const wanted = [P.topics.aggregatorStatus(this.fleet), P.topics.graph(this.fleet), P.topics.down(this.fleet, this.agent)];
+    if (this.useDeviceSpec) wanted.push(P.topics.deviceSpec(this.fleet));
+    await this.client.subscribeAsync(wanted, { qos: 1 });
     this._event("transport.connected", { url: this.url });
-    const ready = await Promise.race([this._statusReady, sleep(timeoutS * 1000).then(() => null)]);
-    if (!ready) return { refused: "no_aggregator", detail: `no online aggregator status with its graph in ${timeoutS} s` };
+    const waited = await this._waitReady(timeoutS);
+    if (waited.refused) return waited;
     await this.publishStatus();
     return { ok: true };
+  }
+
+  _armReady() {
+    let resolveReady;
+    this._statusReady = new Promise((r) => (resolveReady = r));
+    this._resolveReady = resolveReady;
+  }
+
+  async _waitReady(timeoutS) {
+    const ready = await Promise.race([this._statusReady, sleep(timeoutS * 1000).then(() => null)]);
+    if (ready) return { ok: true };
+    if (this.loadError) return { refused: this.loadError.reason || "load_failed", detail: this.loadError.message };
+    const s = this.aggregator;
+    if (this.useDeviceSpec && s && s.state === "online" && s.graph && s.graph.sha256) {
+      const topic = P.topics.deviceSpec(this.fleet);
+      const detail = !s.graph.device_spec
+        ? "the aggregator advertises no device spec (graph.device_spec): it could not make one for its dataset"
+        : `no device spec ${s.graph.device_spec} on ${topic} in ${timeoutS} s (does the broker's ACL let this login read it?)`;
+      return { refused: "no_device_spec", detail };
+    }
+    return { refused: "no_aggregator", detail: `no online aggregator status with its graph in ${timeoutS} s` };
+  }
+
+  /** Drop the model and device spec held and read the fleet's current ones (then join again). */
+  async reload(timeoutS = 60) {
+    [this.spec, this.session, this.device, this.base, this._loading, this._loadingModel] = [null, null, null, null, null, null];
+    this.loadError = null;
+    this._armReady();
+    this._check();
+    return this._waitReady(timeoutS);
   }
 
   async close() {
@@ -108,18 +148,25 @@ export class BrowserAgent {
   }
 
   async _onMessage(topic, payload) {
-    if (topic === `fedmq/${this.fleet}/model/onnx`) {
+    if (topic === P.topics.graph(this.fleet)) {
       this.graph = payload;
-      await this._checkReady();
-      return;
+      return this._check();
+    }
+    if (topic === P.topics.deviceSpec(this.fleet)) {
+      this.devicePayload = payload;
+      return this._check();
     }
     let env = P.readEnvelope(payload);
     if (env instanceof P.ProtocolRefusal) return this._event("downlink.refused", { reason: env.reason });
     if (topic === P.topics.aggregatorStatus(this.fleet)) {
       this.aggregator = env;
+      const stale = this.staleDeviceSpec();
+      if (stale && this._staleSeen !== env.graph?.device_spec) { // said once per published spec
+        this._staleSeen = env.graph?.device_spec;
+        this._event("device_spec.changed", { held: this.device.hash, published: env.graph?.device_spec || "none" });
+      }
       this._changed();
-      await this._checkReady();
-      return;
+      return this._check();
     }
     if (env.type === "chunk") {
       const whole = await this.reassembler.add(env);
@@ -139,6 +186,17 @@ export class BrowserAgent {
     else this._event("downlink.unexpected", { type: env.type, in_reply_to: env.in_reply_to || "-" });
   }
 
+  /** _checkReady from a message handler: a model or device spec that cannot be loaded is
+   *  logged and kept as the reason connect() gives, never an unhandled rejection. */
+  async _check() {
+    try {
+      await this._checkReady();
+    } catch (e) {
+      this.loadError = e;
+      this._event("load.refused", { reason: e.reason || "load_failed", detail: JSON.stringify(String(e.message || e)) });
+    }
+  }
+
   async _checkReady() {
     const s = this.aggregator;
     if (!s || s.state !== "online" || !this.graph || !s.graph || !s.graph.sha256) return;
@@ -147,26 +205,73 @@ export class BrowserAgent {
       this._event("graph.mismatch", { sha256: sha, advertised: s.graph.sha256 });
       return;
     }
-    // The graph and the status each call this, and the status repeats: the first call for a
-    // model loads it, and every call waits for that load, so none says ready before the session.
-    if (this._loadingModel !== s.model) {
-      this._loadingModel = s.model;
-      this._loading = this._load(s, this.graph).catch((e) => {
-        this._loadingModel = null; // the next status tries again
+    let device = null;
+    if (this.useDeviceSpec) {
+      device = await this._deviceSpec(s.graph.device_spec);
+      if (!device) return; // not advertised, not here yet, or another one than advertised: wait
+    }
+    // The graph, the device spec and the status each call this, and the status repeats: the
+    // first call for a model loads it, and every call waits for that load, so none says ready
+    // before the session. An agent that reads the device spec keeps what it loaded until
+    // reload(): its samples are normalized by that spec, so a spec that changes is refused at
+    // the next upload instead of being swapped in under them.
+    const key = this.useDeviceSpec ? `${s.model}/${device.hash}` : s.model;
+    if (this._loadingModel !== key && !(this.useDeviceSpec && this._loading)) {
+      this._loadingModel = key;
+      this._loading = this._load(s, this.graph, device).catch((e) => {
+        [this._loadingModel, this._loading] = [null, null]; // the next message tries again
         throw e;
       });
     }
     await this._loading;
+    this.loadError = null;
     this._resolveReady(true);
   }
 
-  /** The spec and the inference session of model `s.model`, swapped in together once both are made. */
-  async _load(s, graph) {
+  /** The received device spec if its hash is `advertised`, parsed once per payload; null otherwise. */
+  async _deviceSpec(advertised) {
+    if (!advertised || !this.devicePayload) return null;
+    if (!this._parsedDevice || this._parsedDevice.payload !== this.devicePayload) {
+      const payload = this.devicePayload;
+      const spec = await P.readDeviceSpec(payload).catch((e) => e);
+      this._parsedDevice = { payload, spec };
+      if (spec instanceof Error) this._event("device_spec.refused", { reason: spec.reason, detail: JSON.stringify(spec.detail || spec.message) });
+    }
+    const spec = this._parsedDevice.spec;
+    return spec instanceof Error || spec.hash !== advertised ? null : spec;
+  }
+
+  /** The spec and the inference session of model `s.model` (and its device spec), swapped in
+   *  together once all are made. */
+  async _load(s, graph, device) {
     const spec = await P.readSpec(s);
     spec.hash = s.model;
+    if (device) {
+      const d = device.doc;
+      if (d.model !== s.model) throw new P.ProtocolRefusal("bad_device_spec", `for model ${d.model}, the fleet runs ${s.model}`);
+      if (d.input_shape.join("x") !== spec.input_shape.join("x")) throw new P.ProtocolRefusal("bad_device_spec", "its input shape is not the model's");
+      if (!d.head || d.head.start !== spec.head[0] || d.head.end !== spec.head[1]) {
+        throw new P.ProtocolRefusal("no_head", "the fleet's model has no output layer this agent can train alone");
+      }
+      if (d.sketch && d.sketch.dim !== P.SKETCH_DIM) throw new P.ProtocolRefusal("bad_device_spec", `a sketch of ${d.sketch.dim} features`);
+    }
     const session = await ort.InferenceSession.create(graph, { executionProviders: ["wasm"] });
-    [this.spec, this.session, this.algorithm] = [spec, session, s.algorithm || "cdfl"];
+    [this.spec, this.session, this.algorithm, this.device] = [spec, session, s.algorithm || "cdfl", device];
+    if (device) this.featureMap = device.featureMap;
     this._event("graph.loaded", { model: s.model_name, bytes: graph.byteLength, params: spec.numel });
+    if (device) {
+      this._event("device_spec.loaded", { hash: device.hash, dataset: device.doc.dataset, input: device.doc.input_shape.join("x"),
+        sketch: device.featureMap ? device.doc.sketch.method : "none" });
+    }
+  }
+
+  /** Why an upload now would be refused by this agent: the fleet publishes another device spec
+   *  than the one held (its normalization, feature map or model changed). */
+  staleDeviceSpec() {
+    if (!this.device) return null;
+    const advertised = this.aggregator && this.aggregator.graph ? this.aggregator.graph.device_spec : undefined;
+    if (advertised === this.device.hash) return null;
+    return { reason: "device_spec_changed", detail: `holds device spec ${this.device.hash}, the fleet publishes ${advertised || "none"}: read it again and rejoin` };
   }
 
   // ---------------------------------------------------------------- requests
@@ -339,6 +444,8 @@ export class BrowserAgent {
    *  sketch), install the reply. Returns what happened, a refusal included. */
   async cycle(seed = this.counters.uploads) {
     const t0 = performance.now();
+    const stale = this.staleDeviceSpec();
+    if (stale) return { ...this._refusal(stale, "upload"), seconds: 0 };
     this.driftPending = false;
     this.lastUpdateAt = Date.now() / 1000;
     const { x, y, n } = this.samples;
@@ -370,16 +477,20 @@ export class BrowserAgent {
     };
     if (n >= this.settings.sketchMinSamples && this.featureMap) {
       fields.sketch = P.dataSketch(x, d, this.featureMap);
-      fields.sketch_method = P.SKETCH_METHOD;
+      fields.sketch_method = this.device ? this.device.doc.sketch.method : P.SKETCH_METHOD;
     }
+    const changed = this.staleDeviceSpec(); // while it trained
+    if (changed) return { ...this._refusal(changed, "upload"), seconds: 0 };
     const msgId = this.ids.next();
     const payload = P.envelope("update", this.agent, msgId, fields);
     this.counters.uploads++;
     this.counters.last_upload_at = Math.round(Date.now()) / 1000;
     this._event("train.done", { samples: n, loss: trained.loss, acc_held: accHeld, acc_trained: accTrained, feature_error: featureError });
     await this.publishStatus();
+    const sentAt = performance.now();
     const reply = await this._request(msgId, payload);
-    const result = { msgId, tau: fields.tau, bytes: payload.byteLength, sketch: !!fields.sketch, featureError, accHeld, accTrained, loss: trained.loss, uploaded: decoded, seconds: 0 };
+    const result = { msgId, tau: fields.tau, bytes: payload.byteLength, sketch: !!fields.sketch, sketchBytes: fields.sketch || null, featureError, accHeld, accTrained, loss: trained.loss, uploaded: decoded, seconds: 0,
+      computeS: (sentAt - t0) / 1000, replyS: (performance.now() - sentAt) / 1000 };
     if (reply.type !== "model") return { ...result, ...this._refusal(reply, "upload") };
     const installed = await this._install(reply, "update", msgId);
     result.seconds = (performance.now() - t0) / 1000;
