@@ -40,6 +40,7 @@ from fedmq import device_spec, protocol
 from fedmq.atomic_file import atomic_write
 from fedmq.channel import Channel, Received, Refused
 from fedmq.config import BrokerSettings, Config, LogSettings
+from fedmq.fleet_status import STALE_HEARTBEATS
 from fedmq.logs import PROGRESS, event, get_logger
 from fedmq.onnx_export import INPUT_NAME, OUTPUT_NAME, fleet_graph
 from fedmq.service_logins import PROBE, derived_url
@@ -471,8 +472,8 @@ class AggregatorService:
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
         self.counters: Counter[str] = Counter()
-        self.presence: dict[str, str] = {}
-        """agent -> online/offline, from the agents' retained status and last wills."""
+        self._heard: dict[str, tuple[str, float, float]] = {}
+        """agent -> (online/offline, its heartbeat_s, when we heard it: time.monotonic())."""
         self.batch_observers: list[Callable[[list[protocol.Envelope], float], None]] = []
         """Called with each finished batch's envelopes and seconds (metrics; aggregator/prometheus.py
         adds itself, so the service knows nothing of Prometheus)."""
@@ -500,6 +501,15 @@ class AggregatorService:
         """The online status last published, which the heartbeat re-sends (`_beat`)."""
         self._status_epoch = -1
         self._status_at = time.monotonic()
+
+    @property
+    def presence(self) -> dict[str, str]:
+        """agent -> online/offline, from the agents' retained status and last wills; an agent
+        online by its status but STALE_HEARTBEATS of its heartbeats overdue counts as offline
+        (Mosquitto publishes no will for a session a reload cuts)."""
+        now = time.monotonic()
+        return {agent: "offline" if state == "online" and beat > 0 and now - heard > STALE_HEARTBEATS * beat
+                else state for agent, (state, beat, heard) in self._heard.items()}
 
     def _progress_state(self) -> dict[str, Any]:
         refused = sum(v for k, v in self.counters.items() if k.startswith("refused."))
@@ -896,7 +906,7 @@ class AggregatorService:
     def _presence(self, got: Received) -> None:
         env = got.envelope
         if isinstance(env, protocol.Status):
-            self.presence[env.agent] = env.state
+            self._heard[env.agent] = (env.state, env.heartbeat_s, time.monotonic())
         for m in got.messages:
             self.transport.ack(m)
 

@@ -535,3 +535,21 @@ def test_a_restart_restores_the_cluster_accuracy_instead_of_evaluating_before_it
     engine.refresh_cluster_accuracy(cfg.aggregator.accuracy_every)
     assert engine.cluster_accuracy == measured
     engine.journal.close()
+
+
+def test_presence_counts_an_agent_whose_heartbeats_stopped_as_offline(monkeypatch) -> None:
+    """Mosquitto publishes no will for a session a reload cuts (a rotated password): an agent
+    that renews its status every heartbeat_s and stopped is offline after three missed ones."""
+    import time as time_module
+
+    from aggregator.service import AggregatorService
+    from fedmq.fleet_status import STALE_HEARTBEATS
+
+    now = [1000.0]
+    monkeypatch.setattr(time_module, "monotonic", lambda: now[0])
+    svc = object.__new__(AggregatorService)  # only its presence bookkeeping is exercised
+    svc._heard = {"car-1": ("online", 60.0, 1000.0), "car-2": ("online", 0.0, 1000.0),
+                  "car-3": ("offline", 60.0, 1000.0)}
+    assert svc.presence == {"car-1": "online", "car-2": "online", "car-3": "offline"}
+    now[0] += STALE_HEARTBEATS * 60.0 + 1
+    assert svc.presence == {"car-1": "offline", "car-2": "online", "car-3": "offline"}
