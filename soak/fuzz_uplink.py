@@ -290,15 +290,16 @@ class Generator:
 
 
 def run_campaign(broker_url: str, state_dir: Path, *, fleet: str, messages: int, seed: int = 0,
-                 honest_updates: int = 20, floods: int = 2, flood_size: int = 60) -> dict[str, Any]:
+                 honest_updates: int = 20, floods: int = 2, flood_size: int = 60,
+                 settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """One run; `messages=0` is the baseline (the fuzzer only joins). Returns the figures and
-    the final cluster models (key "clusters", tensors)."""
+    the final cluster models (key "clusters", tensors). `settings` go over CAMPAIGN_SETTINGS."""
     from aggregator.bootstrap import build_engine
     from aggregator.service import AggregatorService
     from edge_agent.protocol_client import RESYNC_REASONS, AgentError, EdgeAgent
 
     port = int(broker_url.rsplit(":", 1)[1])
-    cfg = small_config(broker_url, state_dir, fleet, **CAMPAIGN_SETTINGS)
+    cfg = small_config(broker_url, state_dir, fleet, **{**CAMPAIGN_SETTINGS, **(settings or {})})
     svc = AggregatorService(cfg, build_engine(cfg)).start()
     honest = EdgeAgent(cfg, "honest", reply_timeout_s=30.0).start()
     fuzzer = Fuzzer(port, fleet)

@@ -1,9 +1,9 @@
 """Hostile input on the live uplink (soak/fuzz_uplink.py has the generator and the campaign).
 
-10,000 hostile messages against a running aggregator over a real Mosquitto, while an honest
-agent makes 20 uploads: the aggregator stays up, every message gets its reason, replays apply
-nothing, memory stays bounded, and the honest agent's cluster models are bit-identical to a
-run without the fuzzer. Plus the targeted cases: impersonation through the envelope's agent
+2,000 hostile messages of every kind (and a chunk flood) against a running aggregator over a
+real Mosquitto, while an honest agent makes 10 uploads: the aggregator stays up, every message
+gets its reason, replays apply nothing, memory stays bounded, and the honest agent's cluster
+models are bit-identical to a run without the fuzzer. `make soak` sends 50,000. Plus the targeted cases: impersonation through the envelope's agent
 field, and a chunk flood that fills the broker's in-flight window.
 """
 
@@ -24,11 +24,17 @@ from aggregator.service import AggregatorService
 from fedmq import codecs, protocol
 from fedmq.models import model_spec
 from soak.fleet_setup import pretrained_state, small_config
-from soak.fuzz_uplink import CAMPAIGN_SETTINGS, Fuzzer, Generator, compare, run_campaign
+from soak.fuzz_uplink import CAMPAIGN_SETTINGS, KINDS, Fuzzer, Generator, compare, run_campaign
 from tests.raw_agent import RawAgent
 
 SPEC = model_spec("digits-cnn")
-MESSAGES = 10_000
+MESSAGES = 2_000
+"""About 250 of each kind: every generator branch several times over."""
+HONEST = 10
+FLOOD = 60
+# A flood's held partials are answered at the chunk timeout, and the fuzzer then listens for
+# three timeouts more: one flood of 1 s timeouts shows what the soak's two floods of 2 s show.
+SIZE = {"honest_updates": HONEST, "floods": 1, "flood_size": FLOOD, "settings": {"protocol.chunk_timeout_s": 1.0}}
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +45,12 @@ def pretrained(tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_fuzz_campaign_on_the_live_uplink(mosquitto, pretrained, tmp_path) -> None:
     fuzzed = run_campaign(mosquitto.url, pretrained_state(tmp_path / "a", pretrained), fleet="fz-a",
-                          messages=MESSAGES, seed=0)
+                          messages=MESSAGES, seed=0, **SIZE)
     baseline = run_campaign(mosquitto.url, pretrained_state(tmp_path / "b", pretrained), fleet="fz-b",
-                            messages=0, seed=0)
+                            messages=0, seed=0, **SIZE)
     assert fuzzed["aggregator_alive"] and fuzzed["batch_failures"] == 0
     assert fuzzed["sent_total"] >= MESSAGES
+    assert all(fuzzed["sent"].get(kind, 0) >= 100 for kind in KINDS), fuzzed["sent"]
     # Every hostile message got its reason: one error reply each (a chunk flood: every partial
     # message answered, with a reply for each piece refused outright), none late, malformed
     # topics logged and counted.
@@ -51,12 +58,12 @@ def test_fuzz_campaign_on_the_live_uplink(mosquitto, pretrained, tmp_path) -> No
     assert fuzzed["late_replies"] == 0
     assert all(not r.startswith("not_error") for r in fuzzed["replies"]), fuzzed["replies"]
     assert fuzzed["replies_total"] == fuzzed["sent_total"] - fuzzed["sent"]["chunk_flood"] + fuzzed["flood_replies"]
-    assert 2 * 60 <= fuzzed["flood_replies"] <= fuzzed["sent"]["chunk_flood"]
+    assert FLOOD <= fuzzed["flood_replies"] <= fuzzed["sent"]["chunk_flood"]
     assert fuzzed["bad_topics_logged"] == fuzzed["bad_topics_sent"] == 2
     assert fuzzed["internal_errors"] == 0  # every message was refused by a check, not by a crash
     # Replays of applied uploads were answered and applied nothing.
     assert fuzzed["duplicates_answered"] == fuzzed["replays_sent"] > 0
-    assert fuzzed["applied_updates"] == fuzzed["honest_updates"] == 20
+    assert fuzzed["applied_updates"] == fuzzed["honest_updates"] == HONEST
     # Bounded: the worker's queue (the fuzzer keeps 16 in flight; the broker's window does not
     # bound it on Mosquitto 2.0.11, see docs/reliability.md), partial messages by max_pending_bytes.
     assert fuzzed["inbox_max"] <= 64 + 16
@@ -64,7 +71,7 @@ def test_fuzz_campaign_on_the_live_uplink(mosquitto, pretrained, tmp_path) -> No
     assert fuzzed["rss_growth_mib"] < 200, fuzzed["rss_growth_mib"]
     # The fuzzing changed nothing the honest agent's uploads did.
     same = compare(fuzzed, baseline)
-    assert same["epoch_fuzzed"] == same["epoch_baseline"] == 20
+    assert same["epoch_fuzzed"] == same["epoch_baseline"] == HONEST
     assert same["clusters_bit_identical"]
 
 
