@@ -14,7 +14,8 @@ first match wins):
   until the fleet proves it works (an update cycle, a round).
 - plan: experiments that take minutes to hours here, executed as written with `fedmq` and
   `python` on PATH adding `--dry-run`: the scenario, the dataset (through --data-dir), every
-  variant and config key resolve, and the plan is printed.
+  variant and config key resolve, the plan is printed, and the scratch checkout (one per
+  worker, shared by the plans) is left as it was.
 - elsewhere: checked by the named test, or not runnable on a test machine (why is given).
 
 A documented command that no rule matches fails `test_every_documented_command_has_a_rule`:
@@ -360,6 +361,57 @@ def scratch() -> Iterator[Path]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def tree_state(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file under `root` (links not followed) with its size and modification time, and
+    every folder."""
+    out = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs:
+            out[os.path.relpath(os.path.join(folder, name), root)] = (-1, 0)
+        for name in files:
+            st = os.lstat(os.path.join(folder, name))
+            out[os.path.relpath(os.path.join(folder, name), root)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+class DryRunCheckout:
+    """One scratch checkout with the dry-run shims for every plan test of a worker. A dry run
+    writes nothing, which each test checks against the tree as made, so they can share it
+    (a copy of the checkout per test took longer than most plans); a test that finds a write
+    gets the checkout made again for the next."""
+
+    def __init__(self, warm: Path) -> None:
+        self.warm = warm
+        self.root = Path(tempfile.mkdtemp(prefix="fedmq-doc-plan-"))
+        self._make()
+
+    def _make(self) -> None:
+        shutil.rmtree(self.root / "checkout", ignore_errors=True)
+        self.path = scratch_checkout(self.root / "checkout")
+        self.env = dry_run_shims(self.path, self.warm)
+        self.made = tree_state(self.path)
+
+    def written(self) -> list[str]:
+        """What changed in the checkout since it was made (then it is made again)."""
+        now = tree_state(self.path)
+        changed = sorted(k for k in now.keys() | self.made.keys() if now.get(k) != self.made.get(k))
+        if changed:
+            self._make()
+        return changed
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def dry_run_checkout(warm_python: Path) -> Iterator[DryRunCheckout]:
+    checkout = DryRunCheckout(warm_python)
+    try:
+        yield checkout
+    finally:
+        checkout.close()
+
+
 @pytest.fixture
 def netns() -> Iterator[NetNamespace]:
     ns = NetNamespace()
@@ -479,8 +531,8 @@ def digits28_files(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", _by_mode("plan"), ids=str)
-def test_plan_commands_as_written(command: Command, scratch: Path, warm_python: Path, request) -> None:
-    env = dry_run_shims(scratch, warm_python)
+def test_plan_commands_as_written(command: Command, dry_run_checkout: DryRunCheckout, request) -> None:
+    scratch, env = dry_run_checkout.path, dry_run_checkout.env
     text = command.text
     if WRITTEN_BY_AN_EARLIER_BLOCK in text:
         page = (ROOT / command.source).read_text()
@@ -492,6 +544,8 @@ def test_plan_commands_as_written(command: Command, scratch: Path, warm_python: 
     assert code == 0, f"exited {code}:\n{proc.output[-4000:]}"
     assert "dry run" in proc.output or "merged" in proc.output or "|" in proc.output, proc.output[-4000:]
     assert "Traceback" not in proc.output, proc.output[-4000:]
+    written = dry_run_checkout.written()
+    assert not written, f"a dry run wrote into the checkout: {written[:20]}"
 
 
 @pytest.mark.slow
