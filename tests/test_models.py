@@ -218,8 +218,9 @@ def test_a_torchvision_fleet_over_mosquitto_with_a_reply_in_several_chunks(mosqu
     agent = None
     try:
         aggregator.wait_for(r"^aggregator cdfl on ", timeout=600)
-        agent = CliProcess(["fedmq", "agent", *common, "--id", "van-1", "--state-dir", str(tmp_path / "van-1")],
-                           cwd=tmp_path)
+        agent = CliProcess(["fedmq", "agent", *common, "--id", "van-1", "--state-dir", str(tmp_path / "van-1"),
+                            # its 200 samples in 1 s, not the default stream's 10 s
+                            "--set", "agent.poll_interval_s=0.1"], cwd=tmp_path)
         agent.wait_for(r"model\.installed .*via=join", timeout=300)
         agent.proc.send_signal(signal.SIGUSR1)  # ask for an update now, as `fedmq agent --help` says
         done = agent.wait_for(r"model\.installed .*via=update .*uploaded=(\d+) .*downloaded=(\d+)", timeout=600)

@@ -101,7 +101,8 @@ def test_an_agent_whose_budget_is_spent_stops_uploading_and_says_so(mosquitto, t
     agent_argv = ["fedmq", "agent", *common, "--id", "car-1", "--state-dir", str(tmp_path / "car-1"),
                   "--set", "privacy.epsilon=4",
                   "--set", "privacy.uploads=2",  # the budget runs out in two uploads, not the default ten
-                  "--set", "agent.train_on_newest=200"]  # a fixed n: the epsilon per upload is known
+                  "--set", "agent.train_on_newest=200",  # a fixed n: the epsilon per upload is known
+                  "--set", "agent.poll_interval_s=0.1"]  # its 200 samples in 1 s, not the default stream's 10 s
     agent = None
     try:
         aggregator.wait_for(rf"^aggregator {algorithm} on ", timeout=300)
@@ -205,8 +206,8 @@ def test_the_simulator_runs_dp_fleets_reproducibly_and_the_noise_costs_accuracy(
     accuracy-against-epsilon figure."""
     from sim.ablation import AblationSpec, Fleet, Variant, run_variant, write_results
 
-    # Speed only: small server sets and 2-epoch replies (what DP changes is on the agent's side).
-    small = {"data.proxy_per_cluster": 100, "data.pretrain_per_cluster": 200, "cdfl.personalize_epochs": 2}
+    # Speed only: small server sets and 1-epoch replies (what DP changes is on the agent's side).
+    small = {"data.proxy_per_cluster": 100, "data.pretrain_per_cluster": 200, "cdfl.personalize_epochs": 1}
     fleet = Fleet(AblationSpec(clusters=2, agents=4, updates_per_agent=2, test_samples=100), load_config(None, small))
     rows = {}
     for method in ("fedsoft-async", "cdfl"):
