@@ -287,12 +287,18 @@ def render_passwd(users: dict[str, str]) -> str:
 # --------------------------------------------------------------------------- ACL
 
 
+def model_topics(fleet: str) -> list[str]:
+    """What the aggregator publishes, retained, for devices to join with: the model graph and the
+    device spec (with its pieces)."""
+    return [f"fedmq/{fleet}/model/onnx", f"fedmq/{fleet}/model/device", f"fedmq/{fleet}/model/device/+"]
+
+
 def agent_topics(fleet: str, agent: str) -> list[str]:
-    """An agent's ACL lines in one fleet: its own uplink and status, its own downlink, and the
-    two things every member reads (the aggregator's status and the model graph)."""
+    """An agent's ACL lines in one fleet: its own uplink and status, its own downlink, and what
+    every member reads (the aggregator's status, the model graph and the device spec)."""
     return [f"topic write fedmq/{fleet}/agents/{agent}/up", f"topic write fedmq/{fleet}/agents/{agent}/status",
             f"topic read fedmq/{fleet}/agents/{agent}/down", f"topic read fedmq/{fleet}/aggregator/status",
-            f"topic read fedmq/{fleet}/model/onnx"]
+            *(f"topic read {t}" for t in model_topics(fleet))]
 
 
 def render_acl(creds: Credentials) -> str:
@@ -335,7 +341,7 @@ def render_acl(creds: Credentials) -> str:
         for f in own:
             lines += [f"topic readwrite fedmq/{f}/agents/+/up", f"topic readwrite fedmq/{f}/agents/+/status",
                       f"topic write fedmq/{f}/agents/+/down", f"topic readwrite fedmq/{f}/aggregator/status",
-                      f"topic readwrite fedmq/{f}/model/onnx"]
+                      *(f"topic readwrite {t}" for t in model_topics(f))]
         lines.append(f"user {derived_user(user, PROBE)}")
         lines += [f"topic read fedmq/{f}/aggregator/status" for f in own]
     workers = creds.worker_users()

@@ -144,19 +144,22 @@ def test_a_monitor_publishes_nothing_anywhere(login) -> None:
     for f in FLEETS:
         readers[f].subscribe(t(f, "agents", "+", "up"), t(f, "agents", "+", "status"))
         name = members[f].user
-        members[f].subscribe(t(f, "agents", name, "down"), t(f, "aggregator", "status"), t(f, "model", "onnx"))
+        members[f].subscribe(t(f, "agents", name, "down"), t(f, "aggregator", "status"), t(f, "model", "onnx"),
+                             t(f, "model", "device"), t(f, "model", "device", "+"))
     ops = login("ops")
     for f in FLEETS:
         for topic in (t(f, "agents", "ops", "up"), t(f, "agents", "ops", "status"),
                       t(f, "agents", members[f].user, "up"), t(f, "agents", members[f].user, "status"),
-                      t(f, "agents", members[f].user, "down"), t(f, "aggregator", "status"), t(f, "model", "onnx")):
+                      t(f, "agents", members[f].user, "down"), t(f, "aggregator", "status"), t(f, "model", "onnx"),
+                      t(f, "model", "device"), t(f, "model", "device", "0")):
             assert ops.publish(topic, b"from-monitor") == NOT_AUTHORIZED, topic
     for f in FLEETS:  # the probes: each reader's legitimate traffic, sent after
         name = members[f].user
         for topic in (t(f, "agents", name, "up"), t(f, "agents", name, "status")):
             assert members[f].publish(topic, b"probe") == 0
             readers[f].wait_for((topic, b"probe"))
-        for topic in (t(f, "agents", name, "down"), t(f, "aggregator", "status"), t(f, "model", "onnx")):
+        for topic in (t(f, "agents", name, "down"), t(f, "aggregator", "status"), t(f, "model", "onnx"),
+                      t(f, "model", "device"), t(f, "model", "device", "0")):
             assert readers[f].publish(topic, b"probe") == 0
             members[f].wait_for((topic, b"probe"))
     for c in (*readers.values(), *members.values()):
@@ -233,7 +236,8 @@ def test_the_acl_has_a_block_per_login_and_no_pattern(creds) -> None:
     assert blocks["car-2"] == [
         "topic write fedmq/garage/agents/car-2/up", "topic write fedmq/garage/agents/car-2/status",
         "topic read fedmq/garage/agents/car-2/down", "topic read fedmq/garage/aggregator/status",
-        "topic read fedmq/garage/model/onnx"]
+        "topic read fedmq/garage/model/onnx", "topic read fedmq/garage/model/device",
+        "topic read fedmq/garage/model/device/+"]
     assert all(" read " in line for line in blocks["ops"])
     assert not any("depot" in line for line in blocks["aggregator-garage"] + blocks["aggregator-garage-probe"])
 
