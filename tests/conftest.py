@@ -6,6 +6,7 @@ import faulthandler
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -27,6 +28,20 @@ def pytest_configure(config) -> None:
     if "FEDMQ_CACHE_DIR" not in os.environ:
         config.fedmq_cache_dir = tempfile.mkdtemp(prefix="fedmq-test-cache-")
         os.environ["FEDMQ_CACHE_DIR"] = config.fedmq_cache_dir
+    if not hasattr(config, "workerinput"):
+        config.epmd_before = _epmd_pids()
+
+
+def _epmd_pids() -> set[int]:
+    """Erlang's port mapper: the first RabbitMQ node of a run starts it as a daemon of its own."""
+    pids = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "comm").read_text().strip() == "epmd":
+                pids.add(int(proc.name))
+        except OSError:
+            continue
+    return pids
 
 
 EXIT_WATCHDOG_S = 300
@@ -55,12 +70,34 @@ def pytest_unconfigure(config) -> None:
     if made:
         shutil.rmtree(made, ignore_errors=True)
         os.environ.pop("FEDMQ_CACHE_DIR", None)
+    before = getattr(config, "epmd_before", None)
+    epmd = shutil.which("epmd")
+    if before is not None and epmd and _epmd_pids() - before:
+        # Started by this run's RabbitMQ nodes (all stopped by now): nothing the run started stays.
+        subprocess.run([epmd, "-kill"], capture_output=True, timeout=30, check=False)
+
+
+LONG_S = 30.0
+"""A test that takes longer on an idle 2-core machine says why: @pytest.mark.long("why")."""
+
+
+def _tier(item) -> int:
+    if item.get_closest_marker("long"):
+        return 1
+    return 2 if item.get_closest_marker("slow") else 0
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Slow tests first (stable otherwise): xdist's workers then end on short tests, not with
-    one worker idle while the other runs a minute-long fleet."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """Quick tests first, so that a change that breaks one fails in the first minutes; then the
+    long ones, then the other slow ones, so that xdist's workers end on tests of seconds, not
+    with one worker idle while another runs a minute-long fleet. Stable within each tier."""
+    for item in items:
+        mark = item.get_closest_marker("long")
+        why = (mark.args[0] if mark.args else mark.kwargs.get("why")) if mark else ""
+        if mark and (not isinstance(why, str) or not why.strip() or "\n" in why):
+            raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.long takes the one-line reason why it needs "
+                                    f"over {LONG_S:.0f} s")
+    items.sort(key=_tier)
 
 
 @pytest.fixture
@@ -92,13 +129,21 @@ def warm_python(tmp_path_factory) -> Iterator[Path]:
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """How many documented commands the suite ran, and how (the docs are executed)."""
-    ran = [r for reports in terminalreporter.stats.values() for r in reports
-           if "test_documented_commands" in getattr(r, "nodeid", "") and getattr(r, "when", "") == "call"]
+    """How many documented commands the suite ran, and how (the docs are executed); the tests
+    that took over LONG_S without saying why (on a busy machine, a hint, not a verdict)."""
+    reports = [r for reports in terminalreporter.stats.values() for r in reports if getattr(r, "when", "")]
+    ran = [r for r in reports if "test_documented_commands" in r.nodeid and r.when == "call"]
     if ran:
         from tests.test_documented_commands import summary
 
         terminalreporter.write_line(f"{summary()}; {len(ran)} documented-command tests ran")
+    took: dict[str, float] = {}
+    for r in reports:
+        if "long" not in r.keywords:
+            took[r.nodeid] = took.get(r.nodeid, 0.0) + r.duration
+    over = sorted((s, nodeid) for nodeid, s in took.items() if s > LONG_S)
+    for s, nodeid in reversed(over):
+        terminalreporter.write_line(f"{s:.1f}s with no @pytest.mark.long reason: {nodeid}")
 
 
 @pytest.fixture(scope="session")

@@ -149,8 +149,9 @@ def test_a_fleet_sends_only_the_head_and_refuses_a_device_with_another_backbone(
     procs = [aggregator]
     try:
         aggregator.wait_for(r"^aggregator cdfl on ", timeout=300)
-        agent = CliProcess(["fedmq", "agent", *common(copy), "--id", "car-1",
-                            "--state-dir", str(tmp_path / "car-1")], cwd=tmp_path)
+        agent = CliProcess(["fedmq", "agent", *common(copy), "--id", "car-1", "--state-dir", str(tmp_path / "car-1"),
+                            # its 200 samples in 1 s, not the default stream's 10 s
+                            "--set", "agent.poll_interval_s=0.1"], cwd=tmp_path)
         procs.append(agent)
         agent.wait_for(r"model\.installed .*via=join", timeout=300)
         agent.proc.send_signal(signal.SIGUSR1)
