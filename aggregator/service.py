@@ -608,7 +608,19 @@ class AggregatorService:
         except Exception as e:  # a dataset the loader cannot read here: Python agents need no spec
             event(log, "device_spec.unavailable", level=30, dataset=data.dataset, error=f"{type(e).__name__}: {e}"[:300])
             return
-        event(log, "device_spec.made", hash=self.device.hash, bytes=len(self.device.payload()))
+        event(log, "device_spec.made", hash=self.device.hash, pieces=len(self.device.pieces()),
+              feature_map_bytes=len(self.device.feature_map or b""))
+
+    def _publish_device_spec(self, transport: MqttTransport, _: object) -> None:
+        """Connect hook: the feature map's pieces, the piece topics beyond them emptied (a larger
+        map published earlier leaves nothing stale), then the spec that counts them."""
+        assert self.device is not None
+        pieces = self.device.pieces()
+        for i, piece in enumerate(pieces):
+            transport.publish(protocol.device_spec_piece(self.fleet, i), piece, qos=1, retain=True)
+        for i in range(len(pieces), device_spec.MAX_PIECES):
+            transport.publish(protocol.device_spec_piece(self.fleet, i), b"", qos=0, retain=True)
+        transport.publish(protocol.device_spec(self.fleet), self.device.payload(), qos=1, retain=True)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -625,9 +637,7 @@ class AggregatorService:
                 protocol.model_graph(self.fleet), self.graph or b"", qos=1, retain=True))
             self._make_device_spec()
         if self.device is not None:  # beside the graph, before the status that names its hash
-            payload = self.device.payload()
-            self.transport.on_connect_hooks.append(lambda t, _: t.publish(
-                protocol.device_spec(self.fleet), payload, qos=1, retain=True))
+            self.transport.on_connect_hooks.append(self._publish_device_spec)
         if not self.sole.clear_to_serve(self.cfg.broker, derived_logins=self.cfg.aggregator.derived_logins,
                                         network=self.transport.network):
             return self  # never connected: `sole.failure` says why

@@ -11,8 +11,12 @@ in its status (`graph.device_spec`), so a device knows when it changed.
 
 The spec proper is canonical JSON (sorted keys, no spaces); its hash is the first 16 hex
 digits of its SHA-256, as the model spec's; the feature map is covered through its SHA-256 in
-the JSON. The payload is one msgpack map: `spec` (str) and `feature_map` (bin, or nil when
-the fleet's inputs are too large to sketch on a device).
+the JSON. The spec's message is one msgpack map, `spec` (str) and `pieces` (int); the feature
+map follows in that many pieces of at most PIECE_BYTES, each retained on its own topic
+`fedmq/{fleet}/model/device/{i}` (`protocol.device_spec_piece`) as a msgpack map `spec` (the
+hash), `index`, `data`: a small device's MQTT buffer takes no message of megabytes, and a reader
+on a slow link (Mosquitto 2.0.11 sends a WebSocket subscriber about 45 KB/s) reads the spec at
+once and the map later, or not at all.
 
 `reference_normalize` and `reference_sketch` define bit for bit what a device computes (the
 sketch in float64, summed in a fixed order, so every language gets the same float16 bits);
@@ -47,6 +51,13 @@ MAX_FEATURE_MAP_BYTES = 32 * 1024 * 1024
 """A feature map above this (inputs of more than 8,191 values) is not published: its fleet's
 devices send no sketch, and the aggregator estimates their mixture from the model alone."""
 
+PIECE_BYTES = 64 * 1024
+"""The feature map's piece size: one retained message each, small enough for any MQTT client."""
+
+MAX_PIECES = MAX_FEATURE_MAP_BYTES // PIECE_BYTES
+"""Piece topics the aggregator keeps empty beyond its own pieces: a larger map published earlier
+leaves no stale pieces for new subscribers."""
+
 MAX_SPEC_CHARS = 64 * 1024
 """The spec's JSON (label names included) stays within one msgpack str of the decoder's limit."""
 
@@ -77,7 +88,13 @@ class DeviceSpec:
 
     def payload(self) -> bytes:
         """The retained message on `fedmq/{fleet}/model/device`."""
-        return msgpack.packb({"spec": self.canonical_json, "feature_map": self.feature_map}, use_bin_type=True)
+        return msgpack.packb({"spec": self.canonical_json, "pieces": len(self.pieces())}, use_bin_type=True)
+
+    def pieces(self) -> list[bytes]:
+        """The retained messages on `fedmq/{fleet}/model/device/{i}`: the feature map, in order."""
+        blob = self.feature_map or b""
+        return [msgpack.packb({"spec": self.hash, "index": i, "data": blob[at:at + PIECE_BYTES]}, use_bin_type=True)
+                for i, at in enumerate(range(0, len(blob), PIECE_BYTES))]
 
 
 def build(model: ModelSpec, model_name: str, dataset: str, *, scale: float, mean: tuple[float, ...],
@@ -173,16 +190,33 @@ def feature_map(inputs: int) -> bytes:
     return np.concatenate([w.numpy().ravel(), b.numpy()]).astype("<f4").tobytes()
 
 
-def parse(payload: bytes, advertised: str | None = None) -> DeviceSpec:
-    """A received device spec, checked: its hash against `advertised` (the status's
-    `graph.device_spec`) and its feature map against the SHA-256 the spec names."""
+def _unpack(payload: bytes, what: str) -> Any:
     try:
-        doc = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+        return msgpack.unpackb(payload, raw=False, strict_map_key=True)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
-        raise DeviceSpecError(f"device spec: not one msgpack map ({e})") from None
-    if not isinstance(doc, dict) or set(doc) != {"spec", "feature_map"} or not isinstance(doc["spec"], str):
-        raise DeviceSpecError("device spec: a map of exactly spec (str) and feature_map (bin or nil)")
-    spec = DeviceSpec(json.loads(doc["spec"]), doc["feature_map"])
+        raise DeviceSpecError(f"{what}: not one msgpack map ({e})") from None
+
+
+def parse(payload: bytes, pieces: list[bytes], advertised: str | None = None) -> DeviceSpec:
+    """A received device spec and its feature map's pieces (any order), checked: its hash
+    against `advertised` (the status's `graph.device_spec`), every piece's against its hash, and
+    the feature map against the length and SHA-256 the spec names."""
+    doc = _unpack(payload, "device spec")
+    if (not isinstance(doc, dict) or set(doc) != {"spec", "pieces"} or not isinstance(doc["spec"], str)
+            or not isinstance(doc["pieces"], int) or not 0 <= doc["pieces"] <= MAX_PIECES):
+        raise DeviceSpecError(f"device spec: a map of exactly spec (str) and pieces (int, 0..{MAX_PIECES})")
+    spec_hash = hashlib.sha256(doc["spec"].encode()).hexdigest()[:16]
+    got: dict[int, bytes] = {}
+    for raw in pieces:
+        piece = _unpack(raw, "device spec piece")
+        if not isinstance(piece, dict) or set(piece) != {"spec", "index", "data"} or not isinstance(piece["data"], bytes):
+            raise DeviceSpecError("device spec piece: a map of exactly spec (str), index (int) and data (bin)")
+        if piece["spec"] == spec_hash and isinstance(piece["index"], int) and 0 <= piece["index"] < doc["pieces"]:
+            got[piece["index"]] = piece["data"]
+    if len(got) != doc["pieces"]:
+        raise DeviceSpecError(f"device spec: {len(got)} of its {doc['pieces']} feature map pieces")
+    blob = b"".join(got[i] for i in range(doc["pieces"])) if doc["pieces"] else None
+    spec = DeviceSpec(json.loads(doc["spec"]), blob)
     if spec.canonical_json != doc["spec"]:
         raise DeviceSpecError("device spec: its JSON is not canonical (sorted keys, no spaces)")
     if spec.doc.get("format") != FORMAT:

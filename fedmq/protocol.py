@@ -176,6 +176,13 @@ def device_spec(fleet: str) -> str:
     return f"{TOPIC_ROOT}/{validate_id(fleet, 'fleet')}/model/device"
 
 
+def device_spec_piece(fleet: str, index: int) -> str:
+    """Retained piece `index` of the device spec's feature map (fedmq/device_spec.py)."""
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise ProtocolError("bad_topic", f"a piece index is an int >= 0, got {index!r}")
+    return f"{device_spec(fleet)}/{index}"
+
+
 def all_uplinks(fleet: str) -> str:
     """What the aggregator subscribes to for every agent's uploads."""
     return f"{TOPIC_ROOT}/{validate_id(fleet, 'fleet')}/agents/+/up"

@@ -30,9 +30,8 @@ import paho.mqtt.client as mqtt
 import pytest
 import torch
 
-from aggregator.journal import scan_journal
 from edge_agent.drift import ThresholdDetector
-from fedmq import codecs, protocol
+from fedmq import codecs, device_spec, protocol
 from fedmq.broker import (
     REPO_BROKER_CONFIG,
     MosquittoBroker,
@@ -41,9 +40,12 @@ from fedmq.broker import (
     listener_kinds,
 )
 from fedmq.creds import make_credentials
+from fedmq.data import clear_cache
 from fedmq.models import model_spec
 from soak.fleet_setup import SMALL, pretrained_state, small_config
 from tests.cli_process import CliProcess, cli_env
+from tests.test_device_spec import device_spec_acl
+from tests.test_node_agent import journal_records, make_fleet28
 
 pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
 
@@ -259,15 +261,10 @@ def drive(plan: dict, out: Path) -> dict:
     return result
 
 
-def journal_records(state: Path) -> list[dict]:
-    """Every record of every journal generation still on disk, in order."""
-    gens = sorted(int(p.stem.split("-")[1]) for p in state.glob("journal-*.log"))
-    return [r for g in gens for r in scan_journal(state / f"journal-{g}.log").records]
-
-
 @pytest.mark.slow
 def test_browser_agent_three_cycles_over_wss_and_the_fleet_page(tmp_path, web_server) -> None:
     creds = make_credentials(tmp_path / "creds", [PHONE, CAR], monitor_user="monitor")
+    device_spec_acl(creds)
     users = creds.users()
     pristine = pretrained_state(tmp_path / "pristine")
     state = tmp_path / "state"
@@ -312,7 +309,9 @@ def test_browser_agent_three_cycles_over_wss_and_the_fleet_page(tmp_path, web_se
     steps = shown["steps"]
     # Joined over wss with its own login; the graph's inference equals Python's onnxruntime.
     assert steps["join"]["ok"] and steps["join"]["via"] == "join", steps["join"]
-    check_inference_parity(steps["parity"])
+    check_inference_parity(steps["parity"], "digits-cnn")
+    assert steps["parity"]["normalize"] == device_spec.for_dataset(model_spec("digits-cnn"), "digits-cnn",
+                                                                   "digits").doc["normalize"]
     assert re.fullmatch(r"prediction: \d \(p = [01]\.\d\d\)", steps["drawn"]), steps["drawn"]
     check_drift_rule(plan["drift_bits"], steps["drift"])
 
@@ -337,10 +336,14 @@ def test_browser_agent_three_cycles_over_wss_and_the_fleet_page(tmp_path, web_se
     records = journal_records(state)
     mine = [r for r in records if r["op"] == "update" and r["agent"] == PHONE]
     assert [r["msg_id"] for r in mine] == ids
+    published = device_spec.for_dataset(model_spec("digits-cnn"), "digits-cnn", "digits")
+    pixels = np.asarray(steps["parity"]["pixels"], dtype=np.float32)
+    sketch = device_spec.reference_sketch(device_spec.reference_normalize(pixels[:, None], published.doc["normalize"])
+                                          .reshape(len(pixels), -1), published.feature_map or b"")
     for rec, cycle in zip(mine, cycles, strict=True):
         sent = np.frombuffer(base64.b64decode(cycle["uploaded"]), dtype="<f4")
         assert np.array_equal(np.asarray(rec["vector"], dtype=np.float32), sent)
-        assert rec["sketch"] is not None and len(rec["sketch"]) == 2048
+        assert bytes(rec["sketch"]) == sketch  # from the published feature map, Python's bit for bit
     check_clusters_moved(pristine, records, tmp_path / "replay")
 
     # The fleet page showed both agents' received accuracy, side by side.
@@ -380,18 +383,19 @@ def check_drift_rule(case: dict, browser: list[bool]) -> None:
     assert any(python[80:]) and not any(python[:80])
 
 
-def check_inference_parity(shown: dict) -> None:
-    """Python's onnxruntime on the same graph, weights and inputs gives the browser's logits."""
+def check_inference_parity(shown: dict, model: str) -> None:
+    """Python's onnxruntime on the same graph, weights and inputs (the page's raw pixels,
+    normalized by the fleet's device spec) gives the browser's logits."""
     import onnxruntime as ort
 
     graph = base64.b64decode(shown["graph"])
     assert hashlib.sha256(graph).hexdigest() == shown["graphSha256"]
     vector = np.frombuffer(base64.b64decode(shown["vector"]), dtype="<f4")
-    spec = model_spec("digits-cnn")
-    assert vector.size == spec.numel
-    pixels = np.asarray(shown["pixels"], dtype=np.float32)
-    x = ((pixels / np.float32(16)) - np.float32(0.30555450916290283)) / np.float32(0.37612447142601013)
-    feeds = {"x": x.reshape(-1, *spec.input_shape).astype(np.float32)}
+    spec = model_spec(model)
+    assert vector.size == spec.numel and shown["inputShape"] == list(spec.input_shape)
+    pixels = np.asarray(shown["pixels"], dtype=np.float32).reshape(-1, *spec.input_shape)
+    x = device_spec.reference_normalize(pixels, shown["normalize"])
+    feeds = {"x": x}
     at = 0
     for name, shape in zip(spec.names, spec.shapes, strict=True):
         size = int(np.prod(shape))
@@ -562,3 +566,49 @@ def test_the_browser_agent_names_its_fleet_in_its_client_id_as_python_agents_do(
                           capture_output=True, text=True, timeout=WAIT_S)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == protocol.agent_client_id("garage", "car-1")
+
+
+@pytest.fixture(scope="module")
+def fleet28(tmp_path_factory, web_server) -> tuple[Path, Path]:
+    """The 28x28 fleet of tests/test_node_agent.py: its data root and pre-trained state."""
+    return make_fleet28(tmp_path_factory)
+
+
+@pytest.mark.slow
+def test_the_browser_agent_joins_a_28x28_fleet_by_its_device_spec(mosquitto, fleet28, tmp_path, web_server) -> None:
+    """The same page on a cnn28 fleet: the fleet's device spec says how to normalize the page's
+    28x28 samples (and the drawn digit); nothing in the page is the digits' own."""
+    from tests.test_node_agent import FLEET as FLEET28
+    from tests.test_node_agent import start_aggregator
+
+    data, pristine = fleet28
+    state = tmp_path / "agg"
+    shutil.copytree(pristine, state)
+    agg = start_aggregator(mosquitto.url, data, state)
+    try:
+        plan = {"base": web_server, "chromium": find_chromium(), "timeout_s": BROWSER_WAIT_S, "cycles": 2,
+                "agent": {"url": mosquitto.ws_url, "fleet": FLEET28, "agent": PHONE, "password": ""}}
+        shown = drive(plan, tmp_path / "driver")
+    finally:
+        agg.stop()
+    steps = shown["steps"]
+    assert steps["join"]["ok"], steps["join"]
+    check_inference_parity(steps["parity"], "cnn28")
+    clear_cache()
+    try:
+        published = device_spec.for_dataset(model_spec("cnn28"), "cnn28", "mnist", str(data))
+    finally:
+        clear_cache()
+    assert steps["parity"]["normalize"] == published.doc["normalize"] == {"scale": 255.0, "mean": [0.1307],
+                                                                          "std": [0.3081]}
+    assert re.fullmatch(r"prediction: \d \(p = [01]\.\d\d\)", steps["drawn"]), steps["drawn"]
+    # Its 3.2 MB feature map would take a minute over Mosquitto 2.0.11's WebSockets: no sketch.
+    cycles = steps["cycles"]
+    assert [c.get("refused") for c in cycles] == [None, None] and not any(c["sketch"] for c in cycles), cycles
+    assert len(re.findall(rf"update\.applied .*agent={PHONE}\b", agg.output)) == 2, agg.output[-3000:]
+    mine = [r for r in journal_records(state) if r["op"] == "update" and r["agent"] == PHONE]
+    assert [r["msg_id"] for r in mine] == [c["msgId"] for c in cycles]
+    for rec, cycle in zip(mine, cycles, strict=True):
+        sent = np.frombuffer(base64.b64decode(cycle["uploaded"]), dtype="<f4")
+        assert np.asarray(rec["vector"], dtype=np.float32).tobytes() == sent.tobytes()
+        assert rec["sketch"] is None

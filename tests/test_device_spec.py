@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from fedmq import codecs, device_spec, protocol, sketch
+from fedmq.creds import Credentials
 from fedmq.data import clear_cache, load_dataset
 from fedmq.data.sources import _digits_split
 from fedmq.models import model_spec
@@ -56,6 +57,20 @@ def write_mnist_files(root: Path, folder: str = "MNIST", n: int = 60) -> np.ndar
         write_idx(root / folder / "raw" / f"{split}-images-idx3-ubyte", images)
         write_idx(root / folder / "raw" / f"{split}-labels-idx1-ubyte", np.arange(len(images)) % 10)
     return train
+
+
+def device_spec_acl(creds: Credentials) -> None:
+    """The ACL lines a fleet's device spec needs beside the graph's, where `fedmq creds` did not
+    write them: agents read it, the aggregator publishes it."""
+    lines = creds.acl.read_text().splitlines()
+    out = []
+    for line in lines:
+        out.append(line)
+        beside = line.replace("/model/onnx", "/model/device/#")
+        if re.fullmatch(r"topic (read|readwrite) fedmq/[^/]+/model/onnx", line) and beside not in lines:
+            out.append(beside)
+    assert any(line.endswith("/model/device/#") for line in out)
+    creds.acl.write_text("\n".join(out) + "\n")
 
 
 def test_the_documented_vectors_are_what_python_computes() -> None:
@@ -118,7 +133,7 @@ def test_the_hash_follows_the_model_the_normalization_and_the_feature_map(monkey
                                 "classes": 10, "features": 64}
     assert base.doc["sketch"]["bytes"] == len(base.feature_map or b"") == 785 * 1024 * 4
     same = device_spec.build(cnn28, "cnn28", "mnist", scale=255, mean=(0.1307,), std=(0.3081,), labels=labels)
-    assert same.hash == base.hash and same.payload() == base.payload()
+    assert same.hash == base.hash and same.payload() == base.payload() and same.pieces() == base.pieces()
     others = {
         "model": device_spec.build(model_spec("cnn32-10"), "cnn32-10", "cifar10", scale=255, mean=(0.5,) * 3,
                                    std=(0.25,) * 3, labels=labels),
@@ -138,15 +153,25 @@ def test_the_hash_follows_the_model_the_normalization_and_the_feature_map(monkey
 def test_a_reader_refuses_a_spec_that_is_not_the_advertised_one_in_one_line() -> None:
     spec = device_spec.build(model_spec("digits-cnn"), "digits-cnn", "digits", scale=16, mean=(0.3,), std=(0.4,),
                              labels=tuple("0123456789"))
-    assert device_spec.parse(spec.payload(), spec.hash).doc == spec.doc
+    pieces = spec.pieces()
+    assert len(pieces) == 5 and all(len(p) <= device_spec.PIECE_BYTES + 64 for p in pieces)  # 65 x 1024 x 4 bytes
+    read = device_spec.parse(spec.payload(), pieces[::-1], spec.hash)  # pieces arrive in any order
+    assert read.doc == spec.doc and read.feature_map == spec.feature_map
     with pytest.raises(device_spec.DeviceSpecError, match=f"advertises {spec.hash[::-1]}$"):
-        device_spec.parse(spec.payload(), spec.hash[::-1])
-    tampered = msgpack.packb({"spec": spec.canonical_json, "feature_map": (spec.feature_map or b"")[:-1] + b"\1"})
+        device_spec.parse(spec.payload(), pieces, spec.hash[::-1])
+    with pytest.raises(device_spec.DeviceSpecError, match="4 of its 5 feature map pieces"):
+        device_spec.parse(spec.payload(), pieces[1:], spec.hash)
+    other = device_spec.build(model_spec("digits-cnn"), "digits-cnn", "digits", scale=16, mean=(0.3,), std=(0.5,),
+                              labels=tuple("0123456789"))
+    with pytest.raises(device_spec.DeviceSpecError, match="4 of its 5"):  # a piece of another spec is none of its
+        device_spec.parse(spec.payload(), [*pieces[1:], other.pieces()[0]], spec.hash)
+    last = msgpack.unpackb(pieces[-1])
+    tampered = msgpack.packb({**last, "data": last["data"][:-1] + b"\1"})
     with pytest.raises(device_spec.DeviceSpecError, match="SHA-256"):
-        device_spec.parse(tampered, spec.hash)
+        device_spec.parse(spec.payload(), [*pieces[:-1], tampered], spec.hash)
     for bad in (b"\xc1", msgpack.packb({"spec": spec.canonical_json}), msgpack.packb([1])):
         with pytest.raises(device_spec.DeviceSpecError) as e:
-            device_spec.parse(bad)
+            device_spec.parse(bad, pieces)
         assert "\n" not in str(e.value)
 
 
@@ -157,7 +182,7 @@ def test_a_model_without_an_output_layer_has_no_head_and_big_inputs_no_feature_m
     big = type(spec)("big", spec.names, spec.shapes, (3, 64, 64), spec.num_classes)
     made = device_spec.build(big, "big", "folder:big", scale=255, mean=(0.5,) * 3, std=(0.2,) * 3, labels=("a",))
     assert made.doc["sketch"] is None and made.feature_map is None
-    assert device_spec.parse(made.payload(), made.hash).feature_map is None
+    assert made.pieces() == [] and device_spec.parse(made.payload(), [], made.hash).feature_map is None
 
 
 @pytest.mark.slow
@@ -174,11 +199,11 @@ def test_the_aggregator_publishes_its_device_spec_beside_the_graph(mosquitto, tm
         watcher.connect("127.0.0.1", mosquitto.port)  # after the start: every message is a retained copy
         watcher.loop_start()
         try:
-            for topic in ("aggregator/status", "model/onnx", "model/device"):
+            for topic in ("aggregator/status", "model/onnx", "model/device/#"):
                 watcher.subscribe(f"fedmq/spec/{topic}", qos=1)
             seen: dict[str, tuple[bytes, bool]] = {}
             deadline = time.monotonic() + WAIT_S
-            while len(seen) < 3:
+            while len(seen) < 3 + 5:  # the digits' feature map: 5 pieces
                 left = deadline - time.monotonic()
                 assert left > 0, f"retained copies seen in {WAIT_S:.0f} s: {sorted(seen)}"
                 try:
@@ -192,7 +217,10 @@ def test_the_aggregator_publishes_its_device_spec_beside_the_graph(mosquitto, tm
     status = protocol.decode(seen["aggregator/status"][0], 1 << 16)
     assert isinstance(status, protocol.Status) and all(retained for _, retained in seen.values())
     assert status.graph["device_topic"] == protocol.device_spec("spec") == "fedmq/spec/model/device"
-    published = device_spec.parse(seen["model/device"][0], str(status.graph["device_spec"]))
+    pieces = [payload for topic, (payload, _) in seen.items() if topic.startswith("model/device/")]
+    assert sorted(t for t in seen if t.startswith("model/device/")) == [f"model/device/{i}" for i in range(5)]
+    assert max(len(p) for p in pieces) <= device_spec.PIECE_BYTES + 64
+    published = device_spec.parse(seen["model/device"][0], pieces, str(status.graph["device_spec"]))
     want = device_spec.for_dataset(model_spec("digits-cnn"), "digits-cnn", "digits")
     assert published.doc == want.doc and published.feature_map == want.feature_map
     assert published.doc["model"] == status.model and published.doc["model_name"] == status.model_name

@@ -25,14 +25,15 @@ import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
 
+from aggregator.journal import scan_journal
 from fedmq import codecs, device_spec, protocol
-from fedmq.broker import MosquittoBroker
+from fedmq.broker import REPO_BROKER_CONFIG, MosquittoBroker
+from fedmq.creds import make_credentials
 from fedmq.data import clear_cache
 from fedmq.models import model_spec
 from soak.fleet_setup import pretrained_state
 from tests.cli_process import ROOT, CliProcess, cli_env
-from tests.test_browser import journal_records
-from tests.test_device_spec import documented_vectors, write_idx
+from tests.test_device_spec import device_spec_acl, documented_vectors, write_idx
 
 WEB = ROOT / "web"
 WAIT_S = 120.0
@@ -61,7 +62,7 @@ import { pathToFileURL } from "node:url";
 const [web, casePath] = process.argv.slice(2);
 const P = await import(pathToFileURL(`${web}/fedmq.js`).href);
 const { decode } = await import(pathToFileURL(`${web}/node_modules/@msgpack/msgpack/dist.esm/index.mjs`).href);
-const { vectors, spec, hash } = JSON.parse(readFileSync(casePath, "utf8"));
+const { vectors, spec, pieces, hash } = JSON.parse(readFileSync(casePath, "utf8"));
 const bytes = (h) => Uint8Array.from(Buffer.from(h, "hex"));
 const f32 = (h) => new Float32Array(bytes(h).buffer);
 const hex = (a) => Buffer.from(a.buffer, a.byteOffset, a.byteLength).toString("hex");
@@ -77,7 +78,8 @@ for (const c of vectors.codecs) {
 }
 for (const c of vectors.normalize) out.normalize.push(hex(P.normalize(Float32Array.from(c.pixels), c.normalize)));
 // The sketch vector, from the device spec as a fleet publishes it (its reader checks it first).
-const device = await P.readDeviceSpec(Uint8Array.from(Buffer.from(spec, "base64")), hash);
+const b64 = (s) => Uint8Array.from(Buffer.from(s, "base64"));
+const device = await P.readDeviceSpec(b64(spec), pieces.map(b64).reverse(), hash);
 const s = vectors.sketch;
 const pixels = new Float32Array(s.samples * s.inputs);
 for (let n = 0; n < s.samples; n++) for (let i = 0; i < s.inputs; i++) pixels[n * s.inputs + i] = (7 * i + 13 * n) % 256;
@@ -95,7 +97,8 @@ def test_node_computes_every_published_vector_bit_for_bit(node, tmp_path) -> Non
     vectors = documented_vectors()
     mnist = device_spec.build(model_spec("cnn28"), "cnn28", "mnist", scale=255, mean=(0.1307,), std=(0.3081,),
                               labels=tuple(map(str, range(10))))
-    case = {"vectors": vectors, "spec": base64.b64encode(mnist.payload()).decode(), "hash": mnist.hash}
+    case = {"vectors": vectors, "spec": base64.b64encode(mnist.payload()).decode(), "hash": mnist.hash,
+            "pieces": [base64.b64encode(p).decode() for p in mnist.pieces()]}
     (tmp_path / "case.json").write_text(json.dumps(case))
     (tmp_path / "vectors.mjs").write_text(_VECTORS)
     proc = subprocess.run([node, str(tmp_path / "vectors.mjs"), str(WEB), str(tmp_path / "case.json")],
@@ -127,11 +130,15 @@ AGGREGATOR = {"cdfl.clusters": 2, "data.proxy_per_cluster": 100, "data.pretrain_
 
 @pytest.fixture(scope="module")
 def fleet28(tmp_path_factory) -> tuple[Path, Path]:
+    if node_missing():
+        pytest.skip(node_missing())
+    return make_fleet28(tmp_path_factory)
+
+
+def make_fleet28(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(data root, pre-trained state dir): scripts/digits28_files.py's 28x28 stand-in, small, as
     MNIST and, the same images, as Fashion-MNIST (whose normalization differs); the aggregator's
     cluster models pre-trained once on the MNIST copy."""
-    if node_missing():
-        pytest.skip(node_missing())
     root = tmp_path_factory.mktemp("d28")
     made = subprocess.run([sys.executable, str(ROOT / "scripts" / "digits28_files.py"), str(root), "--train", "1200",
                            "--test", "300"], capture_output=True, text=True, timeout=300)
@@ -146,12 +153,13 @@ def fleet28(tmp_path_factory) -> tuple[Path, Path]:
     return root, state
 
 
-def start_aggregator(broker: MosquittoBroker, data: Path, state: Path, dataset: str = "mnist") -> CliProcess:
-    argv = ["fedmq", "aggregator", "--broker", broker.url, "--fleet", FLEET, "--state-dir", str(state),
-            "--dataset", dataset, "--data-dir", str(data), "--log-level", "info"]
+def start_aggregator(url: str, data: Path, state: Path, dataset: str = "mnist", *login: str,
+                     password: str = "") -> CliProcess:
+    argv = ["fedmq", "aggregator", "--broker", url, "--fleet", FLEET, "--state-dir", str(state),
+            "--dataset", dataset, "--data-dir", str(data), "--log-level", "info", *login]
     for key, value in AGGREGATOR.items():
         argv += ["--set", f"{key}={value}"]
-    agg = CliProcess(argv, cwd=ROOT, env=cli_env(OMP_NUM_THREADS="1"))
+    agg = CliProcess(argv, cwd=ROOT, env=cli_env(OMP_NUM_THREADS="1", FEDMQ_BROKER_PASSWORD=password))
     try:
         agg.wait_for(r"aggregator\.started", WAIT_S)
     except AssertionError:
@@ -160,12 +168,18 @@ def start_aggregator(broker: MosquittoBroker, data: Path, state: Path, dataset: 
     return agg
 
 
-def node_agent(broker: MosquittoBroker, data: Path, out: Path, *extra: str) -> CliProcess:
+def node_agent(url: str, data: Path, out: Path, *extra: str, password: str = "") -> CliProcess:
     raw = data / "MNIST" / "raw"
-    return CliProcess(["node", str(WEB / "agent-cli.mjs"), "--broker", broker.url, "--fleet", FLEET, "--id", NODE,
+    return CliProcess(["node", str(WEB / "agent-cli.mjs"), "--broker", url, "--fleet", FLEET, "--id", NODE,
                        "--images", str(raw / "t10k-images-idx3-ubyte"), "--labels", str(raw / "t10k-labels-idx1-ubyte"),
                        "--samples", str(SAMPLES), "--state-dir", str(out / "state"), "--report", str(out / "report.jsonl"),
-                       "--timeout-s", str(int(WAIT_S)), *extra], cwd=ROOT)
+                       "--timeout-s", str(int(WAIT_S)), *extra], cwd=ROOT, env=cli_env(FEDMQ_BROKER_PASSWORD=password))
+
+
+def journal_records(state: Path) -> list[dict]:
+    """Every record of every journal generation still on disk, in order."""
+    gens = sorted(int(p.stem.split("-")[1]) for p in state.glob("journal-*.log"))
+    return [r for g in gens for r in scan_journal(state / f"journal-{g}.log").records]
 
 
 def report(out: Path) -> list[dict]:
@@ -213,9 +227,9 @@ def test_the_node_agent_joins_a_28x28_fleet_and_every_upload_is_applied(mosquitt
     state = tmp_path / "agg"
     shutil.copytree(pristine, state)
     downlink = Downlink(mosquitto)
-    agg = start_aggregator(mosquitto, data, state)
+    agg = start_aggregator(mosquitto.url, data, state)
     try:
-        node = node_agent(mosquitto, data, tmp_path, "--cycles", str(CYCLES))
+        node = node_agent(mosquitto.url, data, tmp_path, "--cycles", str(CYCLES))
         assert node.wait(WAIT_S * 2) == 0, node.output[-3000:]
         replies = downlink.models()
         # Images the fleet's model does not take: one line, before anything is sent.
@@ -269,26 +283,35 @@ def test_the_node_agent_joins_a_28x28_fleet_and_every_upload_is_applied(mosquitt
 
 
 @pytest.mark.slow
-def test_an_agent_holding_an_old_device_spec_refuses_to_upload_in_one_line(mosquitto, fleet28, tmp_path) -> None:
+def test_an_agent_holding_an_old_device_spec_refuses_to_upload_in_one_line(fleet28, tmp_path) -> None:
+    """Over mqtts against prod.conf: the agent's own login, which may read the device spec."""
     data, pristine = fleet28
     state = tmp_path / "agg"
     shutil.copytree(pristine, state)
-    agg = start_aggregator(mosquitto, data, state)
-    node = node_agent(mosquitto, data, tmp_path, "--cycles", "1", "--stay")
-    try:
-        old = node.wait_for(r"agent\.joined .*device_spec=(\w+)", WAIT_S).group(1)
-        node.wait_for(r"agent\.waiting", WAIT_S)
-        agg.stop()
-        # The same fleet and model, its normalization now Fashion-MNIST's: another device spec.
-        agg = start_aggregator(mosquitto, data, state, "fashionmnist")
-        new = node.wait_for(rf"device_spec\.changed agent={NODE} held={old} published=(\w+)", WAIT_S).group(1)
-        assert new != old
-        os.kill(node.proc.pid, signal.SIGUSR1)  # train and upload now
-        node.wait_for(rf"agent\.joined .*device_spec={new}", WAIT_S)  # it read the new spec and joined again
-        assert node.stop() == 0
-    finally:
-        node.kill()
-        agg.stop()
+    creds = make_credentials(tmp_path / "creds", [NODE])
+    device_spec_acl(creds)
+    users = creds.users()
+    with MosquittoBroker.from_file(REPO_BROKER_CONFIG / "prod.conf", path_map=creds.path_map(),
+                                   workdir=tmp_path / "broker") as broker:
+        agg_url = f"mqtts://aggregator@127.0.0.1:{broker.port}"
+        login = ("--ca-file", str(creds.ca_cert))
+        agg = start_aggregator(agg_url, data, state, "mnist", *login, password=users["aggregator"])
+        node = node_agent(f"mqtts://localhost:{broker.port}", data, tmp_path, "--cycles", "1", "--stay", *login,
+                          password=users[NODE])
+        try:
+            old = node.wait_for(r"agent\.joined .*device_spec=(\w+)", WAIT_S).group(1)
+            node.wait_for(r"agent\.waiting", WAIT_S)
+            agg.stop()
+            # The same fleet and model, its normalization now Fashion-MNIST's: another device spec.
+            agg = start_aggregator(agg_url, data, state, "fashionmnist", *login, password=users["aggregator"])
+            new = node.wait_for(rf"device_spec\.changed agent={NODE} held={old} published=(\w+)", WAIT_S).group(1)
+            assert new != old
+            os.kill(node.proc.pid, signal.SIGUSR1)  # train and upload now
+            node.wait_for(rf"agent\.joined .*device_spec={new}", WAIT_S)  # it read the new spec and joined again
+            assert node.stop() == 0
+        finally:
+            node.kill()
+            agg.stop()
     refused = [line for line in node.lines if "upload.refused" in line]
     assert refused == [f'upload.refused agent={NODE} reason=device_spec_changed detail="holds device spec {old}, '
                        f'the fleet publishes {new}: read it again and rejoin"'], node.output[-3000:]

@@ -1,12 +1,12 @@
 // The browser agent's page: a login form, the model's state, a drawing pad, the event log.
 // window.fedmqAgentPage exposes the same actions to scripts (tests/test_browser.py drives it).
 
-import { BrowserAgent, argmax, loadFeatureMap, loadSamples } from "./agent.js";
+import { BrowserAgent, argmax, loadRawSamples, normalizedSamples } from "./agent.js";
 import * as P from "./fedmq.js";
 
 const $ = (id) => document.getElementById(id);
 const logLines = [];
-const page = { agent: null, samples: null, featureMap: null, results: [], ready: null };
+const page = { agent: null, samples: null, results: [], ready: null };
 window.fedmqAgentPage = page;
 
 function log(line) {
@@ -38,19 +38,23 @@ function escape(s) {
   return String(s).replace(/[&<>]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;" })[c]);
 }
 
-/** Join with these settings; the result of the join (or the refusal) comes back. */
+/** The page fetches a feature map of up to 512 KiB over the broker's WebSockets (the digits' is
+ *  266 KB, about 6 s from an idle Mosquitto 2.0.11, which sends a WebSocket subscriber about
+ *  45 KB/s); a larger one would cost a minute or more, so the page then sends no sketch and the
+ *  aggregator estimates its mixture from the model alone. */
+const PAGE_SETTINGS = { featureMapMaxBytes: 512 * 1024 };
+
+/** Join with these settings; the result of the join (or the refusal) comes back. The fleet's
+ *  device spec says how to normalize and sketch the page's samples, and which it needs. */
 page.connect = async ({ url, fleet, agent, password, settings }) => {
-  page.samples = page.samples || (await loadSamples());
-  page.featureMap = page.featureMap || (await loadFeatureMap());
-  const a = new BrowserAgent({ url, fleet, agent, password, settings }, log);
-  a.samples = page.samples;
-  a.featureMap = page.featureMap;
+  const a = new BrowserAgent({ url, fleet, agent, password, settings: { ...PAGE_SETTINGS, ...settings }, deviceSpec: true }, log);
   a.onChange(show);
   page.agent = a;
   let joined;
   try {
     const connected = await a.connect();
-    joined = connected.refused ? connected : await a.join();
+    joined = connected.refused ? connected : await samplesFor(a);
+    if (!joined) joined = await a.join();
   } catch (e) {
     joined = { refused: "connect_failed", detail: String(e.message || e) };
   }
@@ -59,6 +63,17 @@ page.connect = async ({ url, fleet, agent, password, settings }) => {
   for (const id of ["cycle", "stream", "predict", "add"]) $(id).disabled = !!joined.refused;
   return joined;
 };
+
+/** The page's own samples for the fleet's input shape, normalized by its device spec; a refusal
+ *  where the page bundles none of that shape. */
+async function samplesFor(a) {
+  const shape = a.device.doc.input_shape;
+  const raw = await loadRawSamples(shape);
+  if (!raw) return { refused: "no_samples", detail: `this page bundles no samples of ${shape.join("x")} inputs (assets/samples-${shape.join("x")}.json)` };
+  page.samples = a.samples = normalizedSamples(raw, a.device);
+  log(`samples.loaded agent=${a.agent} samples=${raw.n} input=${shape.join("x")} dataset=${a.device.doc.dataset}`);
+  return null;
+}
 
 page.cycle = async () => {
   const r = await page.agent.cycle();
@@ -89,7 +104,8 @@ page.parity = async () => {
   const a = page.agent;
   const logits = await a.logits(page.samples.x);
   return {
-    logits: Array.from(logits), classes: a.spec.num_classes, pixels: page.samples.raw,
+    logits: Array.from(logits), classes: a.spec.num_classes, pixels: page.samples.raw, normalize: a.device.doc.normalize,
+    inputShape: a.spec.input_shape, names: a.spec.names, shapes: a.spec.shapes,
     vector: b64(new Uint8Array(a.base.buffer)), graph: b64(a.graph), graphSha256: a.aggregator.graph.sha256,
   };
 };
@@ -125,24 +141,33 @@ pad.addEventListener("pointermove", (e) => {
 });
 for (const ev of ["pointerup", "pointerleave"]) pad.addEventListener(ev, () => (drawing = false));
 
-/** The pad as an 8x8 digit: the mean brightness of each 20x20 block, scaled to 0..16. */
+/** The pad as one raw input of the fleet's shape [C, H, W]: shrunk by the canvas (each pixel the
+ *  mean of the pad's block), brightness 0..255 rescaled to the spec's raw range (16 for digits). */
 function padPixels() {
-  const img = ctx.getImageData(0, 0, pad.width, pad.height).data;
-  const cell = pad.width / 8;
-  const out = new Float32Array(64);
-  for (let r = 0; r < 8; r++) {
-    for (let c = 0; c < 8; c++) {
-      let sum = 0;
-      for (let y = r * cell; y < (r + 1) * cell; y++) for (let x = c * cell; x < (c + 1) * cell; x++) sum += img[4 * (y * pad.width + x)];
-      out[r * 8 + c] = (sum / (cell * cell) / 255) * 16;
-    }
+  const [channels, h, w] = page.agent.spec.input_shape;
+  const small = document.createElement("canvas");
+  [small.width, small.height] = [w, h];
+  const sctx = small.getContext("2d");
+  sctx.imageSmoothingEnabled = true;
+  sctx.imageSmoothingQuality = "high";
+  sctx.drawImage(pad, 0, 0, w, h);
+  const img = sctx.getImageData(0, 0, w, h).data;
+  const top = page.agent.device.doc.normalize.scale;
+  const out = new Float32Array(channels * h * w);
+  for (let c = 0; c < channels; c++) {
+    for (let i = 0; i < h * w; i++) out[c * h * w + i] = (img[4 * i + (channels === 3 ? c : 0)] / 255) * top;
   }
   return out;
 }
 
+function padInput() {
+  const [, h, w] = page.agent.spec.input_shape;
+  return P.normalize(padPixels(), page.agent.device.doc.normalize, h * w);
+}
+
 page.predictPad = async () => {
   const a = page.agent;
-  const logits = await a.logits(P.normalize(padPixels()));
+  const logits = await a.logits(padInput());
   const k = argmax(logits, 0, a.spec.num_classes);
   const max = Math.max(...logits);
   const exps = Array.from(logits, (z) => Math.exp(z - max));
@@ -174,11 +199,14 @@ $("file").onchange = async () => {
 };
 $("add").onclick = () => {
   const label = Number($("label").value);
-  if (!Number.isInteger(label) || label < 0 || label > 9) return log("sample.refused reason=bad_label detail=\"a label 0..9\"");
+  const labels = page.agent.device.doc.labels;
+  if (!Number.isInteger(label) || label < 0 || label >= labels.length) {
+    return log(`sample.refused reason=bad_label detail="a label 0..${labels.length - 1}"`);
+  }
   const s = page.samples;
-  const x = new Float32Array(s.x.length + 64);
+  const x = new Float32Array(s.x.length + s.d);
   x.set(s.x);
-  x.set(P.normalize(padPixels()), s.x.length);
+  x.set(padInput(), s.x.length);
   const y = new Int32Array(s.n + 1);
   y.set(s.y);
   y[s.n] = label;

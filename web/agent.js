@@ -14,6 +14,8 @@ import * as P from "./fedmq.js";
 ort.env.wasm.wasmPaths = new URL("./node_modules/onnxruntime-web/dist/", import.meta.url).href;
 ort.env.wasm.numThreads = 1; // threads need cross-origin isolation, which a plain static server does not give
 
+const PIECES_AT_ONCE = 16;
+
 export const DEFAULTS = {
   replyTimeoutS: 20, // agent.reply_timeout_s
   sends: 3, // a request is sent this often (same msg_id) before the wait is given up
@@ -23,6 +25,9 @@ export const DEFAULTS = {
   minUpdateIntervalS: 60, // agent.min_update_interval_s
   samplesAfterDrift: 100, // agent.samples_after_drift: new samples to see after a drift before training
   train: { epochs: 2, batchSize: 32, lr: 0.01, momentum: 0.9, rho: 0.1 },
+  // A larger feature map is not fetched (no sketch is sent): Mosquitto 2.0.11 sends an otherwise
+  // idle WebSocket subscriber about 45 KB/s, over a minute for a 28x28 fleet's 3.2 MB.
+  featureMapMaxBytes: Infinity,
 };
 
 export class BrowserAgent {
@@ -48,7 +53,8 @@ export class BrowserAgent {
     this.session = null;
     this.spec = null;
     this.device = null; // the device spec held: {hash, doc, featureMap}
-    this.devicePayload = null; // its retained message as last received
+    this.deviceMessage = null; // its retained message as last received
+    this.devicePieces = new Map(); // piece topic -> {spec, index, data}, as last received
     this._parsedDevice = null;
     this.loadError = null;
     this._loadingModel = null;
@@ -102,7 +108,7 @@ export class BrowserAgent {
     });
     this.client.on("error", (e) => this._event("transport.error", { error: JSON.stringify(String(e.message || e)) }));
     const wanted = [P.topics.aggregatorStatus(this.fleet), P.topics.graph(this.fleet), P.topics.down(this.fleet, this.agent)];
-    if (this.useDeviceSpec) wanted.push(P.topics.deviceSpec(this.fleet));
+    if (this.useDeviceSpec) wanted.push(P.topics.deviceSpec(this.fleet)); // its pieces: _fetchPieces
     await this.client.subscribeAsync(wanted, { qos: 1 });
     this._event("transport.connected", { url: this.url });
     const waited = await this._waitReady(timeoutS);
@@ -153,8 +159,16 @@ export class BrowserAgent {
       return this._check();
     }
     if (topic === P.topics.deviceSpec(this.fleet)) {
-      this.devicePayload = payload;
+      this.deviceMessage = payload;
       return this._check();
+    }
+    if (topic.startsWith(`${P.topics.deviceSpec(this.fleet)}/`)) {
+      const piece = P.readDeviceSpecPiece(payload);
+      if (piece) this.devicePieces.set(topic, piece);
+      else this.devicePieces.delete(topic);
+      const waiter = this._pieceWaiter;
+      if (waiter && waiter.group.delete(topic) && waiter.group.size === 0) waiter.resolve(true);
+      return;
     }
     let env = P.readEnvelope(payload);
     if (env instanceof P.ProtocolRefusal) return this._event("downlink.refused", { reason: env.reason });
@@ -228,14 +242,102 @@ export class BrowserAgent {
     this._resolveReady(true);
   }
 
-  /** The received device spec if its hash is `advertised`, parsed once per payload; null otherwise. */
+  /** The feature map's pieces the device spec message held announces, PIECES_AT_ONCE topics at a
+   *  time (each a retained message of its own): a reader never holds more than a megabyte of
+   *  pieces in flight, and the pieces of a stale spec are never asked for. */
+  async _fetchPieces() {
+    if (this._fetching) {
+      this._fetchAgain = true; // a newer spec message came: start over once this pass ends
+      return;
+    }
+    this._fetching = true;
+    try {
+      do {
+        this._fetchAgain = false;
+        let head;
+        try {
+          head = await P.deviceSpecHead(this.deviceMessage);
+        } catch (e) {
+          this._event("device_spec.refused", { reason: e.reason, detail: JSON.stringify(e.detail || e.message) });
+          return;
+        }
+        if (head.pieces * P.DEVICE_SPEC_PIECE_BYTES > this.settings.featureMapMaxBytes) {
+          this._withoutMap = head.hash;
+          this._event("device_spec.sketch_skipped", { hash: head.hash, pieces: head.pieces, limit_bytes: this.settings.featureMapMaxBytes });
+          break;
+        }
+        const want = [];
+        for (let i = 0; i < head.pieces; i++) {
+          const topic = `${P.topics.deviceSpec(this.fleet)}/${i}`;
+          const held = this.devicePieces.get(topic);
+          if (!held || held.spec !== head.hash) want.push(topic);
+        }
+        for (let at = 0; at < want.length && !this._fetchAgain; at += PIECES_AT_ONCE) {
+          const topics = want.slice(at, at + PIECES_AT_ONCE);
+          const group = new Set(topics); // emptied as they arrive
+          const arrived = new Promise((resolve) => (this._pieceWaiter = { group, resolve }));
+          await this.client.subscribeAsync(topics, { qos: 1 });
+          const got = await Promise.race([arrived, sleep(3 * this.settings.replyTimeoutS * 1000).then(() => false)]);
+          this._pieceWaiter = null;
+          await this.client.unsubscribeAsync(topics);
+          if (!got) {
+            this._event("device_spec.piece_missing", { topics: [...group].join(","), of: head.pieces });
+            return;
+          }
+        }
+      } while (this._fetchAgain);
+      const head = await P.deviceSpecHead(this.deviceMessage);
+      if (this._withoutMap !== head.hash && head.pieces) {
+        const full = await P.readDeviceSpec(this.deviceMessage, [...this.devicePieces.values()], head.hash);
+        this._map = { hash: full.hash, featureMap: full.featureMap };
+        this._event("device_spec.feature_map", { hash: full.hash, pieces: head.pieces, bytes: full.doc.sketch.bytes });
+        this._installMap();
+      }
+    } finally {
+      this._fetching = false;
+    }
+  }
+
+  /** Fetch the held device spec's feature map in the background (after the join: over a slow
+   *  link its pieces would queue ahead of the join's reply). */
+  _startFetch() {
+    if (!this.device || !this.device.doc.sketch || this.featureMap || this._fetching) return;
+    this._fetchPieces().catch((e) => this._event("device_spec.unfetched", { error: JSON.stringify(String(e.message || e)) }));
+  }
+
+  /** The fetched feature map, for the device spec held if it is that spec's. */
+  _installMap() {
+    if (!this.device || !this._map || this._map.hash !== this.device.hash) return;
+    this.featureMap = this.device.featureMap = this._map.featureMap;
+    for (const resolve of this._mapWaiters || []) resolve(this.featureMap);
+    this._mapWaiters = [];
+  }
+
+  /** The held device spec's feature map, waiting up to `timeoutS` for its pieces (fetched after
+   *  the join: the first update needs it, the join does not); null where there is none to send. */
+  async featureMapReady(timeoutS = 3 * this.settings.replyTimeoutS) {
+    if (!this.device) return this.featureMap || null; // the page's bundled map, without a device spec
+    if (!this.device.doc.sketch || this._withoutMap === this.device.hash) return null;
+    if (this.featureMap) return this.featureMap;
+    const arrived = new Promise((resolve) => (this._mapWaiters = [...(this._mapWaiters || []), resolve]));
+    this._startFetch();
+    const map = await Promise.race([arrived, sleep(timeoutS * 1000).then(() => null)]);
+    if (!map) this._event("device_spec.feature_map_missing", { hash: this.device.hash, waited_s: timeoutS });
+    return map;
+  }
+
+  /** The received device spec (without its feature map: _fetchPieces brings that) if its hash
+   *  is `advertised`, parsed once per message; null otherwise. */
   async _deviceSpec(advertised) {
-    if (!advertised || !this.devicePayload) return null;
-    if (!this._parsedDevice || this._parsedDevice.payload !== this.devicePayload) {
-      const payload = this.devicePayload;
-      const spec = await P.readDeviceSpec(payload).catch((e) => e);
-      this._parsedDevice = { payload, spec };
-      if (spec instanceof Error) this._event("device_spec.refused", { reason: spec.reason, detail: JSON.stringify(spec.detail || spec.message) });
+    if (!advertised || !this.deviceMessage) return null;
+    const seen = this._parsedDevice;
+    if (!seen || seen.message !== this.deviceMessage || seen.advertised !== advertised) {
+      const message = this.deviceMessage;
+      const spec = await P.readDeviceSpec(message, [], advertised, true).catch((e) => e);
+      this._parsedDevice = { message, advertised, spec };
+      if (spec instanceof Error && !/advertises/.test(spec.detail)) {
+        this._event("device_spec.refused", { reason: spec.reason, detail: JSON.stringify(spec.detail || spec.message) });
+      }
     }
     const spec = this._parsedDevice.spec;
     return spec instanceof Error || spec.hash !== advertised ? null : spec;
@@ -257,11 +359,12 @@ export class BrowserAgent {
     }
     const session = await ort.InferenceSession.create(graph, { executionProviders: ["wasm"] });
     [this.spec, this.session, this.algorithm, this.device] = [spec, session, s.algorithm || "cdfl", device];
-    if (device) this.featureMap = device.featureMap;
     this._event("graph.loaded", { model: s.model_name, bytes: graph.byteLength, params: spec.numel });
     if (device) {
+      this.featureMap = null;
       this._event("device_spec.loaded", { hash: device.hash, dataset: device.doc.dataset, input: device.doc.input_shape.join("x"),
-        sketch: device.featureMap ? device.doc.sketch.method : "none" });
+        sketch: device.doc.sketch ? device.doc.sketch.method : "none" });
+      this._installMap();
     }
   }
 
@@ -326,7 +429,9 @@ export class BrowserAgent {
     });
     const reply = await this._request(msgId, payload);
     if (reply.type !== "model") return this._refusal(reply, "join");
-    return this._install(reply, "join", msgId);
+    const installed = await this._install(reply, "join", msgId);
+    this._startFetch();
+    return installed;
   }
 
   async _install(reply, via, msgId) {
@@ -475,8 +580,9 @@ export class BrowserAgent {
       model: this.spec.hash, tau: this.epoch, tensor: wire, n_samples: n,
       metrics: { loss: trained.loss, acc_held: accHeld, acc_trained: accTrained },
     };
-    if (n >= this.settings.sketchMinSamples && this.featureMap) {
-      fields.sketch = P.dataSketch(x, d, this.featureMap);
+    const featureMap = n >= this.settings.sketchMinSamples ? await this.featureMapReady() : null;
+    if (featureMap) {
+      fields.sketch = P.dataSketch(x, d, featureMap);
       fields.sketch_method = this.device ? this.device.doc.sketch.method : P.SKETCH_METHOD;
     }
     const changed = this.staleDeviceSpec(); // while it trained
@@ -508,14 +614,22 @@ function sleep(ms) {
   return new Promise((r) => setTimeout(r, ms));
 }
 
-/** The bundled sample set (assets/digits.json, made by web/make_assets.py): raw 0..16 pixels. */
-export async function loadSamples(url = new URL("./assets/digits.json", import.meta.url)) {
-  const doc = await (await fetch(url)).json();
-  const raw = new Float32Array(doc.pixels.flat());
-  return { n: doc.labels.length, x: P.normalize(raw), y: Int32Array.from(doc.labels), raw: doc.pixels, d: doc.pixels[0].length };
+/** The bundled raw sample set for inputs of `shape` [C, H, W] (assets/samples-CxHxW.json, made
+ *  by web/make_assets.py): pixels as a camera or a drawing gives them (0..max), or null if the
+ *  page has none of that shape. */
+export async function loadRawSamples(shape, base = new URL("./assets/", import.meta.url)) {
+  const res = await fetch(new URL(`samples-${shape.join("x")}.json`, base));
+  if (!res.ok) return null;
+  const doc = await res.json();
+  return { n: doc.labels.length, raw: doc.pixels, y: Int32Array.from(doc.labels), shape: doc.shape, max: doc.max };
 }
 
-/** The sketch's random feature map for 64-value inputs (assets/sketch-64.f32: W then b). */
-export async function loadFeatureMap(url = new URL("./assets/sketch-64.f32", import.meta.url)) {
-  return new Float32Array(await (await fetch(url)).arrayBuffer());
+/** Raw samples as the fleet's model takes them: rescaled to the spec's raw range where theirs
+ *  differs, then normalized as its device spec says (bit for bit fedmq's loader's). */
+export function normalizedSamples(raw, device) {
+  const { normalize, input_shape: shape } = device.doc;
+  const d = shape.reduce((a, b) => a * b, 1);
+  const pixels = Float32Array.from(raw.raw.flat());
+  if (raw.max !== normalize.scale) for (let i = 0; i < pixels.length; i++) pixels[i] = (pixels[i] * normalize.scale) / raw.max;
+  return { n: raw.n, x: P.normalize(pixels, normalize, d / shape[0]), y: raw.y, raw: raw.raw, d };
 }

@@ -396,40 +396,75 @@ export function normalize(pixels, how = NORMALIZE.digits, perChannel = pixels.le
 // ------------------------------------------------------------------------- device spec
 
 export const DEVICE_SPEC_FORMAT = "fedmq-device-spec/1";
+export const DEVICE_SPEC_PIECE_BYTES = 64 * 1024; // a feature map piece's data at most (fedmq/device_spec.py PIECE_BYTES)
 
 async function sha256Hex(bytes) {
   return hex(new Uint8Array(await crypto.subtle.digest("SHA-256", bytes)));
 }
 
-/**
- * The fleet's device spec (docs/protocol.md, "Device spec") from its retained message, checked:
- * SHA-256(spec)[:16] must equal `advertised` (the status's `graph.device_spec`; null: not
- * checked here), the feature
- * map's SHA-256 the spec's. Returns {hash, doc, featureMap (Float32Array or null)}; a
- * ProtocolRefusal (thrown) names what does not match.
- */
-export async function readDeviceSpec(payload, advertised) {
+/** A device spec piece's message as {spec, index, data}, or null if it is none (an empty message
+ *  deletes a piece topic). */
+export function readDeviceSpecPiece(payload) {
+  if (!payload.byteLength) return null;
+  try {
+    const p = unpackb(payload, { maxMapLength: 8 });
+    return p && typeof p.spec === "string" && Number.isInteger(p.index) && p.data instanceof Uint8Array ? p : null;
+  } catch {
+    return null;
+  }
+}
+
+/** What a device spec message announces: its hash and how many feature map pieces follow. */
+export async function deviceSpecHead(payload) {
   let msg;
   try {
     msg = unpackb(payload, { maxStrLength: 65536, maxMapLength: 16 });
   } catch (e) {
     throw new ProtocolRefusal("bad_device_spec", `not msgpack: ${e.message || e}`);
   }
-  if (!msg || typeof msg.spec !== "string" || Object.keys(msg).length !== 2 || !("feature_map" in msg)) {
-    throw new ProtocolRefusal("bad_device_spec", "a map of exactly spec (str) and feature_map (bin or nil)");
+  if (!msg || typeof msg.spec !== "string" || Object.keys(msg).length !== 2 || !Number.isInteger(msg.pieces) || msg.pieces < 0) {
+    throw new ProtocolRefusal("bad_device_spec", "a map of exactly spec (str) and pieces (int)");
   }
-  const hash = (await sha256Hex(new TextEncoder().encode(msg.spec))).slice(0, 16);
+  return { hash: (await sha256Hex(new TextEncoder().encode(msg.spec))).slice(0, 16), pieces: msg.pieces, spec: msg.spec };
+}
+
+/**
+ * The fleet's device spec (docs/protocol.md, "Device spec") from its retained message and its
+ * feature map's pieces (raw payloads or readDeviceSpecPiece's objects, any order), checked:
+ * SHA-256(spec)[:16] must equal `advertised` (the status's `graph.device_spec`; null: not
+ * checked here), the assembled feature map the spec's length and SHA-256. Returns {hash, doc,
+ * featureMap (Float32Array or null)}; a ProtocolRefusal (thrown) names what does not match,
+ * `incomplete` while pieces are missing. `withoutFeatureMap`: read the spec alone (no sketch).
+ */
+export async function readDeviceSpec(payload, pieces = [], advertised = null, withoutFeatureMap = false) {
+  const msg = await deviceSpecHead(payload);
+  const hash = msg.hash;
   if (advertised != null && hash !== advertised) throw new ProtocolRefusal("bad_device_spec", `hash ${hash}, the aggregator advertises ${advertised}`);
   const doc = JSON.parse(msg.spec);
   if (doc.format !== DEVICE_SPEC_FORMAT) throw new ProtocolRefusal("bad_device_spec", `format ${doc.format}, this agent reads ${DEVICE_SPEC_FORMAT}`);
+  if (withoutFeatureMap) return { hash, doc, featureMap: null };
+  const got = new Map();
+  for (const raw of pieces) {
+    const p = raw instanceof Uint8Array ? readDeviceSpecPiece(raw) : raw;
+    if (p && p.spec === hash && p.index < msg.pieces) got.set(p.index, p.data);
+  }
+  if (got.size < msg.pieces) throw new ProtocolRefusal("incomplete", `${got.size} of ${msg.pieces} feature map pieces`);
   let featureMap = null;
   if (doc.sketch) {
-    const blob = msg.feature_map;
-    if (!(blob instanceof Uint8Array) || blob.byteLength !== doc.sketch.bytes || (await sha256Hex(blob)) !== doc.sketch.sha256) {
+    const blob = new Uint8Array(doc.sketch.bytes);
+    let at = 0;
+    for (let i = 0; i < msg.pieces; i++) {
+      const data = got.get(i);
+      if (at + data.byteLength > blob.byteLength) throw new ProtocolRefusal("bad_device_spec", "the feature map's pieces are longer than the spec says");
+      blob.set(data, at);
+      at += data.byteLength;
+    }
+    if (at !== blob.byteLength || (await sha256Hex(blob)) !== doc.sketch.sha256) {
       throw new ProtocolRefusal("bad_device_spec", "the feature map differs from the spec's length or SHA-256");
     }
-    featureMap = new Float32Array(blob.byteLength / 4);
-    new Uint8Array(featureMap.buffer).set(blob); // aligned copy; little-endian as every platform ORT runs on
+    featureMap = new Float32Array(blob.buffer); // little-endian, as every platform ORT runs on
+  } else if (msg.pieces) {
+    throw new ProtocolRefusal("bad_device_spec", "feature map pieces without a sketch entry");
   }
   return { hash, doc, featureMap };
 }

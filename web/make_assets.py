@@ -1,10 +1,12 @@
-"""Make the browser agent's bundled files in web/assets/ (generated, not committed):
+"""Make the browser agent's bundled sample sets in web/assets/ (generated, not committed).
 
-- digits.json: the page's own sample set, 8x8 sklearn digits as raw pixel values 0..16 with
-  labels (the page normalizes them as fedmq's loader does, docs/protocol.md "Inputs");
-- sketch-64.f32: the CDFL sketch's random feature map for 64-value inputs (fedmq/sketch.py:
-  W [64, 1024] then b [1024], little-endian float32), made by numpy's PCG64 stream, which the
-  browser cannot reproduce itself.
+The page trains on samples of its own, raw as a camera or a drawing gives them; it normalizes
+them, and sketches them, as the fleet's published device spec says (docs/protocol.md, "Device
+spec"), so one page joins a fleet of any model whose input shape it has samples for:
+
+- samples-1x8x8.json: scikit-learn's 8x8 digits, raw pixel values 0..16 (the digits fleets);
+- samples-1x28x28.json: the same digits as 28x28 images of 0..255 pixels, each upsampled to
+  20x20 and centred (the cnn28 fleets, e.g. scripts/digits28_files.py's stand-in for MNIST).
 
     .venv/bin/python web/make_assets.py            # or: --samples 150 --out web/assets
 """
@@ -17,11 +19,20 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 from sklearn.datasets import load_digits
 
-from fedmq import sketch
-
 HERE = Path(__file__).resolve().parent
+
+
+def upsampled(images: np.ndarray) -> np.ndarray:
+    """8x8 digits (0..16) as 28x28 images of 0..255: bilinear to 20x20, centred."""
+    big = F.interpolate(torch.from_numpy(images[:, None] / 16.0), size=(20, 20), mode="bilinear",
+                        align_corners=False).numpy()[:, 0]
+    out = np.zeros((len(images), 28, 28))
+    out[:, 4:24, 4:24] = big
+    return np.clip(np.rint(out * 255), 0, 255).astype(int)
 
 
 def make_assets(out: Path, samples: int = 150, offset: int = 1500) -> list[Path]:
@@ -29,14 +40,18 @@ def make_assets(out: Path, samples: int = 150, offset: int = 1500) -> list[Path]
     out.mkdir(parents=True, exist_ok=True)
     digits = load_digits()
     pick = slice(offset, offset + samples)
-    doc = {"source": f"sklearn load_digits()[{offset}:{offset + samples}]",
-           "pixels": digits.data[pick].astype(int).tolist(), "labels": digits.target[pick].astype(int).tolist()}
-    data_path = out / "digits.json"
-    data_path.write_text(json.dumps(doc, separators=(",", ":")))
-    w, b = sketch._features(64)  # the feature map the aggregator's sketch estimator uses
-    map_path = out / "sketch-64.f32"
-    map_path.write_bytes(np.concatenate([w.numpy().ravel(), b.numpy()]).astype("<f4").tobytes())
-    return [data_path, map_path]
+    labels = digits.target[pick].astype(int).tolist()
+    sets = {"1x8x8": (digits.images[pick].astype(int), 16, f"sklearn load_digits()[{offset}:{offset + samples}]"),
+            "1x28x28": (upsampled(digits.images[pick]), 255,
+                        f"sklearn load_digits()[{offset}:{offset + samples}], upsampled to 20x20 in 28x28")}
+    paths = []
+    for shape, (pixels, top, source) in sets.items():
+        doc = {"source": source, "shape": [int(v) for v in shape.split("x")], "max": top,
+               "pixels": pixels.reshape(samples, -1).tolist(), "labels": labels}
+        path = out / f"samples-{shape}.json"
+        path.write_text(json.dumps(doc, separators=(",", ":")))
+        paths.append(path)
+    return paths
 
 
 def main(argv: list[str] | None = None) -> int:
