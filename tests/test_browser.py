@@ -44,7 +44,6 @@ from fedmq.data import clear_cache
 from fedmq.models import model_spec
 from soak.fleet_setup import SMALL, pretrained_state, small_config
 from tests.cli_process import CliProcess, cli_env
-from tests.test_device_spec import device_spec_acl
 from tests.test_node_agent import journal_records, make_fleet28
 
 pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
@@ -264,7 +263,6 @@ def drive(plan: dict, out: Path) -> dict:
 @pytest.mark.slow
 def test_browser_agent_three_cycles_over_wss_and_the_fleet_page(tmp_path, web_server) -> None:
     creds = make_credentials(tmp_path / "creds", [PHONE, CAR], monitor_user="monitor")
-    device_spec_acl(creds)
     users = creds.users()
     pristine = pretrained_state(tmp_path / "pristine")
     state = tmp_path / "state"

@@ -24,7 +24,6 @@ import pytest
 import torch
 
 from fedmq import codecs, device_spec, protocol, sketch
-from fedmq.creds import Credentials
 from fedmq.data import clear_cache, load_dataset
 from fedmq.data.sources import _digits_split
 from fedmq.models import model_spec
@@ -57,20 +56,6 @@ def write_mnist_files(root: Path, folder: str = "MNIST", n: int = 60) -> np.ndar
         write_idx(root / folder / "raw" / f"{split}-images-idx3-ubyte", images)
         write_idx(root / folder / "raw" / f"{split}-labels-idx1-ubyte", np.arange(len(images)) % 10)
     return train
-
-
-def device_spec_acl(creds: Credentials) -> None:
-    """The ACL lines a fleet's device spec needs beside the graph's, where `fedmq creds` did not
-    write them: agents read it, the aggregator publishes it."""
-    lines = creds.acl.read_text().splitlines()
-    out = []
-    for line in lines:
-        out.append(line)
-        beside = line.replace("/model/onnx", "/model/device/#")
-        if re.fullmatch(r"topic (read|readwrite) fedmq/[^/]+/model/onnx", line) and beside not in lines:
-            out.append(beside)
-    assert any(line.endswith("/model/device/#") for line in out)
-    creds.acl.write_text("\n".join(out) + "\n")
 
 
 def test_the_documented_vectors_are_what_python_computes() -> None:

@@ -33,7 +33,7 @@ from fedmq.data import clear_cache
 from fedmq.models import model_spec
 from soak.fleet_setup import pretrained_state
 from tests.cli_process import ROOT, CliProcess, cli_env
-from tests.test_device_spec import device_spec_acl, documented_vectors, write_idx
+from tests.test_device_spec import documented_vectors, write_idx
 
 WEB = ROOT / "web"
 WAIT_S = 120.0
@@ -284,12 +284,12 @@ def test_the_node_agent_joins_a_28x28_fleet_and_every_upload_is_applied(mosquitt
 
 @pytest.mark.slow
 def test_an_agent_holding_an_old_device_spec_refuses_to_upload_in_one_line(fleet28, tmp_path) -> None:
-    """Over mqtts against prod.conf: the agent's own login, which may read the device spec."""
+    """Over mqtts against prod.conf with the ACL `fedmq creds` writes: the agent's own login,
+    which may read the device spec and its pieces."""
     data, pristine = fleet28
     state = tmp_path / "agg"
     shutil.copytree(pristine, state)
     creds = make_credentials(tmp_path / "creds", [NODE])
-    device_spec_acl(creds)
     users = creds.users()
     with MosquittoBroker.from_file(REPO_BROKER_CONFIG / "prod.conf", path_map=creds.path_map(),
                                    workdir=tmp_path / "broker") as broker:
