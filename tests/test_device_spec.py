@@ -170,37 +170,49 @@ def test_a_model_without_an_output_layer_has_no_head_and_big_inputs_no_feature_m
     assert made.pieces() == [] and device_spec.parse(made.payload(), [], made.hash).feature_map is None
 
 
+def messages(port: int, topics: list[str], count: int, client_id: str) -> dict[str, tuple[bytes, bool]]:
+    """The first non-empty message on each of `count` topics (of the subscriptions `topics`) and
+    whether it came retained."""
+    got: queue.Queue[tuple[str, bytes, bool]] = queue.Queue()
+    watcher = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id)
+    watcher.on_message = lambda c, u, m: got.put((m.topic, bytes(m.payload), bool(m.retain)))
+    watcher.connect("127.0.0.1", port)
+    watcher.loop_start()
+    seen: dict[str, tuple[bytes, bool]] = {}
+    try:
+        for topic in topics:
+            watcher.subscribe(topic, qos=1)
+        deadline = time.monotonic() + WAIT_S
+        while len(seen) < count:
+            left = deadline - time.monotonic()
+            assert left > 0, f"messages seen in {WAIT_S:.0f} s: {sorted(seen)}"
+            try:
+                topic, payload, retained = got.get(timeout=left)
+            except queue.Empty:
+                continue
+            if payload:  # an empty one deletes a piece topic above the spec's pieces
+                seen.setdefault(topic, (payload, retained))
+    finally:
+        watcher.loop_stop()
+        watcher.disconnect()
+    return seen
+
+
 @pytest.mark.slow
 def test_the_aggregator_publishes_its_device_spec_beside_the_graph(mosquitto, tmp_path) -> None:
     argv = ["fedmq", "aggregator", "--broker", mosquitto.url, "--fleet", "spec", "--state-dir", str(tmp_path / "agg"),
             "--log-level", "info"]
     for key, value in SMALL.items():
         argv += ["--set", f"{key}={value}"]
-    got: queue.Queue[tuple[str, bytes, bool]] = queue.Queue()
-    watcher = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="spec-watcher")
-    watcher.on_message = lambda c, u, m: got.put((m.topic, bytes(m.payload), bool(m.retain)))
+    topics = ["fedmq/spec/aggregator/status", "fedmq/spec/model/onnx", "fedmq/spec/model/device/#"]
     with CliProcess(argv, cwd=ROOT, env=cli_env(OMP_NUM_THREADS="1")) as agg:
         agg.wait_for(r"aggregator\.started", WAIT_S)
-        watcher.connect("127.0.0.1", mosquitto.port)  # after the start: every message is a retained copy
-        watcher.loop_start()
-        try:
-            for topic in ("aggregator/status", "model/onnx", "model/device/#"):
-                watcher.subscribe(f"fedmq/spec/{topic}", qos=1)
-            seen: dict[str, tuple[bytes, bool]] = {}
-            deadline = time.monotonic() + WAIT_S
-            while len(seen) < 3 + 5:  # the digits' feature map: 5 pieces
-                left = deadline - time.monotonic()
-                assert left > 0, f"retained copies seen in {WAIT_S:.0f} s: {sorted(seen)}"
-                try:
-                    topic, payload, retained = got.get(timeout=left)
-                except queue.Empty:
-                    continue
-                seen.setdefault(topic.split("/", 2)[2], (payload, retained))
-        finally:
-            watcher.loop_stop()
-            watcher.disconnect()
+        first = messages(mosquitto.port, topics, 3 + 5, "spec-watcher")  # the digits' feature map: 5 pieces
+        later = messages(mosquitto.port, topics, 3 + 5, "spec-latecomer")  # all retained by now
+    assert all(retained for _, retained in later.values()), sorted(later)
+    seen = {topic.split("/", 2)[2]: value for topic, value in first.items()}
     status = protocol.decode(seen["aggregator/status"][0], 1 << 16)
-    assert isinstance(status, protocol.Status) and all(retained for _, retained in seen.values())
+    assert isinstance(status, protocol.Status)
     assert status.graph["device_topic"] == protocol.device_spec("spec") == "fedmq/spec/model/device"
     pieces = [payload for topic, (payload, _) in seen.items() if topic.startswith("model/device/")]
     assert sorted(t for t in seen if t.startswith("model/device/")) == [f"model/device/{i}" for i in range(5)]
