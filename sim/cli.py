@@ -313,6 +313,7 @@ def run_experiments(args: argparse.Namespace) -> int:
             result = run_fleet(sp, cfg, broker_url=cfg.broker.url if args.broker else None,
                                progress=bar.update)
             write_run(result, args.out, command)
+            finished += 1  # kept once written, before anything says so
             if isinstance(bar, LogProgress):  # no bar in a log: one line per finished run too
                 refused = result.summary()["refused"]
                 print(f"run {i + 1}/{len(specs)} {sp.label}: {len(result.updates)} updates in "
@@ -320,13 +321,14 @@ def run_experiments(args: argparse.Namespace) -> int:
                       + (f", {sum(refused.values())} refused ("
                          + ", ".join(f"{k} {n}" for k, n in refused.items()) + ")" if refused else ""),
                       flush=True)
-            finished += 1
     except KeyboardInterrupt:
         bar.close()
         kept = (f"kept the {finished} finished run{'s' if finished != 1 else ''} of {len(specs)} in {args.out} "
                 f"(`fedmq sim report {args.out}` reads them)" if finished else f"no run had finished; {args.out} holds none")
         print(("\n" if sys.stderr.isatty() else "")  # below the bar
-              + f"fedmq sim run: stopped; {kept}; {specs[finished].label} was under way and is not kept",
+              + f"fedmq sim run: stopped; {kept}; "
+            + (f"{specs[finished].label} was under way and is not kept" if finished < len(specs)
+               else "the report was not written"),
               file=sys.stderr)
         return 130
     finally:
