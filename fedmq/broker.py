@@ -373,6 +373,7 @@ class MosquittoBroker:
             self._wait_running(logged, deadline)
             for port in self.ports:
                 wait_for_port(self.host, port, max(0.0, deadline - time.monotonic()), self.proc)
+            wrong = self._misplaced()  # inside: a signal while /proc is read must stop it too
         except BrokerError as e:
             err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
             self.stop()
@@ -382,7 +383,6 @@ class MosquittoBroker:
         except BaseException:  # a signal while it starts: __exit__ will not run, so stop it here
             self.stop()
             raise
-        wrong = self._misplaced()
         if wrong:
             self.stop()
             raise BrokerError(wrong)
