@@ -23,13 +23,24 @@ torch.set_num_threads(1)
 # and agents with a thread per core, oversubscribe the machine (a test of 8 s idle took 162 s).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+RUN_ENV = ("TMPDIR", "FEDMQ_CACHE_DIR")
+
+
 def pytest_configure(config) -> None:
-    """One ONNX graph cache for the whole run (workers inherit it), not the user's ~/.cache."""
-    if "FEDMQ_CACHE_DIR" not in os.environ:
-        config.fedmq_cache_dir = tempfile.mkdtemp(prefix="fedmq-test-cache-")
-        os.environ["FEDMQ_CACHE_DIR"] = config.fedmq_cache_dir
-    if not hasattr(config, "workerinput"):
-        config.epmd_before = _epmd_pids()
+    """One folder for the run, removed at its end: the $TMPDIR of the xdist workers and of every
+    process a test starts (so nothing a browser, a killed broker or a command under test leaves
+    there outlives the run), holding one ONNX graph, pre-training and data cache for all of them
+    (not the user's ~/.cache). This process keeps its own TMPDIR: pytest's basetemp, where a
+    failed test's tmp_path stays, is made there."""
+    if hasattr(config, "workerinput"):
+        return
+    config.epmd_before = _epmd_pids()
+    run = Path(tempfile.mkdtemp(prefix="fedmq-test-run-", dir=tempfile.gettempdir()))
+    run.chmod(0o755)  # users mosquitto and rabbitmq read what tests make under it
+    config.fedmq_run_dir = run
+    config.fedmq_saved_env = {name: os.environ.get(name) for name in RUN_ENV}
+    os.environ["TMPDIR"] = str(run)
+    os.environ.setdefault("FEDMQ_CACHE_DIR", str(run / "cache"))
 
 
 def _epmd_pids() -> set[int]:
@@ -66,10 +77,14 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_unconfigure(config) -> None:
-    made = getattr(config, "fedmq_cache_dir", None)
-    if made:
-        shutil.rmtree(made, ignore_errors=True)
-        os.environ.pop("FEDMQ_CACHE_DIR", None)
+    run = getattr(config, "fedmq_run_dir", None)
+    if run is not None:
+        shutil.rmtree(run, ignore_errors=True)
+        for name, value in config.fedmq_saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     before = getattr(config, "epmd_before", None)
     epmd = shutil.which("epmd")
     if before is not None and epmd and _epmd_pids() - before:
