@@ -96,16 +96,24 @@ LONG_S = 30.0
 """A test that takes longer on an idle 2-core machine says why: @pytest.mark.long("why")."""
 
 
+PROCESS_FIXTURES = frozenset({"mosquitto", "shared_mosquitto", "warm_python", "scratch", "netns", "dry_run_checkout"})
+"""Fixtures that start a broker or another process (or need one): a test using one, directly
+or through another fixture, takes seconds rather than milliseconds."""
+
+
 def _tier(item) -> int:
     if item.get_closest_marker("long"):
-        return 1
-    return 2 if item.get_closest_marker("slow") else 0
+        return 2
+    if item.get_closest_marker("slow"):
+        return 3
+    return 1 if PROCESS_FIXTURES.intersection(item.fixturenames) else 0
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Quick tests first, so that a change that breaks one fails in the first minutes; then the
-    long ones, then the other slow ones, so that xdist's workers end on tests of seconds, not
-    with one worker idle while another runs a minute-long fleet. Stable within each tier."""
+    """By cost: tests in-process first, then those with a broker or a process of their own, so
+    that a change that breaks one fails in the first minutes; then the long ones, then the other
+    slow ones, so that xdist's workers end on tests of seconds, not with one worker idle while
+    another runs a minute-long fleet. Stable within each tier."""
     for item in items:
         mark = item.get_closest_marker("long")
         why = (mark.args[0] if mark.args else mark.kwargs.get("why")) if mark else ""
