@@ -32,7 +32,8 @@ demo: venv
 # Three workers on two cores: the tests wait on brokers and subprocesses, so one worker took
 # 17 min and two 11.5; with three both cores are ~92 % busy (pytest 711 s against 751-765 s
 # with two, same commit, idle machine). worksteal evens out the long documented-command tests.
-PYTEST_ARGS ?= -n 3 --dist worksteal
+# No cache provider: a run leaves no .pytest_cache in the checkout.
+PYTEST_ARGS ?= -n 3 --dist worksteal -p no:cacheprovider
 
 # The venv (pip, ~1.5 min for torch on a fresh machine) and the test tools (apt: Mosquitto,
 # RabbitMQ, Prometheus) are independent: made side by side.
