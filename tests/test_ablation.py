@@ -33,6 +33,7 @@ from sim.ablation import (
     run_variant_wire,
     with_controls,
 )
+from tests.warm_python import client_argv
 
 # Speed only: tiny agents and server sets so a replayed fleet takes seconds; the defaults
 # run in test_documented_commands (the results commands, --dry-run) and test_data.
@@ -275,11 +276,11 @@ def test_the_same_command_runs_on_mnist_files_through_data_dir(tmp_path):
     assert "| 2 | cdfl-distill |" in (out / "table.md").read_text()
 
 
-def test_digits28_files_stand_in_for_mnist_through_data_dir(tmp_path, capsys):
+def test_digits28_files_stand_in_for_mnist_through_data_dir(tmp_path, capsys, warm_python):
     """scripts/digits28_files.py, as docs/results_cdfl.md#headline runs it (fewer images:
     test time), then that section's command planned on the files: rotated-mnist and cnn28."""
-    script = [sys.executable, str(ROOT / "scripts" / "digits28_files.py"), str(tmp_path / "d28"),
-              "--train", "1500", "--test", "400"]
+    script = client_argv(warm_python, "python", str(ROOT / "scripts" / "digits28_files.py"), str(tmp_path / "d28"),
+                         "--train", "1500", "--test", "400")
     done = subprocess.run(script, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "wrote 1500 train and 400 test images" in done.stdout, done.stderr
     images = (tmp_path / "d28" / "MNIST" / "raw" / "train-images-idx3-ubyte").read_bytes()
@@ -294,9 +295,9 @@ def test_digits28_files_stand_in_for_mnist_through_data_dir(tmp_path, capsys):
                  "--dry-run"]) == 0
     assert "scenario rotated-mnist" in capsys.readouterr().out
     clear_cache()
-    kl = subprocess.run([sys.executable, str(ROOT / "scripts" / "sketch_kl.py"), "--data-dir", str(tmp_path / "d28"),
-                         "--clusters", "2,4,6", "--seeds", "0,1,2", "--dry-run"], capture_output=True, text=True,
-                        timeout=300)  # the results page's sketch_kl command on the same files
+    kl = subprocess.run(client_argv(warm_python, "python", str(ROOT / "scripts" / "sketch_kl.py"), "--data-dir",
+                                    str(tmp_path / "d28"), "--clusters", "2,4,6", "--seeds", "0,1,2", "--dry-run"),
+                        capture_output=True, text=True, timeout=300)  # the results page's sketch_kl command on the same files
     assert kl.returncode == 0 and kl.stdout.startswith("rotated-mnist, K 2, 4, 6"), kl.stderr
     # docs/results_realsize.md#shared-replies: its blocks' commands, planned on the same files
     section = re.search(r"## Shared replies\n(.*?)\n## ", (ROOT / "docs" / "results_realsize.md").read_text(),
@@ -498,15 +499,15 @@ def test_resample_by_mixture_gives_each_cluster_its_alpha_share_whatever_the_poo
     assert int(owner[resample_by_mixture(owner, [1.0, 0.0], torch.Generator().manual_seed(1))].sum()) == 0
 
 
-def test_reply_step_stats_measures_each_agents_step_against_its_replys_fit(tmp_path):
+def test_reply_step_stats_measures_each_agents_step_against_its_replys_fit(tmp_path, warm_python):
     """scripts/reply_step_stats.py, as docs/results_cdfl.md#the-reply runs it: every upload after an agent's first
     starts from the reply that agent was sent, so each is measured; a trained reply has a fit."""
     out = tmp_path / "out"
     sets = [x for k, v in SMALL.items() for x in ("--set", f"{k}={v}")]
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "reply_step_stats.py"), "--clusters", "2", "--seeds", "1",
-         "--agents", "3", "--updates-per-agent", "2", "--test-samples", "30", "--controls", "none",
-         "--variant", "cdfl", *sets, "--out", str(out)],
+        client_argv(warm_python, "python", str(ROOT / "scripts" / "reply_step_stats.py"), "--clusters", "2",
+                    "--seeds", "1", "--agents", "3", "--updates-per-agent", "2", "--test-samples", "30",
+                    "--controls", "none", "--variant", "cdfl", *sets, "--out", str(out)),
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     stats = json.loads((out / "step_stats.json").read_text())
@@ -516,11 +517,12 @@ def test_reply_step_stats_measures_each_agents_step_against_its_replys_fit(tmp_p
     assert "step-stats" in proc.stdout
 
 
-def test_sketch_kl_replays_a_fleets_draws_for_each_shrinkage():
+def test_sketch_kl_replays_a_fleets_draws_for_each_shrinkage(warm_python):
     """scripts/sketch_kl.py: one JSON line per (K, seed), a KL per shrinkage; the whitened fit
     beats the plain one over this fleet's 24 draws (the results page measured it over 300)."""
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "sketch_kl.py"), "--clusters", "4", "--seeds", "1",
-                           "--agents", "8", "--updates-per-agent", "3"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(client_argv(warm_python, "python", str(ROOT / "scripts" / "sketch_kl.py"), "--clusters", "4",
+                                      "--seeds", "1", "--agents", "8", "--updates-per-agent", "3"),
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     (line,) = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
     assert (line["K"], line["seed"]) == (4, 0) and set(line["kl"]) == {"1", "0.25", "uniform"}
@@ -544,13 +546,14 @@ def test_wire_run_counts_refused_uploads_and_finishes(mosquitto, tmp_path):
     assert "refused (all seeds)" in table and f"loss_outlier {run['refused']['loss_outlier']}" in table
 
 
-def test_sketch_kl_shows_the_shapes_clusters_alike_at_a_quarter_turn():
+def test_sketch_kl_shows_the_shapes_clusters_alike_at_a_quarter_turn(warm_python):
     """docs/results_realsize.md's finding, by its own script: on `shapes` the sketch pins the
     mixture at K = 3 but does no better than the uniform guess at K = 4 (most shapes look the
     same after a quarter turn). If the stand-in gains an orientation, this fails and the page's
     paragraph must be redone."""
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "sketch_kl.py"), "--scenario", "realsize-shapes",
-                          "--clusters", "3,4", "--agents", "8", "--updates-per-agent", "2", "--shrinkage", "0.25"],
+    run = subprocess.run(client_argv(warm_python, "python", str(ROOT / "scripts" / "sketch_kl.py"), "--scenario",
+                                     "realsize-shapes", "--clusters", "3,4", "--agents", "8", "--updates-per-agent", "2",
+                                     "--shrinkage", "0.25"),
                          capture_output=True, text=True, timeout=600)  # fewer draws than the page: seconds
     assert run.returncode == 0, run.stderr
     rows = {r["K"]: r["kl"] for r in map(json.loads, run.stdout.splitlines()[1:])}
@@ -558,13 +561,13 @@ def test_sketch_kl_shows_the_shapes_clusters_alike_at_a_quarter_turn():
     assert rows[4]["0.25"] > rows[4]["uniform"] * 0.8
 
 
-def test_the_lighting_script_refuses_an_unknown_light_before_any_work():
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "shapes_lighting.py"), "--variants", "+0.2,sunset"],
-                         capture_output=True, text=True, timeout=120)
+def test_the_lighting_script_refuses_an_unknown_light_before_any_work(warm_python):
+    run = subprocess.run(client_argv(warm_python, "python", str(ROOT / "scripts" / "shapes_lighting.py"),
+                                     "--variants", "+0.2,sunset"), capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "'sunset' is not none, xF" in run.stderr and not run.stdout.strip()
 
 
-def test_shapes_lit_from_above_lets_the_sketch_see_a_quarter_turn():
+def test_shapes_lit_from_above_lets_the_sketch_see_a_quarter_turn(warm_python):
     """shapes-lit: the same images and labels as shapes, lit from above, so the sketch pins the
     mixture at K = 4 where on shapes it cannot (docs/results_realsize.md)."""
     from fedmq.data import load_dataset
@@ -573,9 +576,9 @@ def test_shapes_lit_from_above_lets_the_sketch_see_a_quarter_turn():
     assert torch.equal(plain.y, lit.y) and lit.x.shape == plain.x.shape and not torch.equal(plain.x, lit.x)
     rows = lit.x.mean(dim=(0, 1, 3))  # brighter at the top than at the bottom, as lit
     assert rows[:4].mean() > rows[-4:].mean() + 0.5
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "sketch_kl.py"), "--scenario", "realsize",
-                          "--set", "data.dataset=shapes-lit", "--clusters", "4", "--agents", "8",
-                          "--updates-per-agent", "2", "--shrinkage", "0.25"],
+    run = subprocess.run(client_argv(warm_python, "python", str(ROOT / "scripts" / "sketch_kl.py"), "--scenario",
+                                     "realsize", "--set", "data.dataset=shapes-lit", "--clusters", "4", "--agents", "8",
+                                     "--updates-per-agent", "2", "--shrinkage", "0.25"),
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     kl = json.loads(run.stdout.splitlines()[-1])["kl"]

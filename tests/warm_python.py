@@ -5,9 +5,9 @@ a command line of its own: a few hundred processes per suite, each of which spen
 importing torch to print a plan or one line of error. Here torch and numpy are imported once;
 each command line still runs in a process of its own, with its own argv, working directory,
 environment and standard streams (passed as file descriptors), through the same entry points
-(`python -m MODULE`, `fedmq`) a user runs. Anything else goes to the real interpreter. What a
-warm start cannot show (a warning at import, start-up time) the fresh-process tests do: the
-documented fleets, `fedmq demo`, tests/test_process_lines.py.
+(`python -m MODULE`, `python SCRIPT.py`, `fedmq`) a user runs. Anything else goes to the real
+interpreter. What a warm start cannot show (a warning at import, start-up time) the
+fresh-process tests do: the documented fleets, `fedmq demo`, tests/test_process_lines.py.
 
     python -m tests.warm_python SOCKET      # serve until killed
     python -I -S tests/warm_python.py --client SOCKET fedmq|python ARGS...
@@ -72,9 +72,15 @@ def _child(request: dict, fds: list[int]) -> int:
 
             sys.argv = ["fedmq", *args]
             return int(main() or 0)
-        sys.argv = ["python", *args[2:]]
-        sys.path.insert(0, request["cwd"])  # what `python -m` puts first
-        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        if args[0] == "-m":
+            sys.argv = ["python", *args[2:]]
+            sys.path.insert(0, request["cwd"])  # what `python -m` puts first
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+            return 0
+        # As `python SCRIPT` runs it: its folder first on the path, its __file__ absolute.
+        sys.argv = list(args)
+        sys.path.insert(0, os.path.dirname(os.path.realpath(args[0])))
+        runpy.run_path(os.path.abspath(args[0]), run_name="__main__")
         return 0
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
@@ -148,13 +154,15 @@ def serve(path: str) -> None:
 
 
 def client_argv(sock: Path, program: str, *args: str) -> list[str]:
-    """The command line that runs `program args` (`fedmq ...` or `python -m ...`) warm."""
+    """The command line that runs `program args` (`fedmq ...`, `python -m ...`, `python SCRIPT.py
+    ...`) warm."""
     return [sys.executable, "-I", "-S", str(Path(__file__).resolve()), "--client", str(sock), program, *args]
 
 
 def _shim_main(argv: list[str]) -> int:
     path, program, args = argv[1], argv[2], argv[3:]
-    if program == "python" and (len(args) < 2 or args[0] != "-m"):
+    warm = (len(args) >= 2 and args[0] == "-m") or (bool(args) and args[0].endswith(".py"))
+    if program == "python" and not warm:
         real = os.path.join(os.path.dirname(sys.executable), "python")
         os.execv(real, [real, *args])  # argv[0] a bare "python" would find a python on PATH, not the venv's
     return client(path, program, args)
