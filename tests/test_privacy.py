@@ -22,7 +22,8 @@ from fedmq.models import build_model, to_vector
 from fedmq.privacy import BudgetSpent, DpSgd, UplinkPrivacy, plan_noise, upload_releases
 from fedmq.sketch import data_sketch
 from fedmq.training import fit
-from tests.cli_process import BIN, CliProcess, cli_env
+from tests.cli_process import CliProcess, cli_env
+from tests.warm_python import client_argv
 
 
 def test_the_accountant_matches_the_librarys_mechanisms() -> None:
@@ -88,7 +89,7 @@ def test_with_dp_on_the_sketch_never_leaves_without_noise_nor_the_figures_withou
 
 
 @pytest.mark.slow
-def test_an_agent_whose_budget_is_spent_stops_uploading_and_says_so(mosquitto, tmp_path) -> None:
+def test_an_agent_whose_budget_is_spent_stops_uploading_and_says_so(mosquitto, tmp_path, warm_python) -> None:
     """Budget 4 planned over two uploads of 200 samples (the defaults otherwise: batch 128, the
     sketch, the Gaussian mechanism at one multiplier): two uploads spend 4 (to 1 %), a third
     would not fit. It is refused on the device, and a restart remembers. (FedSoft-Async's agent
@@ -114,7 +115,7 @@ def test_an_agent_whose_budget_is_spent_stops_uploading_and_says_so(mosquitto, t
         agent.proc.send_signal(signal.SIGUSR1)
         spent = agent.wait_for(r"privacy\.budget_spent .*epsilon=([0-9.]+) budget=4", timeout=120)
         assert 3.96 < float(spent.group(1)) <= 4.0, spent.group(0)
-        status = subprocess.run([str(BIN / "fedmq"), "fleet", "status", *fleet, "--json"], env=cli_env(),
+        status = subprocess.run(client_argv(warm_python, "fedmq", "fleet", "status", *fleet, "--json"), env=cli_env(),
                                 capture_output=True, text=True, timeout=120)
         counters = json.loads(status.stdout)["agents"][0]["counters"]
         assert counters["uploads"] == 2 and counters["budget_spent"] == 1 and 3.96 < counters["epsilon"] <= 4.0

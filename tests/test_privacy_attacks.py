@@ -124,8 +124,8 @@ def run_cli(*argv: str, timeout: float = 120, warm: Path | None = None) -> subpr
 
 
 @pytest.mark.slow
-def test_quick_run_writes_the_json_the_tables_and_the_figure(tmp_path) -> None:
-    done = run_cli("--quick", "--out", str(tmp_path))
+def test_quick_run_writes_the_json_the_tables_and_the_figure(tmp_path, warm_python) -> None:
+    done = run_cli("--quick", "--out", str(tmp_path), warm=warm_python)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("n=10 epsilon=") == 2, done.stdout
     doc = json.loads((tmp_path / "attacks.json").read_text())

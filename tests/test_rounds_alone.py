@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,16 +31,17 @@ from sim.rounds import (
     start_pool,
     start_vector,
 )
+from tests.warm_python import client_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 WAIT_S = 300.0
 
 
-def test_alone_runs_from_the_cli_and_reports_as_a_row(tmp_path):
+def test_alone_runs_from_the_cli_and_reports_as_a_row(tmp_path, warm_python):
     out = tmp_path / "rounds"
     done = subprocess.run(
-        [sys.executable, "-m", "sim.rounds", "--algorithms", "fedavg,alone", "--agents", "6",
-         "--rounds", "3", "--epochs", "1", "--target", "0.99", "--out", str(out)],
+        client_argv(warm_python, "python", "-m", "sim.rounds", "--algorithms", "fedavg,alone", "--agents", "6",
+                    "--rounds", "3", "--epochs", "1", "--target", "0.99", "--out", str(out)),
         cwd=ROOT, capture_output=True, text=True, timeout=WAIT_S)
     assert done.returncode == 0, done.stderr
     data = json.loads((out / "results.json").read_text())
@@ -142,14 +142,14 @@ def test_a_pretrained_start_is_shared_by_every_run_and_its_images_by_no_agent(tm
         main(["--pretrain", "5000", "--dry-run"])
 
 
-def test_alone_is_a_variant_base_only_where_it_runs():
+def test_alone_is_a_variant_base_only_where_it_runs(warm_python):
     v = parse_variants("alone,long=alone:fedavg.epochs=3", alone=True)
     assert [(x.label, x.algorithm, x.overrides) for x in v] == [
         ("alone", "alone", {}), ("long", "alone", {"fedavg.epochs": "3"})]
     with pytest.raises(UsageError, match="unknown algorithm 'alone'"):
         parse_variants("fedavg,alone")  # the live twin: no service trains alone
-    done = subprocess.run([sys.executable, "-m", "sim.rounds", "--algorithms",
-                           "alone:fedavg.epochs=0", "--dry-run"],
+    done = subprocess.run(client_argv(warm_python, "python", "-m", "sim.rounds", "--algorithms",
+                                      "alone:fedavg.epochs=0", "--dry-run"),
                           cwd=ROOT, capture_output=True, text=True, timeout=WAIT_S)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and "epochs" in lines[0], done.stderr
