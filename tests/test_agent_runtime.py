@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +22,7 @@ from fedmq.broker import free_port
 from fedmq.config import Config, load_config
 from fedmq.data import clusters_from_settings
 from fedmq.training import evaluate
+from tests.warm_python import client_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCAL = {
@@ -143,26 +143,27 @@ def test_saved_state_of_another_model_is_not_loaded(tmp_path, pools) -> None:
     assert AgentState.load(cfg.agent.state_dir).model_name == device.model_name
 
 
-def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fedmq.cli", "agent", *args], capture_output=True,
+def _cli(warm: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python -m fedmq.cli agent ARGS`, forked from the warm interpreter (tests/warm_python.py)."""
+    return subprocess.run(client_argv(warm, "python", "-m", "fedmq.cli", "agent", *args), capture_output=True,
                           text=True, cwd=ROOT, timeout=timeout)
 
 
-def test_cli_dry_run_maps_flags_and_requires_an_id(tmp_path) -> None:
-    out = _cli("--dry-run", "--id", "car-7", "--profile", "car", "--state-dir", str(tmp_path),
+def test_cli_dry_run_maps_flags_and_requires_an_id(tmp_path, warm_python) -> None:
+    out = _cli(warm_python, "--dry-run", "--id", "car-7", "--profile", "car", "--state-dir", str(tmp_path),
                "--algorithm", "fedsoft-async", "--set", "agent.epochs=3")
     assert out.returncode == 0, out.stderr
     agent = json.loads(out.stdout)["agent"]
     assert agent["id"] == "car-7" and agent["profile"] == "car" and agent["epochs"] == 3
     assert agent["state_dir"] == str(tmp_path) and agent["algorithm"] == "fedsoft-async"
-    missing = _cli("--algorithm", "local")
+    missing = _cli(warm_python, "--algorithm", "local")
     assert missing.returncode == 2 and "--id" in missing.stderr
 
 
 @pytest.mark.slow
-def test_cli_local_agent_runs_without_a_broker_and_saves_state(tmp_path) -> None:
+def test_cli_local_agent_runs_without_a_broker_and_saves_state(tmp_path, warm_python) -> None:
     state = tmp_path / "cam"
-    out = _cli("--id", "cam-1", "--algorithm", "local", "--state-dir", str(state), "--dataset", "digits",
+    out = _cli(warm_python, "--id", "cam-1", "--algorithm", "local", "--state-dir", str(state), "--dataset", "digits",
                "--broker", f"mqtt://127.0.0.1:{free_port()}", "--update-now", "--max-steps", "8",
                "--clusters", "2", "--set", "agent.poll_interval_s=0", "--set", "agent.poll_batch=50",
                "--set", "agent.min_samples_to_train=200", "--set", "agent.epochs=1")
