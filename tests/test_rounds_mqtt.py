@@ -230,6 +230,8 @@ def test_round_agent_draws_a_new_batch_order_each_round(mosquitto) -> None:
     assert np.array_equal(vectors[0], vectors[2])
 
 
+@pytest.mark.long("the probe waits out the will of the shipped keepalive (1.5 x 30 s + 5 s): a round service's "
+                  "status carries no heartbeat")
 def test_a_second_round_aggregator_on_the_fleet_stops_and_the_first_serves_on(mosquitto) -> None:
     """Two round services for one fleet (one client id, as two `fedmq aggregator --algorithm
     catafed` runs), started a moment apart with the shipped defaults: the later one stops with
