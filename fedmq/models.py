@@ -159,15 +159,19 @@ class ReferenceCNN(nn.Module):
 
 
 class ColorCNN(nn.Module):
-    """CNN for 32x32 colour images (CIFAR-100, SVHN): conv32-conv64-conv128-fc256."""
+    """CNN for 32x32 colour images (CIFAR-100, SVHN): conv32-conv64-conv128-fc256.
 
-    def __init__(self, num_classes: int = 100) -> None:
+    `width` and `hidden` shrink it for a device that trains in a browser:
+    `fedmq.models:ColorCNN?width=16&hidden=64&num_classes=10` (90 k parameters, 64 head
+    features) runs a 32x32 colour fleet's web page in seconds (docs/browser.md)."""
+
+    def __init__(self, num_classes: int = 100, width: int = 32, hidden: int = 256) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(3, 32, 3, padding=1)
-        self.conv2 = nn.Conv2d(32, 64, 3, padding=1)
-        self.conv3 = nn.Conv2d(64, 128, 3, padding=1)
-        self.fc1 = nn.Linear(128 * 4 * 4, 256)
-        self.fc2 = nn.Linear(256, num_classes)
+        self.conv1 = nn.Conv2d(3, width, 3, padding=1)
+        self.conv2 = nn.Conv2d(width, 2 * width, 3, padding=1)
+        self.conv3 = nn.Conv2d(2 * width, 4 * width, 3, padding=1)
+        self.fc1 = nn.Linear(4 * width * 4 * 4, hidden)
+        self.fc2 = nn.Linear(hidden, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.max_pool2d(torch.relu(self.conv1(x)), 2)

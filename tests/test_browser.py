@@ -41,7 +41,8 @@ from fedmq.broker import (
 )
 from fedmq.creds import make_credentials
 from fedmq.data import clear_cache
-from fedmq.models import model_spec
+from fedmq.data.sources import SHAPES as SHAPE_NAMES
+from fedmq.models import model_spec, resolve_model_name
 from soak.fleet_setup import SMALL, pretrained_state, small_config
 from tests.cli_process import CliProcess, cli_env
 from tests.test_node_agent import journal_records, make_fleet28
@@ -408,13 +409,14 @@ def check_inference_parity(shown: dict, model: str) -> None:
     assert (browser.argmax(1) == python.argmax(1)).all()
 
 
-def check_clusters_moved(pristine: Path, records: list[dict], workdir: Path) -> None:
+def check_clusters_moved(pristine: Path, records: list[dict], workdir: Path, fleet: str = FLEET,
+                         **settings: object) -> None:
     """Replayed from the first snapshot, each browser upload moves the cluster it is most
     assigned to (the largest weight of its mixture alpha), as any agent's upload does."""
     from aggregator.bootstrap import build_engine
 
     shutil.copytree(pristine, workdir)
-    engine = build_engine(small_config("mqtt://127.0.0.1:1", workdir, FLEET, **{"codec.name": "int8"}))
+    engine = build_engine(small_config("mqtt://127.0.0.1:1", workdir, fleet, **{"codec.name": "int8", **settings}))
     snapshot, _ = engine.journal.load()
     engine.load_state_dict(snapshot)
     moved = 0
@@ -610,3 +612,81 @@ def test_the_browser_agent_joins_a_28x28_fleet_by_its_device_spec(mosquitto, fle
         sent = np.frombuffer(base64.b64decode(cycle["uploaded"]), dtype="<f4")
         assert np.asarray(rec["vector"], dtype=np.float32).tobytes() == sent.tobytes()
         assert rec["sketch"] is None
+
+
+SHAPES_FLEET = "shapes"
+SHAPES_MODEL = "fedmq.models:ColorCNN?width=16&hidden=64&num_classes=10"
+"""The zoo's colour CNN made small (90 k parameters, 64 head features): a browser's 7 graph
+runs per batch and 90 KB replies, where cnn32-10's 620 k parameters and 256 features would
+take 26 runs and 620 KB."""
+SHAPES = {**SMALL, "data.dataset": "shapes", "model": SHAPES_MODEL, "data.proxy_per_cluster": 100,
+          "data.pretrain_per_cluster": 200, "cdfl.personalize_epochs": 1, "cdfl.personalize_min_steps": 8,
+          "aggregator.status_every_s": 1, "codec.name": "int8"}
+"""A 32x32 colour fleet of `shapes`, K = 2, small server sets and short replies."""
+
+
+@pytest.fixture(scope="module")
+def shapes_fleet(tmp_path_factory, web_server) -> Path:
+    """The pre-trained state of a 32x32 colour fleet (made once for the module)."""
+    clear_cache()
+    try:
+        return pretrained_state(tmp_path_factory.mktemp("shapes") / "state", **SHAPES)
+    finally:
+        clear_cache()
+
+
+@pytest.mark.slow
+def test_the_browser_agent_runs_three_cycles_on_a_32x32_colour_fleet_over_wss(shapes_fleet, tmp_path,
+                                                                              web_server) -> None:
+    """Another input shape, three channels, label names: all of it read from the fleet's device
+    spec over wss against prod.conf; the aggregator applies every upload, and each moves the
+    cluster its mixture weights most."""
+    creds = make_credentials(tmp_path / "creds", [PHONE], monitor_user="monitor")
+    users = creds.users()
+    state = tmp_path / "state"
+    shutil.copytree(shapes_fleet, state)
+    with MosquittoBroker.from_file(REPO_BROKER_CONFIG / "prod.conf", path_map=creds.path_map(),
+                                   workdir=tmp_path / "broker") as broker:
+        argv = ["fedmq", "aggregator", "--broker", f"mqtts://aggregator@127.0.0.1:{broker.port}",
+                "--ca-file", str(creds.ca_cert), "--fleet", SHAPES_FLEET, "--state-dir", str(state),
+                "--log-level", "info"]
+        for key, value in SHAPES.items():
+            argv += ["--set", f"{key}={value}"]
+        agg = CliProcess(argv, cwd=ROOT, env=cli_env(OMP_NUM_THREADS="1", FEDMQ_BROKER_PASSWORD=users["aggregator"]))
+        try:
+            agg.wait_for(r"aggregator\.started", BROWSER_WAIT_S)
+            wss = f"wss://localhost:{broker.ws_port}"
+            plan = {"base": web_server, "chromium": find_chromium(), "timeout_s": BROWSER_WAIT_S, "cycles": CYCLES,
+                    "spki": spki_pin(creds.config_dir / "certs" / "server.crt"),
+                    "agent": {"url": wss, "fleet": SHAPES_FLEET, "agent": PHONE, "password": users[PHONE]}}
+            shown = drive(plan, tmp_path / "driver")
+        finally:
+            agg.stop()
+    steps = shown["steps"]
+    assert steps["join"]["ok"], steps["join"]
+    name = resolve_model_name(SHAPES_MODEL, "shapes")
+    check_inference_parity(steps["parity"], name)
+    clear_cache()
+    try:
+        published = device_spec.for_dataset(model_spec(name), name, "shapes")
+    finally:
+        clear_cache()
+    assert steps["parity"]["normalize"] == published.doc["normalize"] == {"scale": 255.0, "mean": [0.5] * 3,
+                                                                          "std": [0.3] * 3}
+    assert steps["parity"]["labels"] == published.doc["labels"] == list(SHAPE_NAMES)
+    assert re.fullmatch(rf"prediction: ({'|'.join(SHAPE_NAMES)}) \(p = [01]\.\d\d\)", steps["drawn"]), steps["drawn"]
+    # Three cycles, each applied; its 12.6 MB feature map is more than the page fetches: no sketch.
+    cycles = steps["cycles"]
+    assert [c.get("refused") for c in cycles] == [None] * CYCLES and not any(c["sketch"] for c in cycles), cycles
+    assert all(c["featureError"] < 1e-3 for c in cycles), cycles
+    assert len(re.findall(rf"update\.applied .*agent={PHONE}\b", agg.output)) == CYCLES, agg.output[-3000:]
+    records = journal_records(state)
+    mine = [r for r in records if r["op"] == "update" and r["agent"] == PHONE]
+    assert [r["msg_id"] for r in mine] == [c["msgId"] for c in cycles]
+    for rec, cycle in zip(mine, cycles, strict=True):
+        sent = np.frombuffer(base64.b64decode(cycle["uploaded"]), dtype="<f4")
+        assert np.asarray(rec["vector"], dtype=np.float32).tobytes() == sent.tobytes()
+    check_clusters_moved(shapes_fleet, records, tmp_path / "replay", SHAPES_FLEET, **SHAPES)
+    print(json.dumps({"join_ms": steps["join"]["readyMs"], "agent_bytes": steps["agentLoad"]["bytes"],
+                      "cycles_s": [round(c["seconds"], 2) for c in cycles],
+                      "accuracy": [c["accuracy"] for c in cycles]}))

@@ -59,10 +59,16 @@ page.connect = async ({ url, fleet, agent, password, settings }) => {
     joined = { refused: "connect_failed", detail: String(e.message || e) };
   }
   if (joined.refused) log(`join.refused reason=${joined.refused} detail=${JSON.stringify(joined.detail || "")}`);
+  if (a.device) labelOptions($("label"), a.device.doc.labels);
   show(a);
   for (const id of ["cycle", "stream", "predict", "add"]) $(id).disabled = !!joined.refused;
   return joined;
 };
+
+/** Fill a <select> with the fleet's label names (from its device spec), valued by index. */
+function labelOptions(select, labels, chosen = null) {
+  select.innerHTML = labels.map((name, i) => `<option value="${i}"${i === chosen ? " selected" : ""}>${escape(name)}</option>`).join("");
+}
 
 /** The page's own samples for the fleet's input shape, normalized by its device spec; a refusal
  *  where the page bundles none of that shape. */
@@ -104,7 +110,7 @@ page.parity = async () => {
   const a = page.agent;
   const logits = await a.logits(page.samples.x);
   return {
-    logits: Array.from(logits), classes: a.spec.num_classes, pixels: page.samples.raw, normalize: a.device.doc.normalize,
+    logits: Array.from(logits), classes: a.spec.num_classes, pixels: page.samples.raw, normalize: a.device.doc.normalize, labels: a.device.doc.labels,
     inputShape: a.spec.input_shape, names: a.spec.names, shapes: a.spec.shapes,
     vector: b64(new Uint8Array(a.base.buffer)), graph: b64(a.graph), graphSha256: a.aggregator.graph.sha256,
   };
@@ -172,8 +178,8 @@ page.predictPad = async () => {
   const max = Math.max(...logits);
   const exps = Array.from(logits, (z) => Math.exp(z - max));
   const p = exps[k] / exps.reduce((s, v) => s + v, 0);
-  $("prediction").textContent = `prediction: ${k} (p = ${p.toFixed(2)})`;
-  return { label: k, p };
+  $("prediction").textContent = `prediction: ${a.device.doc.labels[k]} (p = ${p.toFixed(2)})`;
+  return { label: k, name: a.device.doc.labels[k], p };
 };
 
 $("predict").onclick = () => page.predictPad();
@@ -186,6 +192,13 @@ $("file").onchange = async () => {
   if (!file) return;
   const bitmap = await createImageBitmap(file);
   ctx.drawImage(bitmap, 0, 0, pad.width, pad.height);
+  if (page.agent.spec.input_shape[0] === 1) greyOnBlack();
+  await page.predictPad();
+};
+
+/** A one-channel fleet's digits are light on dark: the pad's picture made grey, and inverted
+ *  where its background is light (a digit written on paper). */
+function greyOnBlack() {
   const img = ctx.getImageData(0, 0, pad.width, pad.height);
   let mean = 0;
   for (let i = 0; i < img.data.length; i += 4) {
@@ -195,13 +208,12 @@ $("file").onchange = async () => {
   }
   if (mean / (img.data.length / 4) > 128) for (let i = 0; i < img.data.length; i += 4) img.data[i] = img.data[i + 1] = img.data[i + 2] = 255 - img.data[i];
   ctx.putImageData(img, 0, 0);
-  await page.predictPad();
-};
+}
 $("add").onclick = () => {
   const label = Number($("label").value);
   const labels = page.agent.device.doc.labels;
   if (!Number.isInteger(label) || label < 0 || label >= labels.length) {
-    return log(`sample.refused reason=bad_label detail="a label 0..${labels.length - 1}"`);
+    return log(`sample.refused reason=bad_label detail="pick one of the fleet's ${labels.length} labels"`);
   }
   const s = page.samples;
   const x = new Float32Array(s.x.length + s.d);

@@ -6,7 +6,8 @@ spec"), so one page joins a fleet of any model whose input shape it has samples 
 
 - samples-1x8x8.json: scikit-learn's 8x8 digits, raw pixel values 0..16 (the digits fleets);
 - samples-1x28x28.json: the same digits as 28x28 images of 0..255 pixels, each upsampled to
-  20x20 and centred (the cnn28 fleets, e.g. scripts/digits28_files.py's stand-in for MNIST).
+  20x20 and centred (the cnn28 fleets, e.g. scripts/digits28_files.py's stand-in for MNIST);
+- samples-3x32x32.json: `shapes`' test images as 8-bit colour pixels (the 32x32 colour fleets).
 
     .venv/bin/python web/make_assets.py            # or: --samples 150 --out web/assets
 """
@@ -35,19 +36,30 @@ def upsampled(images: np.ndarray) -> np.ndarray:
     return np.clip(np.rint(out * 255), 0, 255).astype(int)
 
 
+def shapes_pixels(samples: int) -> tuple[np.ndarray, list[int]]:
+    """The first `samples` of `shapes`' test split as 0..255 colour pixels (C, H, W), as a camera
+    gives them: the page normalizes them by the fleet's device spec."""
+    from fedmq.data.sources import shape_images
+
+    images, labels = shape_images(train=False)
+    pixels = np.clip(np.rint(images[:samples] * 255), 0, 255).astype(int)
+    return pixels, labels[:samples].astype(int).tolist()
+
+
 def make_assets(out: Path, samples: int = 150, offset: int = 1500) -> list[Path]:
     """Write the files into `out`; `samples` digits from index `offset` on (the tail of the set)."""
     out.mkdir(parents=True, exist_ok=True)
     digits = load_digits()
     pick = slice(offset, offset + samples)
     labels = digits.target[pick].astype(int).tolist()
-    sets = {"1x8x8": (digits.images[pick].astype(int), 16, f"sklearn load_digits()[{offset}:{offset + samples}]"),
-            "1x28x28": (upsampled(digits.images[pick]), 255,
-                        f"sklearn load_digits()[{offset}:{offset + samples}], upsampled to 20x20 in 28x28")}
+    source = f"sklearn load_digits()[{offset}:{offset + samples}]"
+    sets = {"1x8x8": (digits.images[pick].astype(int), labels, 16, source),
+            "1x28x28": (upsampled(digits.images[pick]), labels, 255, f"{source}, upsampled to 20x20 in 28x28"),
+            "3x32x32": (*shapes_pixels(samples), 255, f"fedmq shapes test split [0:{samples}], 8-bit")}
     paths = []
-    for shape, (pixels, top, source) in sets.items():
-        doc = {"source": source, "shape": [int(v) for v in shape.split("x")], "max": top,
-               "pixels": pixels.reshape(samples, -1).tolist(), "labels": labels}
+    for shape, (pixels, set_labels, top, set_source) in sets.items():
+        doc = {"source": set_source, "shape": [int(v) for v in shape.split("x")], "max": top,
+               "pixels": pixels.reshape(samples, -1).tolist(), "labels": set_labels}
         path = out / f"samples-{shape}.json"
         path.write_text(json.dumps(doc, separators=(",", ":")))
         paths.append(path)
