@@ -635,16 +635,46 @@ def shapes_fleet(tmp_path_factory, web_server) -> Path:
         clear_cache()
 
 
+def picked_images(root: Path, in_folders: int = 30, loose: int = 10) -> tuple[dict, dict[str, tuple[str, np.ndarray]]]:
+    """PNGs of `shapes`' train images for the page's file pickers: `in_folders` of them at 32x32
+    under root/picked/LABEL/ (the folder names the label), `loose` more at 64x64 (each pixel
+    doubled) in root/ to label one by one. The drive plan's `pick`, and each image's label and
+    32x32 pixels by the path the page shows for it."""
+    from PIL import Image
+
+    from fedmq.data.sources import shape_images
+
+    images, labels = shape_images(train=True)
+    pixels = np.clip(np.rint(images[:in_folders + loose] * 255), 0, 255).astype(np.uint8)
+    pngs: dict[str, tuple[str, np.ndarray]] = {}
+    files = []
+    for i, (image, k) in enumerate(zip(pixels, labels, strict=False)):
+        label = SHAPE_NAMES[k]
+        picture = Image.fromarray(image.transpose(1, 2, 0), "RGB")
+        if i < in_folders:
+            (root / "picked" / label).mkdir(parents=True, exist_ok=True)
+            picture.save(root / "picked" / label / f"{i}.png")
+            pngs[f"picked/{label}/{i}.png"] = (label, image.astype(np.float32))
+        else:
+            root.mkdir(parents=True, exist_ok=True)
+            picture.resize((64, 64), Image.NEAREST).save(root / f"image-{i}.png")
+            pngs[f"image-{i}.png"] = (label, image.astype(np.float32))
+            files.append({"path": str(root / f"image-{i}.png"), "name": f"image-{i}.png", "label": label})
+    return {"folder": str(root / "picked"), "files": files}, pngs
+
+
 @pytest.mark.slow
 def test_the_browser_agent_runs_three_cycles_on_a_32x32_colour_fleet_over_wss(shapes_fleet, tmp_path,
                                                                               web_server) -> None:
     """Another input shape, three channels, label names: all of it read from the fleet's device
-    spec over wss against prod.conf; the aggregator applies every upload, and each moves the
-    cluster its mixture weights most."""
+    spec over wss against prod.conf. The page trains on images the user picks (a folder per
+    label, and images labelled one by one); the aggregator applies every upload, and each moves
+    the cluster its mixture weights most."""
     creds = make_credentials(tmp_path / "creds", [PHONE], monitor_user="monitor")
     users = creds.users()
     state = tmp_path / "state"
     shutil.copytree(shapes_fleet, state)
+    pick, pngs = picked_images(tmp_path / "picked")
     with MosquittoBroker.from_file(REPO_BROKER_CONFIG / "prod.conf", path_map=creds.path_map(),
                                    workdir=tmp_path / "broker") as broker:
         argv = ["fedmq", "aggregator", "--broker", f"mqtts://aggregator@127.0.0.1:{broker.port}",
@@ -657,7 +687,7 @@ def test_the_browser_agent_runs_three_cycles_on_a_32x32_colour_fleet_over_wss(sh
             agg.wait_for(r"aggregator\.started", BROWSER_WAIT_S)
             wss = f"wss://localhost:{broker.ws_port}"
             plan = {"base": web_server, "chromium": find_chromium(), "timeout_s": BROWSER_WAIT_S, "cycles": CYCLES,
-                    "spki": spki_pin(creds.config_dir / "certs" / "server.crt"),
+                    "spki": spki_pin(creds.config_dir / "certs" / "server.crt"), "pick": pick,
                     "agent": {"url": wss, "fleet": SHAPES_FLEET, "agent": PHONE, "password": users[PHONE]}}
             shown = drive(plan, tmp_path / "driver")
         finally:
@@ -675,7 +705,24 @@ def test_the_browser_agent_runs_three_cycles_on_a_32x32_colour_fleet_over_wss(sh
                                                                           "std": [0.3] * 3}
     assert steps["parity"]["labels"] == published.doc["labels"] == list(SHAPE_NAMES)
     assert re.fullmatch(rf"prediction: ({'|'.join(SHAPE_NAMES)}) \(p = [01]\.\d\d\)", steps["drawn"]), steps["drawn"]
-    # Three cycles, each applied; its 12.6 MB feature map is more than the page fetches: no sketch.
+    # The user's images became its data: labelled by their folders' names or one by one, the
+    # 32x32 ones taken pixel for pixel, larger ones shrunk; the page's logits on them are Python's.
+    assert steps["pickedUnlabelled"]["refused"] == "no_label", steps["pickedUnlabelled"]
+    picked = steps["picked"]
+    assert picked["images"] == picked["samples"] == len(pngs), picked
+    assert {p: SHAPE_NAMES[k] for p, k in zip(picked["paths"], picked["labels"], strict=True)} == {
+        p: label for p, (label, _) in pngs.items()}
+    shrunk = []
+    for path, pixels in zip(picked["paths"], steps["pickedParity"]["pixels"], strict=True):
+        mine = np.asarray(pixels, dtype=np.float32).reshape(3, 32, 32)
+        if "/" in path:
+            assert np.array_equal(mine, pngs[path][1]), path
+        else:
+            shrunk.append(float(np.abs(mine - pngs[path][1]).mean()))
+    assert max(shrunk) < 1, shrunk  # 64x64 pictures of the same images, shrunk by the page
+    check_inference_parity(steps["pickedParity"], name)
+    # Three cycles on them, each applied; the 12.6 MB feature map is more than the page fetches:
+    # no sketch.
     cycles = steps["cycles"]
     assert [c.get("refused") for c in cycles] == [None] * CYCLES and not any(c["sketch"] for c in cycles), cycles
     assert all(c["featureError"] < 1e-3 for c in cycles), cycles
@@ -686,7 +733,9 @@ def test_the_browser_agent_runs_three_cycles_on_a_32x32_colour_fleet_over_wss(sh
     for rec, cycle in zip(mine, cycles, strict=True):
         sent = np.frombuffer(base64.b64decode(cycle["uploaded"]), dtype="<f4")
         assert np.asarray(rec["vector"], dtype=np.float32).tobytes() == sent.tobytes()
+        assert rec["n_samples"] == len(pngs)
     check_clusters_moved(shapes_fleet, records, tmp_path / "replay", SHAPES_FLEET, **SHAPES)
     print(json.dumps({"join_ms": steps["join"]["readyMs"], "agent_bytes": steps["agentLoad"]["bytes"],
+                      "shrunk_mean_abs": max(shrunk),
                       "cycles_s": [round(c["seconds"], 2) for c in cycles],
                       "accuracy": [c["accuracy"] for c in cycles]}))

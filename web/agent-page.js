@@ -61,7 +61,7 @@ page.connect = async ({ url, fleet, agent, password, settings }) => {
   if (joined.refused) log(`join.refused reason=${joined.refused} detail=${JSON.stringify(joined.detail || "")}`);
   if (a.device) labelOptions($("label"), a.device.doc.labels);
   show(a);
-  for (const id of ["cycle", "stream", "predict", "add"]) $(id).disabled = !!joined.refused;
+  for (const id of ["cycle", "stream", "predict", "add", "images", "folders"]) $(id).disabled = !!joined.refused;
   return joined;
 };
 
@@ -75,7 +75,12 @@ function labelOptions(select, labels, chosen = null) {
 async function samplesFor(a) {
   const shape = a.device.doc.input_shape;
   const raw = await loadRawSamples(shape);
-  if (!raw) return { refused: "no_samples", detail: `this page bundles no samples of ${shape.join("x")} inputs (assets/samples-${shape.join("x")}.json)` };
+  if (!raw) { // the user's own images will be its data
+    const d = shape.reduce((x, y) => x * y, 1);
+    page.samples = a.samples = { n: 0, x: new Float32Array(0), y: new Int32Array(0), raw: [], d };
+    log(`samples.none agent=${a.agent} input=${shape.join("x")} detail="no bundled samples of this shape: pick labelled images"`);
+    return null;
+  }
   page.samples = a.samples = normalizedSamples(raw, a.device);
   log(`samples.loaded agent=${a.agent} samples=${raw.n} input=${shape.join("x")} dataset=${a.device.doc.dataset}`);
   return null;
@@ -147,24 +152,33 @@ pad.addEventListener("pointermove", (e) => {
 });
 for (const ev of ["pointerup", "pointerleave"]) pad.addEventListener(ev, () => (drawing = false));
 
-/** The pad as one raw input of the fleet's shape [C, H, W]: shrunk by the canvas (each pixel the
- *  mean of the pad's block), brightness 0..255 rescaled to the spec's raw range (16 for digits). */
-function padPixels() {
+/** An image (the pad, a picked file's bitmap) as one raw input of the fleet's shape [C, H, W]:
+ *  shrunk by a canvas (an image of that size is taken pixel for pixel), 0..255 rescaled to the
+ *  spec's raw range (16 for digits); on a one-channel fleet made grey and, with `paper`,
+ *  inverted where its background is light (a digit written on paper). */
+function rawPixels(source, paper = false) {
   const [channels, h, w] = page.agent.spec.input_shape;
   const small = document.createElement("canvas");
   [small.width, small.height] = [w, h];
   const sctx = small.getContext("2d");
   sctx.imageSmoothingEnabled = true;
   sctx.imageSmoothingQuality = "high";
-  sctx.drawImage(pad, 0, 0, w, h);
+  sctx.drawImage(source, 0, 0, w, h);
   const img = sctx.getImageData(0, 0, w, h).data;
   const top = page.agent.device.doc.normalize.scale;
   const out = new Float32Array(channels * h * w);
-  for (let c = 0; c < channels; c++) {
-    for (let i = 0; i < h * w; i++) out[c * h * w + i] = (img[4 * i + (channels === 3 ? c : 0)] / 255) * top;
+  if (channels === 1) {
+    let mean = 0;
+    for (let i = 0; i < h * w; i++) mean += out[i] = (img[4 * i] + img[4 * i + 1] + img[4 * i + 2]) / 3;
+    const invert = paper && mean / (h * w) > 128;
+    for (let i = 0; i < h * w; i++) out[i] = ((invert ? 255 - out[i] : out[i]) / 255) * top;
+    return out;
   }
+  for (let c = 0; c < channels; c++) for (let i = 0; i < h * w; i++) out[c * h * w + i] = (img[4 * i + c] / 255) * top;
   return out;
 }
+
+const padPixels = () => rawPixels(pad);
 
 function padInput() {
   const [, h, w] = page.agent.spec.input_shape;
@@ -209,6 +223,87 @@ function greyOnBlack() {
   if (mean / (img.data.length / 4) > 128) for (let i = 0; i < img.data.length; i += 4) img.data[i] = img.data[i + 1] = img.data[i + 2] = 255 - img.data[i];
   ctx.putImageData(img, 0, 0);
 }
+// ------------------------------------------------------------------ picked images
+
+page.picked = []; // {file, path, label: index or null}: picked, not yet in the local data
+
+/** The label a picked file's folder names (`.../triangle/3.png` -> "triangle"), or null. */
+function folderLabel(path, labels) {
+  const parts = path.split("/");
+  if (parts.length < 2) return null;
+  const folder = parts[parts.length - 2].toLowerCase();
+  const i = labels.findIndex((name) => name.toLowerCase() === folder);
+  return i < 0 ? null : i;
+}
+
+function renderPicked() {
+  const labels = page.agent ? page.agent.device.doc.labels : [];
+  const rows = page.picked.map((p, i) => `<tr><td>${escape(p.path)}</td><td><select data-i="${i}" data-path="${escape(p.path)}">` +
+    `<option value=""${p.label === null ? " selected" : ""}>label?</option>` +
+    labels.map((name, k) => `<option value="${k}"${k === p.label ? " selected" : ""}>${escape(name)}</option>`).join("") + "</select></td></tr>");
+  $("picked").tBodies[0].innerHTML = rows.join("");
+  for (const sel of $("picked").querySelectorAll("select")) {
+    sel.onchange = () => (page.picked[Number(sel.dataset.i)].label = sel.value === "" ? null : Number(sel.value));
+  }
+  const unlabelled = page.picked.filter((p) => p.label === null).length;
+  $("picked-state").textContent = page.picked.length ? `${page.picked.length} picked, ${unlabelled} without a label` : "none picked";
+  for (const id of ["use-picked", "add-picked"]) $(id).disabled = !page.picked.length;
+}
+
+function pick(input) {
+  const labels = page.agent.device.doc.labels;
+  for (const file of input.files) {
+    if (file.type && !file.type.startsWith("image/")) continue; // a folder holds other files too
+    const path = file.webkitRelativePath || file.name;
+    page.picked.push({ file, path, label: folderLabel(path, labels) });
+  }
+  input.value = "";
+  renderPicked();
+}
+$("images").onchange = () => pick($("images"));
+$("folders").onchange = () => pick($("folders"));
+
+/** The picked images, each labelled, as local data: instead of the samples held (`replace`) or
+ *  added to them. Refused while any has no label; an unreadable file is left out and said. */
+page.usePicked = async (replace) => {
+  const unlabelled = page.picked.filter((p) => p.label === null);
+  if (!page.picked.length || unlabelled.length) {
+    const detail = page.picked.length ? `${unlabelled.length} picked images have no label (${unlabelled[0].path})` : "no images picked";
+    log(`sample.refused reason=no_label detail=${JSON.stringify(detail)}`);
+    return { refused: "no_label", detail };
+  }
+  const raws = [];
+  const labels = [];
+  const paths = [];
+  for (const p of page.picked) {
+    try {
+      const bitmap = await createImageBitmap(p.file, { colorSpaceConversion: "none", premultiplyAlpha: "none" });
+      raws.push(rawPixels(bitmap, true));
+      labels.push(p.label);
+      paths.push(p.path);
+    } catch (e) {
+      log(`sample.refused reason=not_an_image path=${JSON.stringify(p.path)}`);
+    }
+  }
+  const s = replace ? { ...page.samples, n: 0, x: new Float32Array(0), y: new Int32Array(0), raw: [] } : page.samples;
+  const { normalize, input_shape: shape } = page.agent.device.doc;
+  const perChannel = shape[1] * shape[2];
+  const x = new Float32Array(s.x.length + raws.length * s.d);
+  x.set(s.x);
+  raws.forEach((r, i) => x.set(P.normalize(r, normalize, perChannel), s.x.length + i * s.d));
+  page.samples = { ...s, n: s.n + raws.length, x, y: Int32Array.from([...s.y, ...labels]), raw: [...s.raw, ...raws.map((r) => Array.from(r))] };
+  page.agent.samples = page.samples;
+  page.picked = [];
+  renderPicked();
+  const counts = labels.reduce((m, k) => ((m[k] = (m[k] || 0) + 1), m), {});
+  log(`samples.picked agent=${page.agent.agent} images=${raws.length} ${replace ? "replaced" : "added"} samples=${page.samples.n} ` +
+    `labels=${Object.entries(counts).map(([k, v]) => `${page.agent.device.doc.labels[k]}:${v}`).join(",")}`);
+  show(page.agent);
+  return { ok: true, images: raws.length, samples: page.samples.n, labels, paths };
+};
+$("use-picked").onclick = async () => (page.pickedResult = await page.usePicked(true));
+$("add-picked").onclick = async () => (page.pickedResult = await page.usePicked(false));
+
 $("add").onclick = () => {
   const label = Number($("label").value);
   const labels = page.agent.device.doc.labels;

@@ -445,7 +445,7 @@ export class BrowserAgent {
     this.base = vector;
     this.epoch = reply.epoch;
     this.counters.installs++;
-    const acc = this.samples ? await this.accuracy(this.samples) : null;
+    const acc = this.samples && this.samples.n ? await this.accuracy(this.samples) : null;
     this.detector.setReference(acc);
     this.driftPending = false;
     if (acc !== null) this.counters.last_accuracy = Math.round(acc * 1e4) / 1e4;
@@ -551,6 +551,9 @@ export class BrowserAgent {
     const t0 = performance.now();
     const stale = this.staleDeviceSpec();
     if (stale) return { ...this._refusal(stale, "upload"), seconds: 0 };
+    if (!this.samples || !this.samples.n) {
+      return { ...this._refusal({ reason: "no_samples", detail: "no local samples to train on: add labelled images first" }, "upload"), seconds: 0 };
+    }
     this.driftPending = false;
     this.lastUpdateAt = Date.now() / 1000;
     const { x, y, n } = this.samples;

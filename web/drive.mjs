@@ -5,7 +5,8 @@
 //   node web/drive.mjs PLAN.json OUT_DIR
 //
 // PLAN: {base, chromium, spki, agent: {url, fleet, agent, password}, cycles, drift_bits,
-//        monitor: {url, fleet, user, password}, python_agent, screenshots}
+//        monitor: {url, fleet, user, password}, python_agent, screenshots,
+//        pick: {folder, files: [{path, name, label}]}}
 
 import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
@@ -108,6 +109,26 @@ try {
   await agentPage.click("#predict");
   await agentPage.waitForFunction(() => document.getElementById("prediction").textContent.startsWith("prediction"));
   out.steps.drawn = await agentPage.textContent("#prediction");
+
+  // Local data from images the user picks: a folder of label folders, then loose images each
+  // given its label in the page's list; refused while one has none.
+  if (plan.pick) {
+    const picked = () => agentPage.evaluate(() => window.fedmqAgentPage.pickedResult);
+    const use = async () => {
+      await agentPage.evaluate(() => (window.fedmqAgentPage.pickedResult = null));
+      await agentPage.click("#use-picked");
+      await agentPage.waitForFunction(() => window.fedmqAgentPage.pickedResult);
+      return picked();
+    };
+    await agentPage.setInputFiles("#folders", plan.pick.folder);
+    await agentPage.setInputFiles("#images", plan.pick.files.map((f) => f.path));
+    out.steps.pickedUnlabelled = await use();
+    for (const f of plan.pick.files) await agentPage.selectOption(`#picked select[data-path="${f.name}"]`, { label: f.label });
+    out.steps.pickedRows = await agentPage.evaluate(() => window.fedmqAgentPage.picked.map((p) => ({ path: p.path, label: p.label })));
+    out.steps.picked = await use();
+    out.steps.pickedParity = await agentPage.evaluate(() => window.fedmqAgentPage.parity());
+    say("picked", { images: out.steps.picked.images });
+  }
 
   // The drift rule on a given stream of outcomes, window and delta as the plan says.
   if (plan.drift_bits) {
