@@ -664,6 +664,7 @@ def picked_images(root: Path, in_folders: int = 30, loose: int = 10) -> tuple[di
 
 
 @pytest.mark.slow
+@pytest.mark.long("a 32x32 fleet pre-trained, then one browser session: join, picked images, three cycles, live charts")
 def test_the_browser_agent_runs_three_cycles_on_a_32x32_colour_fleet_over_wss(shapes_fleet, tmp_path,
                                                                               web_server) -> None:
     """Another input shape, three channels, label names: all of it read from the fleet's device
@@ -688,7 +689,9 @@ def test_the_browser_agent_runs_three_cycles_on_a_32x32_colour_fleet_over_wss(sh
             wss = f"wss://localhost:{broker.ws_port}"
             plan = {"base": web_server, "chromium": find_chromium(), "timeout_s": BROWSER_WAIT_S, "cycles": CYCLES,
                     "spki": spki_pin(creds.config_dir / "certs" / "server.crt"), "pick": pick,
-                    "agent": {"url": wss, "fleet": SHAPES_FLEET, "agent": PHONE, "password": users[PHONE]}}
+                    "agent": {"url": wss, "fleet": SHAPES_FLEET, "agent": PHONE, "password": users[PHONE]},
+                    "monitor": {"url": wss, "fleet": SHAPES_FLEET, "user": "monitor", "password": users["monitor"]},
+                    "charts": {"points_before": 1}}
             shown = drive(plan, tmp_path / "driver")
         finally:
             agg.stop()
@@ -735,7 +738,20 @@ def test_the_browser_agent_runs_three_cycles_on_a_32x32_colour_fleet_over_wss(sh
         assert np.asarray(rec["vector"], dtype=np.float32).tobytes() == sent.tobytes()
         assert rec["n_samples"] == len(pngs)
     check_clusters_moved(shapes_fleet, records, tmp_path / "replay", SHAPES_FLEET, **SHAPES)
+    # The fleet page, open with the monitor's login from the join on, drew each cycle as its
+    # upload was applied: one more point on the agent's accuracy line (the accuracy its status
+    # said) and one more upload in the aggregator's uploads per minute.
+    charts = steps["charts"]
+    assert len(charts) == CYCLES
+    for i, (chart, cycle) in enumerate(zip(charts, cycles, strict=True)):
+        line = chart["accuracy"][PHONE]
+        assert len(line) == i + 2 and line[-1][1] == pytest.approx(cycle["accuracy"], abs=1e-4), (i, line)
+        assert [t for t, _ in line] == sorted(t for t, _ in line)
+        assert sum(n for _, n in chart["uploads"]) == i + 1, chart["uploads"]
+        assert chart["canvases"] >= 2
+    assert steps["fleetRows"][0]["uploads"] == CYCLES
     print(json.dumps({"join_ms": steps["join"]["readyMs"], "agent_bytes": steps["agentLoad"]["bytes"],
-                      "shrunk_mean_abs": max(shrunk),
+                      "shrunk_mean_abs": max(shrunk), "fleet_bytes": steps["fleetLoad"]["bytes"],
+                      "fleet_watching_ms": steps["fleetLoad"]["watchingMs"], "chart_lag_ms": [c["lagMs"] for c in charts],
                       "cycles_s": [round(c["seconds"], 2) for c in cycles],
                       "accuracy": [c["accuracy"] for c in cycles]}))

@@ -6,7 +6,7 @@
 //
 // PLAN: {base, chromium, spki, agent: {url, fleet, agent, password}, cycles, drift_bits,
 //        monitor: {url, fleet, user, password}, python_agent, screenshots,
-//        pick: {folder, files: [{path, name, label}]}}
+//        pick: {folder, files: [{path, name, label}]}, charts: {points_before}}
 
 import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
@@ -168,6 +168,18 @@ try {
     });
     out.steps.cycles.push(r);
     say("cycle", { i, refused: r.refused || null, epoch: r.epoch, accuracy: r.accuracy });
+    if (fleetPage && plan.charts) {
+      // The fleet page's charts follow: this cycle's point on the agent's accuracy line (one
+      // more than it had) and one more upload counted per minute, timed from the reply.
+      const want = { agent: a.agent, points: plan.charts.points_before + i + 1, uploads: i + 1 };
+      const shownAt = Date.now();
+      await fleetPage.waitForFunction((w) => {
+        const c = window.fedmqFleetPage.charts();
+        return (c.accuracy[w.agent] || []).length >= w.points && c.uploads.reduce((s, [, n]) => s + n, 0) >= w.uploads;
+      }, want, { timeout });
+      out.steps.charts = out.steps.charts || [];
+      out.steps.charts.push({ ...(await fleetPage.evaluate(() => window.fedmqFleetPage.charts())), lagMs: Date.now() - shownAt });
+    }
     save();
   }
 
@@ -193,12 +205,13 @@ try {
       const rows = window.fedmqFleetPage.rows();
       const get = (id) => rows.find((r) => r.agent === id);
       const ph = get(w.phone);
-      const py = get(w.python);
+      const py = w.python ? get(w.python) : { accuracy: 0 };
       const agg = window.fedmqFleetPage.aggregator;
       return ph && py && ph.accuracy !== null && py.accuracy !== null && ph.epoch >= w.epoch && agg && agg.epoch >= w.epoch;
     }, want, { timeout });
     out.steps.fleetRows = await fleetPage.evaluate(() => window.fedmqFleetPage.rows());
     out.steps.fleetHistory = await fleetPage.evaluate(() => window.fedmqFleetPage.history);
+    out.steps.chartsEnd = await fleetPage.evaluate(() => window.fedmqFleetPage.charts());
     out.steps.aggregatorStatus = await fleetPage.evaluate(() => ({ epoch: window.fedmqFleetPage.aggregator.epoch, counters: window.fedmqFleetPage.aggregator.counters }));
     out.steps.fleetText = await fleetPage.textContent("#agents");
     out.steps.aggregatorText = await fleetPage.textContent("#aggregator");
