@@ -3,8 +3,9 @@
 Cluster models are pre-trained on a few thousand samples per cluster (`data.pretrain_per_
 cluster`) starting from one shared initialization, so that their parameter-space mixtures
 are meaningful; when the state dir already holds a snapshot they are loaded from it instead.
-A user's own weights (`aggregator.init`, `--init FILE`) are that shared start: the shared
-pre-training is skipped and each cluster specializes from them.
+A user's own weights (`aggregator.init`, `--init FILE`), or the start model trained on the
+server's public images (`data.public_images`, aggregator/start_model.py), are that shared start:
+the shared pre-training is skipped and each cluster specializes from them.
 Proxy sets are drawn from the dataset with the config's seed, so a restarted aggregator
 evaluates on exactly the same samples. Pre-trained zoo and torchvision models are kept in the
 disk cache (fedmq/disk_cache.py): an aggregator on a fresh state dir with the same data, seed
@@ -161,6 +162,10 @@ def pretrain_clusters(cfg: Config, clusters: RotatedClusters, model_name: str) -
     """
     pools = [clusters.pretrain(k, cfg.data.pretrain_per_cluster or None) for k in range(clusters.num_clusters)]
     init = load_init_vector(cfg.aggregator.init, model_name) if cfg.aggregator.init else None
+    if init is None and cfg.data.public_images:
+        from aggregator.start_model import start_model
+
+        init = start_model(cfg, clusters, model_name).vector
     name = _pretrain_cache_name(cfg, model_name, pools, init)
     kept = _cached_pretraining(name, len(pools), model_spec(model_name).numel) if name else None
     if kept is not None:
@@ -242,7 +247,8 @@ def _pretrain(cfg: Config, pools: list, model_name: str,
     lr = rate if init is None else rate / SPECIALIZE_SLOWER
     train_shared = cfg.aggregator.pretrain_shared and init is None
     if init is not None:
-        event(log, "cluster.init", path=cfg.aggregator.init, values=init.numel())
+        event(log, "cluster.init", path=cfg.aggregator.init or "start model (data.public_images)",
+              values=init.numel())
     # Epochs of the shared model by all pools together: it sees as many samples as one
     # cluster model does, not K times as many (compose and the demo wait for it).
     shared_samples = sum(len(p) for p in pools) if train_shared else 0

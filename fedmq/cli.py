@@ -28,6 +28,7 @@ def _names(algorithms: tuple[str, ...]) -> str:
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("sim.demo", "run a small fleet end to end over a real broker"),
     "aggregator": ("aggregator.cli", f"run the aggregator ({_names(ASYNC_SERVER)}; {_names(ROUNDS)} rounds)"),
+    "start-model": ("aggregator.start_model", "train a start model on public data and write it for --init"),
     "worker": ("aggregator.worker_cli", "run a CDFL reply worker for an aggregator (docs/scaling.md)"),
     "agent": ("edge_agent.cli", "run an edge agent"),
     "sim": ("sim.cli", "simulated fleets: run experiments and report"),

@@ -158,6 +158,8 @@ class DataSettings:
     """Server-side proxy samples per cluster (CDFL's D_k); integer >= 0. 0 = auto: the paper's 1000, or what fits in half the train split beside the pre-training sets (digits at K = 3: 209). A value that does not fit is refused, naming the largest that does."""
     pretrain_per_cluster: int = 0
     """Samples per cluster the server pre-trains its cluster models on. 0 = auto: the paper's 2000, or what fits (digits at K = 3: 418); see proxy_per_cluster. Must be >= 0."""
+    public_images: int = 0
+    """Unrotated train images the server holds as public data, in no other pool (the same for every seed and K); every cluster specializes from a start model trained on them (`fedmq start-model`). 0 = none; -1 = auto: 10,000 or a fifth of the train split. Must be >= -1."""
 
 
 @dataclass
@@ -464,6 +466,12 @@ class AggregatorSettings:
     """Epochs of server-side pre-training of each cluster model on its pretrain pool. 0 = auto: enough to see about 10,000 samples, within [5, 50] (5 for the paper's 2000 per cluster; 24 for digits' 418 at K = 3; 50 for pools of 200 or fewer). Must be >= 0."""
     pretrain_max_seconds: float = 900.0
     """Seconds the whole server-side pre-training may take, shared by its models in proportion to their planned samples; one out of time stops at its next batch, logs `pretrain.budget_spent` and is not cached. Must be >= 0 (0 = no limit)."""
+    start_epochs: int = 15
+    """Epochs of the start model's training on data.public_images (cosine rate from pretrain_lr, batch 64). Must be >= 1."""
+    start_augment: str = "crop+flip"
+    """Augmentation of the start model's public images each epoch: crop (shift by up to an eighth of the side, zero padded), flip (mirror left-right), crop+flip (natural images) or none. Digits and text: crop (a mirrored digit is another sign)."""
+    start_max_seconds: float = 600.0
+    """Seconds the start model's training may take; one out of time stops at its next batch, logs `start.budget_spent` and is not cached. Must be >= 0 (0 = no limit)."""
     init: str = ""
     """A starting checkpoint (`--init FILE`): a torch state dict (.pt) or the raw float32 vector (.f32), used in place of the random init and shared pre-training. A new state dir only; empty = random init. docs/models.md#start-from-your-own-weights."""
     accuracy_every: int = 10
@@ -675,6 +683,7 @@ RANGES: dict[str, str] = {
     "codec.int8_block": ">= 1", "codec.topk_ratio": "in (0, 1]",
     "data.min_samples": ">= 1", "data.max_samples": ">= 1", "data.primary_min": "in [0, 1]",
     "data.primary_max": "in [0, 1]", "data.proxy_per_cluster": ">= 0", "data.pretrain_per_cluster": ">= 0",
+    "data.public_images": ">= -1",
     "cdfl.clusters": ">= 1", "cdfl.tau0": ">= 0", "cdfl.staleness_cap": ">= 0", "cdfl.beta0": "in [0, 1]",
     "cdfl.hinge_a": ">= 0", "cdfl.hinge_b": ">= 0", "cdfl.temperature": "> 0", "cdfl.proxy_batch": ">= 1",
     "cdfl.estimator_floor": "in [0, 1]", "cdfl.sketch_floor": "in [0, 1]", "cdfl.sketch_shrinkage": "in (0, 1]",
@@ -705,6 +714,7 @@ RANGES: dict[str, str] = {
     "aggregator.status_every_s": ">= 0", "aggregator.takeover_grace_s": ">= 0", "aggregator.heartbeat_s": "in [0.1, 60]",
     "aggregator.max_queued_per_agent": ">= 0", "aggregator.pretrain_epochs": ">= 0",
     "aggregator.pretrain_lr": "> 0", "aggregator.pretrain_max_seconds": ">= 0",
+    "aggregator.start_epochs": ">= 1", "aggregator.start_max_seconds": ">= 0",
     "aggregator.accuracy_every": ">= 0", "aggregator.snapshot_every": ">= 1",
     "aggregator.snapshot_journal_ratio": ">= 0", "aggregator.snapshot_journal_min_mb": ">= 0", "aggregator.norm_bound": ">= 0",
     "aggregator.norm_factor": ">= 0", "aggregator.loss_margin": ">= 0", "aggregator.norm_window": ">= 1",
@@ -744,6 +754,10 @@ def check_section(obj: Any, section: str) -> None:
             raise ConfigError(f"{key} must be {need}, got {getattr(obj, name)}")
 
 
+START_AUGMENTS = ("crop+flip", "crop", "flip", "none")
+"""The values aggregator.start_augment takes."""
+
+
 def check_config(cfg: Config) -> None:
     """ConfigError naming the first key out of its range (RANGES, and the pairs that must be
     ordered), or an unknown dataset: said at load, `--dry-run` included, not as a traceback later."""
@@ -757,6 +771,9 @@ def check_config(cfg: Config) -> None:
         if hv < lv:
             raise ConfigError(f"{high} must be >= {low} ({lv}), got {hv}")
     resolve_trunk_share(cfg.cdfl.trunk_share, cfg.cdfl.clusters)
+    if cfg.aggregator.start_augment not in START_AUGMENTS:
+        raise ConfigError(f"aggregator.start_augment must be one of {', '.join(START_AUGMENTS)}, "
+                          f"got {cfg.aggregator.start_augment!r}")
     from fedmq.protocol import ProtocolError, validate_id
 
     canonical_dataset(cfg.data.dataset)  # UnknownDataset (a usage error) lists the known ones

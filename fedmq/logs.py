@@ -75,9 +75,9 @@ def resolve_level(level: str, auto: str = "warning") -> str:
     return name
 
 
-LONG_WORK = ("fedmq.aggregator.pretrain",)
+LONG_WORK = ("fedmq.aggregator.pretrain", "fedmq.aggregator.start")
 """Loggers of work that runs for minutes before anything else is said (a MobileNetV3's
-pre-training: about ten on two cores): at the auto level their progress lines show even where
+pre-training: about ten on two cores; a start model's five): at the auto level their progress lines show even where
 the rest is held to warnings (`fedmq sim run`, the ablation), so a long start is not silence."""
 
 

@@ -81,12 +81,14 @@ DIGITS_DEFAULTS = (("data.proxy_per_cluster", 200), ("data.pretrain_per_cluster"
 
 # ResNet-20 on one core of this 2-core CPU: about 4.5 ms per training sample (forward and
 # backward). Agents hold 150-350 samples (2 local epochs), the server's reply trains 2 epochs
-# of 128 proxy samples, and pre-training sees 5 epochs of 300 samples per cluster: weak on
-# purpose, so that what the fleet adds shows. GroupNorm: with batch norm, CDFL's proxy refresh
+# of 128 proxy samples. The fleet starts where a real one does: from a start model trained on
+# the server's public images (data.public_images auto: 10,000 unrotated, disjoint from every
+# pool; aggregator/start_model.py), from which each cluster specializes for 5 epochs on its
+# 300 rotated images. GroupNorm: with batch norm, CDFL's proxy refresh
 # (eval mode, cdfl.cluster_refresh_steps) blew the cluster models up within two uploads here.
 REALSIZE_DEFAULTS = (("model", "resnet20-gn"), ("data.min_samples", 150), ("data.max_samples", 350),
                      ("data.proxy_per_cluster", 100), ("data.pretrain_per_cluster", 300),
-                     ("aggregator.pretrain_epochs", 5),
+                     ("aggregator.pretrain_epochs", 5), ("data.public_images", -1),
                      ("cdfl.personalize_epochs", 2), ("cdfl.personalize_samples", 128))
 REALSIZE_FLEET = {"clusters": 4, "agents": 20, "updates_per_agent": 22.0, "test_samples": 100}
 """K = 4 and 20 agents of 22 uploads on average: 419-462 uploads a run for seeds 0-4."""
@@ -319,6 +321,10 @@ def describe_plan(scenario_name: str, cfg: Config, clusters: list[int]) -> str:
                      f"proxy {c.proxy_size}, pretrain {c.pretrain_size} ({pretrain_epochs(a.pretrain_epochs, c.pretrain_size)}"
                      f" epochs), agents' pool {len(c.pool('agents', 0))}"
                      + (" (disjoint base images)" if c.disjoint_clusters else " (base images shared across clusters)"))
+        if cfg.data.public_images and k == clusters[0]:
+            lines.insert(1, f"  start: a model trained on {c.public_size} public unrotated train images, disjoint from "
+                            f"every pool, for {a.start_epochs} epochs (data.public_images, aggregator.start_*; kept "
+                            f"in the disk cache): every method's clusters specialize from it")
     lines.append(step)
     return "\n".join(lines)
 

@@ -28,6 +28,14 @@ PAPER_PROXY_PER_CLUSTER = 1000
 PAPER_PRETRAIN_PER_CLUSTER = 2000
 
 MIN_POOL_PER_CLASS = 1
+
+AUTO_PUBLIC = -1
+AUTO_PUBLIC_IMAGES = 10_000
+"""data.public_images = -1 (auto): this many public images, or a fifth of the train split where
+that is less (shapes' 6,000: 1,200)."""
+
+PUBLIC_STREAM = (0x505542, 0x4C4943)
+"""Seed of the public images' draw: fixed, not the run's seed."""
 """Each cluster's proxy set, pre-training set and agents' pool hold at least this many images per
 class: a smaller one cannot hold every class, and a 6-image folder split into sets of 1, 2 and 3
 pre-trained for minutes at a loss of 0."""
@@ -134,12 +142,12 @@ class RotatedClusters:
 
     def __init__(self, train: Dataset, test: Dataset, num_clusters: int, *, seed: int = 0,
                  angles: Sequence[float] | None = None, proxy_per_cluster: int | None = None,
-                 pretrain_per_cluster: int | None = None) -> None:
+                 pretrain_per_cluster: int | None = None, public: int = 0) -> None:
         if train.image_shape != test.image_shape or train.num_classes != test.num_classes:
             raise ValueError(f"train {train.image_shape}/{train.num_classes} classes and test "
                              f"{test.image_shape}/{test.num_classes} classes differ")
-        if (proxy_per_cluster or 0) < 0 or (pretrain_per_cluster or 0) < 0:
-            raise ValueError("proxy_per_cluster and pretrain_per_cluster must be >= 0 (0 = auto)")
+        if (proxy_per_cluster or 0) < 0 or (pretrain_per_cluster or 0) < 0 or public < AUTO_PUBLIC:
+            raise ValueError("proxy_per_cluster and pretrain_per_cluster must be >= 0 (0 = auto), public >= -1")
         self.angles: tuple[float, ...] = (tuple(float(a) for a in angles) if angles is not None
                                           else cluster_angles(num_clusters))
         if len(self.angles) != num_clusters:
@@ -150,6 +158,7 @@ class RotatedClusters:
         self.seed = seed
         self.name = train.name
         self._cache: dict[tuple[str, int, int | None], Dataset] = {}
+        self._public = self._public_pool(len(train), public)
         self._pools = self._make_pools(len(train), len(test), proxy_per_cluster, pretrain_per_cluster)
 
     @property
@@ -184,11 +193,25 @@ class RotatedClusters:
             sizes[name] = min(want[name], left * want[name] // auto_total)
         return sizes["proxy"], sizes["pretrain"]
 
+    def _public_pool(self, n_train: int, public: int) -> np.ndarray:
+        """The server's public images: drawn from a stream of their own, so that they are the
+        same for every seed and K (a server's public data does not change with the fleet)."""
+        if not public:
+            return np.arange(0)
+        if public == AUTO_PUBLIC:
+            public = min(AUTO_PUBLIC_IMAGES, n_train // 5)
+        if public > n_train // 2:
+            raise DatasetTooSmall(f"data.public_images={public} does not fit {self.name}: at most half its "
+                                  f"{n_train} train images ({n_train // 2}) may be public; lower it")
+        return np.sort(np.random.default_rng(PUBLIC_STREAM).permutation(n_train)[:public])
+
     def _make_pools(self, n_train: int, n_test: int, proxy: int | None,
                     pretrain: int | None) -> dict[str, list[np.ndarray]]:
         k = self.num_clusters
         rng = np.random.default_rng([self.seed, 0x524F54])  # fixed stream for the pools
-        order = rng.permutation(n_train)
+        rest = np.setdiff1d(np.arange(n_train), self._public) if len(self._public) else np.arange(n_train)
+        n_train = len(rest)  # the public images are no one else's
+        order = rest[rng.permutation(n_train)]
         self.proxy_size, self.pretrain_size = self._server_sizes(n_train, proxy, pretrain)
         if self.disjoint_clusters:
             proxy_block, pretrain_block = k * self.proxy_size, k * self.pretrain_size
@@ -253,6 +276,17 @@ class RotatedClusters:
         x = rotate(part.x, self.angles[cluster], fill=base.background)
         return part.with_x(x, name=f"{self.name}/rot{self.angles[cluster]:g}/{label}")
 
+    @property
+    def public_size(self) -> int:
+        """Public images (data.public_images, auto resolved); 0: none."""
+        return len(self._public)
+
+    def public(self) -> Dataset:
+        """The server's public images (data.public_images), unrotated: the start model's data."""
+        if not len(self._public):
+            raise ValueError("no public images: set data.public_images")
+        return self.train_data.subset(self._public, name=f"{self.name}/public")
+
     def proxy(self, cluster: int, n: int | None = None) -> Dataset:
         """The server's proxy set of a cluster: its whole proxy pool, or its first n."""
         return self._fixed("proxy", cluster, n)
@@ -309,4 +343,5 @@ def clusters_from_settings(settings: DataSettings, num_clusters: int, *, seed: i
     test = load_dataset(settings.dataset, data_dir=settings.data_dir, train=False, download=settings.download)
     return RotatedClusters(train, test, num_clusters, seed=seed, angles=angles,
                            proxy_per_cluster=settings.proxy_per_cluster or None,
-                           pretrain_per_cluster=settings.pretrain_per_cluster or None)
+                           pretrain_per_cluster=settings.pretrain_per_cluster or None,
+                           public=settings.public_images)
