@@ -66,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(cfg.log.level, cfg.log.json, auto="progress")
     _check_reply_workers(cfg)
     cfg.cdfl.check()
+    from fedmq.model_for_data import fit_model
+
+    fit_model(cfg)  # a folder dataset's model, from its images (the agents pick the same)
     if cfg.aggregator.init:  # a file that does not fit the model: one line now, not after the set-up
         from fedmq.models import load_init_vector, resolve_model_name
 

@@ -38,6 +38,7 @@ from fedmq.data import RotatedClusters, clusters_from_settings
 from fedmq.data.clusters import AUTO_PUBLIC
 from fedmq.errors import UsageError
 from fedmq.logs import PROGRESS, event, get_logger, setup_logging
+from fedmq.model_for_data import fit_model
 from fedmq.models import (
     INIT_VECTOR_SUFFIX,
     build_model,
@@ -197,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
     parent = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(parent):
         raise UsageError(f"--out {args.out}: no directory {parent}")
+    fit_model(cfg)  # a folder dataset's model, from its images, as the aggregator picks it
     model_name = resolve_model_name(cfg.model, cfg.data.dataset)
     if not cfg.data.public_images:
         cfg.data.public_images = AUTO_PUBLIC

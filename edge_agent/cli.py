@@ -65,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
                                   "clusters": "cdfl.clusters", "source": "agent.source",
                                   "source_dir": "agent.source_dir"})
     setup_logging(cfg.log.level, cfg.log.json, auto="progress")
+    from fedmq.model_for_data import fit_model
+
+    fit_model(cfg)  # a folder dataset's model, from its images (the aggregator picks the same)
     if args.dry_run:
         from fedmq.transport import check_tls_files
 

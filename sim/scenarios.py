@@ -42,6 +42,7 @@ from fedmq.data.sources import OFFLINE, Dataset, offline_with_data_dir
 from fedmq.dataset_names import canonical_dataset, dataset_for_data_dir
 from fedmq.errors import UsageError
 from fedmq.logs import event, get_logger
+from fedmq.model_for_data import fit_model
 
 log = get_logger("sim")
 
@@ -220,26 +221,6 @@ def apply_defaults(scenario: Scenario, cfg: Config) -> str:
         if getattr(mine, name) == getattr(default, name):
             setattr(mine, name, value)
     return fit_model(cfg)
-
-
-def fit_model(cfg: Config) -> str:
-    """A dataset known only by its files (folder:NAME, a factory) has no default model until its
-    images are read: read them (the run loads them anyway; cached per process) and set
-    cfg.model to `auto`'s pick for their shape and class count, or the model named built for
-    them, so the aggregator, every agent and every process of a split run build the same one.
-    Returns the plan's words on it."""
-    from fedmq.models import has_default_model, model_for_images
-
-    d = cfg.data
-    if has_default_model(d.dataset):
-        return ""
-    train = load_dataset(d.dataset, data_dir=d.data_dir, train=True, download=d.download)
-    asked = cfg.model
-    cfg.model = model_for_images(asked, d.dataset, train.image_shape, train.num_classes)
-    images = f"{'x'.join(map(str, train.image_shape))} images in {train.num_classes} classes"
-    if asked == "auto":
-        return f"the default for {images}; --set model=NAME for another"
-    return f"{asked} built for {images}" if cfg.model != asked else ""
 
 
 def build_clusters(scenario: Scenario, cfg: Config, num_clusters: int) -> RotatedClusters:

@@ -148,3 +148,21 @@ def test_help_names_every_algorithm_of_the_registry() -> None:
     methods = build_parser(load={"sim"}).parse_args(["sim", "run", "--out", "o"])._parser.format_help()  # --methods
     for name in (*ASYNC_SERVER, "local"):
         assert name in " ".join(methods.split()), name
+
+
+def test_the_aggregator_an_agent_and_start_model_pick_the_folders_model_without_being_told(tmp_path, warm_python) -> None:
+    data = write_folder(tmp_path / "data", "mine", 28, (40, 8))
+    own_data = ["--dataset", "folder:mine", "--data-dir", str(data)]
+    picked = set()
+    for argv in (["aggregator", *own_data, "--dry-run"], ["agent", "--id", "car-1", *own_data, "--dry-run"]):
+        done = run_cli(*argv, cwd=tmp_path, env=cli_env(), warm=warm_python)
+        assert done.returncode == 0, done.stderr
+        picked.add(json.loads(done.stdout)["resolved"]["model"])
+    assert picked == {default_model_for_images((1, 28, 28), CLASSES)}
+    env = cli_env(FEDMQ_CACHE_DIR=str(tmp_path / "cache"))  # its own cache: this start trains
+    done = run_cli("start-model", *own_data, "--epochs", "1", "--set", "aggregator.start_augment=crop",
+                   "--out", "start.pt", cwd=tmp_path, env=env, warm=warm_python)
+    assert done.returncode == 0 and "trained on 40 public folder:mine images" in done.stdout, done.stderr
+    done = run_cli("aggregator", *own_data, "--init", "start.pt", "--dry-run", cwd=tmp_path, env=cli_env(),
+                   warm=warm_python)
+    assert done.returncode == 0, done.stderr
