@@ -356,6 +356,7 @@ def test_browser_agent_three_cycles_over_wss_and_the_fleet_page(tmp_path, web_se
     seen = {h["epoch"] for h in steps["fleetHistory"] if h["agent"] == PHONE}
     assert {c["epoch"] for c in cycles} <= seen, (seen, cycles)
     assert steps["aggregatorStatus"]["epoch"] >= cycles[-1]["epoch"] and steps["aggregatorStatus"]["counters"]
+    assert {PHONE, CAR} <= set(steps["chartsEnd"]["accuracy"]), steps["chartsEnd"]  # a line each
     # A refused login and an absent broker are shown on the page, not thrown.
     assert len(steps["refusals"]) == 2
     for bad in steps["refusals"]:
@@ -431,28 +432,32 @@ def check_clusters_moved(pristine: Path, records: list[dict], workdir: Path, fle
     assert moved == CYCLES
 
 
-def write_figures(shown: dict, cycles: list[dict]) -> None:
-    """Load time and bundle size of both pages, printed, and with FEDMQ_BROWSER_SCREENSHOTS
-    written there as browser-figures.json beside the screenshots (figures, not assertions:
-    docs/browser.md quotes them)."""
+def write_figures(shown: dict, cycles: list[dict], name: str = "browser-figures.json") -> None:
+    """Load time, bytes and cycle times of the pages a test opened, printed, and with
+    FEDMQ_BROWSER_SCREENSHOTS written there as `name` beside the screenshots (figures, not
+    assertions: docs/browser.md quotes them)."""
     steps = shown["steps"]
 
     def page(load: dict) -> dict:
         biggest = sorted(load["files"], key=lambda f: -f["bytes"])[:6]
         return {"dom_content_loaded_ms": round(load["domContentLoadedMs"]), "load_ms": round(load["loadMs"]),
-                "bytes": load["bytes"], "files": len(load["files"]), "largest": biggest}
+                "bytes": load["bytes"], "transferred": sum(f["transfer"] for f in load["files"]),
+                "files": len(load["files"]), "largest": biggest}
 
-    figures = {"agent_page": {**page(steps["agentLoad"]), "joined_ms": steps["join"]["readyMs"]},
-               "fleet_page": {**page(steps["fleetLoad"]), "watching_ms": steps["fleetLoad"]["watchingMs"]},
-               "cycles": [{k: c[k] for k in ("epoch", "accuracy", "accHeld", "accTrained", "bytes", "seconds")}
-                          for c in cycles]}
+    figures = {"agent_page": {**page(steps["agentLoad"]), "joined_ms": steps["join"]["readyMs"],
+                              "graph_bytes": len(base64.b64decode(steps["parity"]["graph"]))},
+               "cycles": [{k: c[k] for k in ("epoch", "accuracy", "accHeld", "accTrained", "bytes", "seconds",
+                                             "computeS", "replyS")} for c in cycles]}
+    if "fleetLoad" in steps:
+        figures["fleet_page"] = {**page(steps["fleetLoad"]), "watching_ms": steps["fleetLoad"]["watchingMs"]}
     if os.environ.get("FEDMQ_BROWSER_SCREENSHOTS"):  # a documentation run keeps its figures
         where = Path(os.environ["FEDMQ_BROWSER_SCREENSHOTS"])
-        (where / "browser-figures.json").write_text(json.dumps(figures, indent=1) + "\n")
+        (where / name).write_text(json.dumps(figures, indent=1) + "\n")
         from PIL import Image
 
         for shot in ("browser-agent.png", "browser-fleet.png"):  # 64 colours: a third of the bytes
-            Image.open(where / shot).convert("RGB").quantize(64).save(where / shot, optimize=True)
+            if name == "browser-figures.json":
+                Image.open(where / shot).convert("RGB").quantize(64).save(where / shot, optimize=True)
     print(json.dumps(figures)[:2000])
 
 
@@ -612,6 +617,7 @@ def test_the_browser_agent_joins_a_28x28_fleet_by_its_device_spec(mosquitto, fle
         sent = np.frombuffer(base64.b64decode(cycle["uploaded"]), dtype="<f4")
         assert np.asarray(rec["vector"], dtype=np.float32).tobytes() == sent.tobytes()
         assert rec["sketch"] is None
+    write_figures(shown, cycles, "browser-figures-28x28.json")
 
 
 SHAPES_FLEET = "shapes"
@@ -622,7 +628,8 @@ take 26 runs and 620 KB."""
 SHAPES = {**SMALL, "data.dataset": "shapes", "model": SHAPES_MODEL, "data.proxy_per_cluster": 100,
           "data.pretrain_per_cluster": 200, "cdfl.personalize_epochs": 1, "cdfl.personalize_min_steps": 8,
           "aggregator.status_every_s": 1, "codec.name": "int8"}
-"""A 32x32 colour fleet of `shapes`, K = 2, small server sets and short replies."""
+"""A 32x32 colour fleet of `shapes`, K = 2, small server sets and short replies (400 pre-training
+images leave the net at chance: the test is of the protocol, not of accuracy)."""
 
 
 @pytest.fixture(scope="module")
@@ -750,8 +757,5 @@ def test_the_browser_agent_runs_three_cycles_on_a_32x32_colour_fleet_over_wss(sh
         assert sum(n for _, n in chart["uploads"]) == i + 1, chart["uploads"]
         assert chart["canvases"] >= 2
     assert steps["fleetRows"][0]["uploads"] == CYCLES
-    print(json.dumps({"join_ms": steps["join"]["readyMs"], "agent_bytes": steps["agentLoad"]["bytes"],
-                      "shrunk_mean_abs": max(shrunk), "fleet_bytes": steps["fleetLoad"]["bytes"],
-                      "fleet_watching_ms": steps["fleetLoad"]["watchingMs"], "chart_lag_ms": [c["lagMs"] for c in charts],
-                      "cycles_s": [round(c["seconds"], 2) for c in cycles],
-                      "accuracy": [c["accuracy"] for c in cycles]}))
+    print(json.dumps({"chart_lag_ms": [c["lagMs"] for c in charts]}))
+    write_figures(shown, cycles, "browser-figures-32x32.json")

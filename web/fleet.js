@@ -15,6 +15,7 @@ window.fedmqFleetPage = page;
 
 // ------------------------------------------------------------------ charts
 
+const SHOWN_MINUTES = 120; // the uploads chart's window
 const MAX_POINTS = 2000; // per agent, and minutes of uploads kept: a page left open for days stays small
 const COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"];
 const series = new Map(); // agent -> [{t, epoch, accuracy}]: a point each time its accuracy or epoch changed
@@ -77,8 +78,13 @@ function drawCharts() {
   } else {
     charts.accuracy.setData(accData);
   }
-  const mins = [...minutes.keys()].sort((x, y) => x - y);
-  const upData = [mins, mins.map((m) => minutes.get(m))];
+  // Every minute from two before the first upload seen to now (the last SHOWN_MINUTES), a bar
+  // each: a minute without uploads shows as none.
+  const seen = [...minutes.keys()];
+  const last = Math.max(Math.floor(Date.now() / 60000) * 60, ...seen);
+  const mins = [];
+  for (let m = Math.max(seen.length ? Math.min(...seen) - 120 : last - 300, last - 60 * SHOWN_MINUTES); m <= last; m += 60) mins.push(m);
+  const upData = [mins, mins.map((m) => minutes.get(m) || 0)];
   if (!charts.uploads) {
     charts.uploads = new uPlot({
       width: chartWidth("uploads-chart"), height: 200,
@@ -187,7 +193,7 @@ page.watch = async ({ url, fleet, user, password }) => {
   $("state").textContent = `watching ${fleet}`;
   $("state").className = "pill online";
   drawCharts(); // empty until statuses come
-  setInterval(render, 5000); // the "ago" columns
+  setInterval(() => (render(), drawCharts()), 5000); // the "ago" columns, the uploads chart's window
   return { ok: true };
 };
 
