@@ -212,8 +212,8 @@ def test_a_torchvision_fleet_over_mosquitto_with_a_reply_in_several_chunks(mosqu
     server = ["fedmq", "aggregator", *common, "--clusters", "2", "--state-dir", str(tmp_path / "agg"),
               # CI time: the defaults (10,000 samples of pre-training per cluster, 8-epoch replies)
               # take 2 min to start and 45 s per reply here; docs/models.md measures them.
-              "--set", "data.proxy_per_cluster=100", "--set", "data.pretrain_per_cluster=200",
-              "--set", "aggregator.pretrain_epochs=2", "--set", "cdfl.personalize_epochs=2"]
+              "--set", "data.proxy_per_cluster=50", "--set", "data.pretrain_per_cluster=200",
+              "--set", "aggregator.pretrain_epochs=1", "--set", "cdfl.personalize_epochs=1"]
     aggregator = CliProcess(server, cwd=tmp_path)
     agent = None
     try:

@@ -207,8 +207,10 @@ def test_the_simulator_runs_dp_fleets_reproducibly_and_the_noise_costs_accuracy(
     accuracy-against-epsilon figure."""
     from sim.ablation import AblationSpec, Fleet, Variant, run_variant, write_results
 
-    # Speed only: small server sets and 1-epoch replies (what DP changes is on the agent's side).
-    small = {"data.proxy_per_cluster": 100, "data.pretrain_per_cluster": 200, "cdfl.personalize_epochs": 1}
+    # Speed only: small server sets and 1-epoch replies with no floor of steps (what DP changes is
+    # on the agent's side).
+    small = {"data.proxy_per_cluster": 50, "data.pretrain_per_cluster": 200, "cdfl.personalize_epochs": 1,
+             "cdfl.personalize_min_steps": 0}
     fleet = Fleet(AblationSpec(clusters=2, agents=4, updates_per_agent=2, test_samples=100), load_config(None, small))
     rows = {}
     for method in ("fedsoft-async", "cdfl"):
