@@ -463,9 +463,9 @@ class AggregatorSettings:
     pretrain_lr: float = 0.05
     """SGD rate (momentum 0.9) of pre-training from a random init; clusters specialize from the shared model or `init` at a fifth of it. A cluster left at chance's loss logs `cluster.pretrain_stuck`: lower it. Must be > 0."""
     pretrain_epochs: int = 0
-    """Epochs of server-side pre-training of each cluster model on its pretrain pool. 0 = auto: enough to see about 10,000 samples, within [5, 50] (5 for the paper's 2000 per cluster; 24 for digits' 418 at K = 3; 50 for pools of 200 or fewer). Must be >= 0."""
-    pretrain_max_seconds: float = 900.0
-    """Seconds the whole server-side pre-training may take, shared by its models in proportion to their planned samples; one out of time stops at its next batch, logs `pretrain.budget_spent` and is not cached. Must be >= 0 (0 = no limit)."""
+    """Epochs of server-side pre-training of each cluster model on its pretrain pool. 0 = auto: enough to see about 10,000 samples, within [5, 50] (5 for the paper's 2000 per cluster; 24 for digits' 418 at K = 3); from `init` or a start model about 2,000, within [1, 10]. Must be >= 0."""
+    pretrain_max_seconds: float = 150.0
+    """Seconds all server-side pre-training may take (a cold start within about 3 minutes on 2 cores), shared by its models by planned samples; one out of time stops, logs `pretrain.budget_spent` and is not cached. The real-size scenarios set 0. Must be >= 0 (0 = no limit)."""
     start_epochs: int = 15
     """Epochs of the start model's training on data.public_images (cosine rate from pretrain_lr, batch 64). Must be >= 1."""
     start_augment: str = "crop+flip"

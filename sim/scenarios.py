@@ -90,6 +90,8 @@ DIGITS_DEFAULTS = (("data.proxy_per_cluster", 200), ("data.pretrain_per_cluster"
 REALSIZE_DEFAULTS = (("model", "resnet20-gn"), ("data.min_samples", 150), ("data.max_samples", 350),
                      ("data.proxy_per_cluster", 100), ("data.pretrain_per_cluster", 300),
                      ("aggregator.pretrain_epochs", 5), ("data.public_images", -1),
+                     # a result must not hang on the machine's speed
+                     ("aggregator.pretrain_max_seconds", 0), ("aggregator.start_max_seconds", 0),
                      ("cdfl.personalize_epochs", 2), ("cdfl.personalize_samples", 128))
 REALSIZE_FLEET = {"clusters": 4, "agents": 20, "updates_per_agent": 22.0, "test_samples": 100}
 """K = 4 and 20 agents of 22 uploads on average: 419-462 uploads a run for seeds 0-4."""

@@ -125,6 +125,10 @@ def test_auto_pretraining_epochs_stop_at_50_for_a_small_pool() -> None:
     assert bootstrap.pretrain_epochs(0, 4) == 50  # 10,000 samples would be 2,500 epochs
     assert bootstrap.pretrain_epochs(0, 418) == 24 and bootstrap.pretrain_epochs(0, 2000) == 5
     assert bootstrap.pretrain_epochs(300, 4) == 300  # asked for: as asked
+    # from a trained start (--init, a start model) about 2,000 samples, within [1, 10]
+    assert bootstrap.pretrain_epochs(0, 1000, from_start=True) == 2
+    assert bootstrap.pretrain_epochs(0, 4, from_start=True) == 10 and bootstrap.pretrain_epochs(0, 5000, from_start=True) == 1
+    assert bootstrap.pretrain_epochs(7, 1000, from_start=True) == 7
 
 
 def test_pretraining_stops_at_its_time_budget_and_says_so(monkeypatch, tmp_path, caplog) -> None:
