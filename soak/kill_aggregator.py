@@ -58,8 +58,10 @@ RUN_SETTINGS = {"aggregator.snapshot_every": 10**9}
 class AggregatorProcess:
     """The child process plus when it said it was ready."""
 
-    def __init__(self, url: str, state: Path, fleet: str, log_path: Path) -> None:
+    def __init__(self, url: str, state: Path, fleet: str, log_path: Path,
+                 settings: dict[str, Any] | None = None) -> None:
         self.url, self.state, self.fleet, self.log_path = url, state, fleet, log_path
+        self.settings = {**RUN_SETTINGS, **(settings or {})}
         self.proc: subprocess.Popen | None = None
         self.started_at = 0.0
         self.ready_at: float | None = None
@@ -68,7 +70,7 @@ class AggregatorProcess:
         self.started_at = time.monotonic()
         self.ready_at = None
         self.proc = start_aggregator(self.url, self.state, self.fleet, self.log_path,
-                                     settings=RUN_SETTINGS, stdout=subprocess.PIPE)
+                                     settings=self.settings, stdout=subprocess.PIPE)
         threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
 
     def _read(self, proc: subprocess.Popen) -> None:
@@ -93,14 +95,16 @@ class AggregatorProcess:
 
 
 def run_kills(broker_url: str, state: Path, *, fleet: str, agents: int = 6, updates: int = 5,
-              kills: int = 5, seed: int = 0, pace_s: float = 0.4, workdir: Path) -> dict[str, Any]:
+              kills: int = 5, seed: int = 0, pace_s: float = 0.4, workdir: Path,
+              settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`settings` go to the aggregator, its agents and the replay alike."""
     from edge_agent.protocol_client import RESYNC_REASONS, AgentError, EdgeAgent
 
     rng = random.Random(seed)
     pristine = workdir / "pretrained-copy"
     shutil.copytree(state, pristine)
-    cfg = small_config(broker_url, state, fleet)
-    agg = AggregatorProcess(broker_url, state, fleet, workdir / "aggregator.log")
+    cfg = small_config(broker_url, state, fleet, **(settings or {}))
+    agg = AggregatorProcess(broker_url, state, fleet, workdir / "aggregator.log", settings)
     agg.start()
     lock = threading.Lock()
     uploaded: list[str] = []
@@ -220,7 +224,7 @@ def run_kills(broker_url: str, state: Path, *, fleet: str, agents: int = 6, upda
     shutil.copy(state / "journal-1.log", replay_dir / "journal-1.log")
     from aggregator.bootstrap import build_engine
 
-    engine = build_engine(small_config(broker_url, replay_dir, fleet))
+    engine = build_engine(small_config(broker_url, replay_dir, fleet, **(settings or {})))
     replayed = engine.recover()
     engine.journal.close()
     replay_clusters = engine.strategy.state_dict()["clusters"]

@@ -108,7 +108,10 @@ def test_kill_9_three_times_during_a_fleet_run(mosquitto, pretrained, tmp_path) 
     """Three kills, one in each third of the run with uploads in flight: the later restarts
     replay a journal that earlier restarts wrote to. More kills repeat these cases (`make soak`)."""
     figures = run_kills(mosquitto.url, fresh_state(pretrained, tmp_path), fleet="kill", agents=6,
-                        updates=6, kills=3, seed=1, workdir=tmp_path)
+                        updates=6, kills=3, seed=1, workdir=tmp_path,
+                        # Speed only: trained replies still, journalled and never re-trained on replay,
+                        # but of a few steps, not the default's 128 (the run is about delivery).
+                        settings={"cdfl.personalize_epochs": 1, "cdfl.personalize_min_steps": 0})
     assert figures["failures"] == []
     assert figures["kills"] == 3 and figures["kills_mid_run"] == 3, figures["kill_log"]
     assert figures["completed"] and figures["uploads_answered"] == 36
