@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from aggregator.bootstrap import warn_if_stuck
 from fedmq import disk_cache
 from fedmq.atomic_file import atomic_write
 from fedmq.config import Config, add_config_arguments, config_from_args
@@ -128,6 +129,7 @@ def start_model(cfg: Config, data: RotatedClusters, model_name: str) -> StartMod
     vector = to_vector(build_model(model_name, seed=0))
     generator = torch.Generator().manual_seed(0)
     complete = True
+    loss = math.nan
     for epoch in range(a.start_epochs):
         lr = a.pretrain_lr * 0.5 * (1 + math.cos(math.pi * epoch / a.start_epochs))
         left = a.start_max_seconds - (time.monotonic() - t0) if a.start_max_seconds else None
@@ -136,7 +138,7 @@ def start_model(cfg: Config, data: RotatedClusters, model_name: str) -> StartMod
             break
         result = fit(model_name, vector, augmented(public.x, a.start_augment, generator), public.y, epochs=1,
                      batch_size=BATCH, lr=lr, momentum=0.9, weight_decay=WEIGHT_DECAY, seed=epoch, max_seconds=left)
-        vector = result.vector
+        vector, loss = result.vector, result.final_loss
         if result.stopped_early:
             complete = False
             break
@@ -151,6 +153,7 @@ def start_model(cfg: Config, data: RotatedClusters, model_name: str) -> StartMod
         event(log, "start.epoch", level, epoch=f"{done}/{a.start_epochs}", loss=round(result.final_loss, 4),
               seconds=round(now - t0, 1), left_s=round(max(0.0, eta)))
     seconds = time.monotonic() - t0
+    warn_if_stuck("start", loss, model_name, a.pretrain_lr)
     if not complete:
         event(log, "start.budget_spent", logging.WARNING, seconds=round(seconds, 1), budget_s=a.start_max_seconds,
               hint="raise aggregator.start_max_seconds (0: no limit) or lower aggregator.start_epochs")

@@ -113,3 +113,12 @@ def test_the_config_refuses_what_does_not_fit() -> None:
                        ("aggregator.start_max_seconds", -1), ("aggregator.start_augment", "rotate")):
         with pytest.raises(ConfigError, match=key.split(".")[1]):
             check_config(load_config(None, {key: value}))
+
+
+def test_a_start_that_learned_nothing_says_so(tmp_path, monkeypatch, caplog) -> None:
+    monkeypatch.setenv("FEDMQ_CACHE_DIR", str(tmp_path))
+    # A rate far too high: the loss ends at chance's or above (MobileNetV3-small at 0.05 does on shapes).
+    cfg = load_config(None, {"data.public_images": 200, "aggregator.start_epochs": 2, "aggregator.pretrain_lr": 50.0})
+    start_model(cfg, _digits(2, 0, 200), "digits-cnn")
+    stuck = [r for r in caplog.records if getattr(r, "fields", {}).get("cluster") == "start"]
+    assert stuck and "pretrain_lr" in stuck[0].fields["hint"]
