@@ -115,21 +115,23 @@ class Watcher:
                     return
 
     def close(self) -> None:
+        self.client.disconnect()  # first: it wakes paho's loop, which then ends at once
         self.client.loop_stop()
-        self.client.disconnect()
 
 
 class Arena:
     """One prod.conf Mosquitto with `fedmq creds` files, a pre-trained state, and every process
     the cases start (their output is scanned for passwords at the end)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, settings: dict[str, str] | None = None) -> None:
         self.root = root
+        self.settings = dict(settings or {})
+        """For every aggregator the cases start, over SMALL (`--set`)."""
         self.creds = make_credentials(root / "creds", [*AGENTS, f"{FLEET}/{GARAGE_ONLY}"], monitor_user="monitor",
                                        fleets=[FLEET, SECOND_FLEET])
         self.users: dict[str, str] = self.creds.users()
         self.ca = self.creds.ca_cert
-        self.pristine = pretrained_state(root / "pristine")
+        self.pristine = pretrained_state(root / "pristine", **self.settings)
         self.processes: list[CliProcess] = []
         self._stack = contextlib.ExitStack()
         self.broker = self._stack.enter_context(MosquittoBroker.from_file(
@@ -154,7 +156,7 @@ class Arena:
         argv = ["fedmq", "aggregator", "--broker", self.url(self.creds.aggregator_for(fleet)[0]),
                 "--ca-file", str(self.ca),
                 "--fleet", fleet, "--state-dir", str(state), "--log-level", "info", *extra]
-        for key, value in {**SMALL, **(settings or {})}.items():
+        for key, value in {**SMALL, **self.settings, **(settings or {})}.items():
             argv += ["--set", f"{key}={value}"]
         proc = CliProcess(argv, cwd=ROOT, env=cli_env(OMP_NUM_THREADS="1"))
         self.processes.append(proc)
@@ -836,8 +838,8 @@ CASES: dict[str, Callable[[Arena], dict[str, Any]]] = {
 }
 
 
-def run(cases: list[str], root: Path) -> dict[str, Any]:
-    arena = Arena(root)
+def run(cases: list[str], root: Path, settings: dict[str, str] | None = None) -> dict[str, Any]:
+    arena = Arena(root, settings)
     figures: dict[str, Any] = {}
     try:
         for name in cases:
@@ -859,7 +861,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m soak.attacks", description=__doc__.splitlines()[0])
     p.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)} (default all)")
     p.add_argument("--out", type=Path, default=None, help="figures file (default soak/results/attacks.json)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a setting for every aggregator the cases start, over the small fleet's")
     args = p.parse_args(argv)
+    if bad := [item for item in args.set if "=" not in item]:
+        p.error(f"--set takes KEY=VALUE, not {bad[0]!r}")
+    settings = dict(item.split("=", 1) for item in args.set)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = [c for c in cases if c not in CASES]
     if unknown:
@@ -867,7 +874,7 @@ def main(argv: list[str] | None = None) -> int:
     if "secrets" in cases:  # it reads what the others printed
         cases = [c for c in cases if c != "secrets"] + ["secrets"]
     with tempfile.TemporaryDirectory() as tmp:
-        figures = run(cases, Path(tmp))
+        figures = run(cases, Path(tmp), settings)
     print(f"wrote {write_figures('attacks', figures, args.out)}")
     return 0 if all(f["held"] for f in figures.values()) else 1
 

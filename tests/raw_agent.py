@@ -26,6 +26,7 @@ class RawAgent:
         self._subscribed = threading.Event()
         self.disconnects = 0
         """How often the broker closed this connection (a session taken over shows here)."""
+        self._closing = False
         self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id or f"raw-{fleet}-{agent}",
                                   clean_session=clean_start)
         if ca_file is not None:
@@ -43,7 +44,8 @@ class RawAgent:
         self.epoch = 0
 
     def _on_disconnect(self, *args) -> None:
-        self.disconnects += 1
+        if not self._closing:
+            self.disconnects += 1
 
     def _on_message(self, client, userdata, msg) -> None:
         self.inbox.put(protocol.decode(msg.payload, max_bytes=1 << 27))
@@ -92,5 +94,8 @@ class RawAgent:
                                tensor=wire, n_samples=100)
 
     def close(self) -> None:
-        self.client.loop_stop()
+        # DISCONNECT first: it wakes paho's loop, which then ends; stopped first, the loop
+        # would finish its 1 s select before the DISCONNECT could go.
+        self._closing = True
         self.client.disconnect()
+        self.client.loop_stop()

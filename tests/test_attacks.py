@@ -24,6 +24,10 @@ GROUPS = {
     "cli": ["state_dir_is_file", "agent_state", "secrets"],
 }
 SOAK_ONLY = {"update_flood", "chunk_flood", "storage", "poisoning", "guard_lockout"}
+# Speed only: no case is about the reply's training or the status's period, so replies of a few
+# steps (trained still) and a status re-published within 1 s of an epoch's move, not 10.
+CHEAP = ["--set", "cdfl.personalize_epochs=1", "--set", "cdfl.personalize_min_steps=0",
+         "--set", "aggregator.status_every_s=1"]
 
 
 @pytest.mark.slow
@@ -34,7 +38,7 @@ def test_every_fast_attack_is_held_against_prod_conf(tmp_path, group) -> None:
 
     cases = GROUPS[group]
     out = tmp_path / "attacks.json"
-    code = attacks.main(["--cases", ",".join(cases), "--out", str(out)])
+    code = attacks.main(["--cases", ",".join(cases), "--out", str(out), *CHEAP])
     figures = json.loads(out.read_text())
     assert sorted(figures) == sorted(cases)
     failed = {name: f for name, f in figures.items() if not f["held"]}
