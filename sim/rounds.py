@@ -56,7 +56,15 @@ from fedmq.config import (
 )
 from fedmq.data import Dataset, dataset_for_data_dir, load_dataset
 from fedmq.errors import ArgumentParser, UsageError, run_main
-from fedmq.models import build_model, model_spec, resolve_model_name, to_vector
+from fedmq.models import (
+    build_model,
+    has_default_model,
+    load_init_vector,
+    model_for_images,
+    model_spec,
+    resolve_model_name,
+    to_vector,
+)
 from fedmq.training import evaluate, fit
 from sim.seeds import seed_list
 from sim.stats import paired_interval, t_half_width
@@ -768,6 +776,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m sim.rounds") -> i
                    help="start every algorithm and the alone control from the seeded init trained "
                         "centrally on N training images that no agent holds (as a team starts from its "
                         "own pre-trained weights); default 0: the random init")
+    p.add_argument("--init", metavar="FILE",
+                   help="start every algorithm and the alone control from this file (a torch state dict "
+                        "or .f32 vector, e.g. `fedmq start-model`'s; docs/models.md)")
     p.add_argument("--pretrain-epochs", type=int, default=20, metavar="E",
                    help="epochs of that training (SGD at 0.01, momentum 0.9, batches of 32; default 20)")
     a = p.parse_args(argv)
@@ -783,9 +794,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m sim.rounds") -> i
         if reference not in {v.label for v in variants}:
             raise UsageError(f"--reference {reference!r} is not one of the variants")
     settings = checked_settings(variants, base)  # not a traceback in a worker later
-    model_name = resolve_model_name(a.model, a.dataset)
     train = load_dataset(a.dataset, data_dir=a.data_dir)
+    if not has_default_model(a.dataset):  # a folder's model from its images, as every role picks it
+        a.model = model_for_images(a.model, a.dataset, train.image_shape, train.num_classes)
+    model_name = resolve_model_name(a.model, a.dataset)
     start_pool(len(train.y), 0, a.pretrain)  # a bad --pretrain is a usage error before anything runs
+    if a.init and a.pretrain:
+        raise UsageError("--init and --pretrain both name the start: give one")
+    init = load_init_vector(a.init, model_name) if a.init else None  # one line for a file that does not fit
     if a.pretrain_epochs < 1:
         raise UsageError(f"--pretrain-epochs must be >= 1, got {a.pretrain_epochs}")
     if a.dry_run:
@@ -806,7 +822,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m sim.rounds") -> i
             acc, _ = evaluate(model_name, starts[seed], test.x, test.y)
             print(f"seed {seed}: start accuracy {acc:.3f} on the test set", flush=True)
         else:
-            starts[seed] = None
+            starts[seed] = init
     tasks = [Task(v, spec, base, seed, a.rounds, a.until, a.target, a.dataset, a.data_dir, a.model,
                   start=starts[seed], held_out=a.pretrain)
              for seed in seeds for v in variants]
