@@ -19,6 +19,8 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -28,10 +30,10 @@ import pytest
 from aggregator.journal import scan_journal
 from fedmq import codecs, device_spec, protocol
 from fedmq.broker import REPO_BROKER_CONFIG, MosquittoBroker
-from fedmq.creds import make_credentials
+from fedmq.creds import Credentials, make_credentials
 from fedmq.data import clear_cache
 from fedmq.models import model_spec
-from soak.fleet_setup import pretrained_state
+from soak.fleet_setup import SMALL, pretrained_state
 from tests.cli_process import ROOT, CliProcess, cli_env
 from tests.test_device_spec import documented_vectors, write_idx
 
@@ -153,11 +155,14 @@ def make_fleet28(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return root, state
 
 
-def start_aggregator(url: str, data: Path, state: Path, dataset: str = "mnist", *login: str,
-                     password: str = "") -> CliProcess:
-    argv = ["fedmq", "aggregator", "--broker", url, "--fleet", FLEET, "--state-dir", str(state),
-            "--dataset", dataset, "--data-dir", str(data), "--log-level", "info", *login]
-    for key, value in AGGREGATOR.items():
+def start_aggregator(url: str, data: Path | None, state: Path, dataset: str = "mnist", *login: str,
+                     password: str = "", fleet: str = FLEET, settings: dict | None = None) -> CliProcess:
+    """`fedmq aggregator` of the 28x28 fleet (or of `fleet` with `settings`), once it says it started."""
+    argv = ["fedmq", "aggregator", "--broker", url, "--fleet", fleet, "--state-dir", str(state),
+            "--dataset", dataset, "--log-level", "info", *login]
+    if data is not None:
+        argv += ["--data-dir", str(data)]
+    for key, value in (AGGREGATOR if settings is None else settings).items():
         argv += ["--set", f"{key}={value}"]
     agg = CliProcess(argv, cwd=ROOT, env=cli_env(OMP_NUM_THREADS="1", FEDMQ_BROKER_PASSWORD=password))
     try:
@@ -168,11 +173,13 @@ def start_aggregator(url: str, data: Path, state: Path, dataset: str = "mnist", 
     return agg
 
 
-def node_agent(url: str, data: Path, out: Path, *extra: str, password: str = "") -> CliProcess:
+def node_agent(url: str, data: Path, out: Path, *extra: str, password: str = "", fleet: str = FLEET,
+               files: tuple[Path, Path] | None = None) -> CliProcess:
+    """agent-cli.mjs on the 28x28 files' test images (or `files`: IDX images and labels)."""
     raw = data / "MNIST" / "raw"
-    return CliProcess(["node", str(WEB / "agent-cli.mjs"), "--broker", url, "--fleet", FLEET, "--id", NODE,
-                       "--images", str(raw / "t10k-images-idx3-ubyte"), "--labels", str(raw / "t10k-labels-idx1-ubyte"),
-                       "--samples", str(SAMPLES), "--state-dir", str(out / "state"), "--report", str(out / "report.jsonl"),
+    images, labels = files or (raw / "t10k-images-idx3-ubyte", raw / "t10k-labels-idx1-ubyte")
+    return CliProcess(["node", str(WEB / "agent-cli.mjs"), "--broker", url, "--fleet", fleet, "--id", NODE,
+                       "--images", str(images), "--labels", str(labels), "--samples", str(SAMPLES), "--state-dir", str(out / "state"), "--report", str(out / "report.jsonl"),
                        "--timeout-s", str(int(WAIT_S)), *extra], cwd=ROOT, env=cli_env(FEDMQ_BROKER_PASSWORD=password))
 
 
@@ -189,7 +196,7 @@ def report(out: Path) -> list[dict]:
 class Downlink:
     """Every message on the Node agent's downlink, seen by a second client (dev.conf has no ACL)."""
 
-    def __init__(self, broker: MosquittoBroker) -> None:
+    def __init__(self, broker: MosquittoBroker, fleet: str = FLEET) -> None:
         self.seen: queue.Queue[bytes] = queue.Queue()
         self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="downlink-watcher")
         self.client.on_message = lambda c, u, m: self.seen.put(bytes(m.payload))
@@ -197,14 +204,19 @@ class Downlink:
         self.client.on_subscribe = lambda *a: subscribed.set()
         self.client.connect("127.0.0.1", broker.port)
         self.client.loop_start()
-        self.client.subscribe(protocol.downlink(FLEET, NODE), qos=1)
+        self.client.subscribe(protocol.downlink(fleet, NODE), qos=1)
         assert subscribed.wait(WAIT_S)
 
     def models(self) -> dict[str, protocol.Model]:
-        """in_reply_to -> the model that answered it."""
+        """in_reply_to -> the model that answered it (put together from its chunks where the
+        fleet's protocol.max_message_bytes cut it)."""
         out = {}
+        pieces = protocol.Reassembler(64 << 20, 256 << 20, WAIT_S)
         while not self.seen.empty():
             env = protocol.decode(self.seen.get(), 64 << 20)
+            if isinstance(env, protocol.Chunk):
+                whole = pieces.add(env, env.agent)
+                env = protocol.decode(whole, 64 << 20) if whole is not None else None
             if isinstance(env, protocol.Model):
                 out[env.in_reply_to] = env
         return out
@@ -250,10 +262,20 @@ def test_the_node_agent_joins_a_28x28_fleet_and_every_upload_is_applied(mosquitt
         published = device_spec.for_dataset(model_spec("cnn28"), "cnn28", "mnist", str(data))
     finally:
         clear_cache()
-    joined, *cycles = report(tmp_path)
+    assert "dataset=mnist input=1x28x28 sketch=rff-1024-5eed-v1" in node.output
+    sketch = device_spec.reference_sketch(samples_as_published(data, published), published.feature_map or b"")
+    check_node_cycles(tmp_path, node, agg, state, replies, published, sketch)
+
+
+def check_node_cycles(out: Path, node: CliProcess, agg: CliProcess, state: Path, replies: dict[str, protocol.Model],
+                      published: device_spec.DeviceSpec, sketch: bytes) -> None:
+    """What the Node agent's report says of its join and CYCLES cycles, held to Python's numbers:
+    joined with the published device spec; every upload applied with the vector it sent and
+    `sketch` (Python's reference sketch of its inputs), bit for bit; every model it installed
+    the one Python decodes from the same replies."""
+    joined, *cycles = report(out)
     print(node.output)
     assert joined["join"] and joined["deviceSpec"] == published.hash
-    assert "dataset=mnist input=1x28x28 sketch=rff-1024-5eed-v1" in node.output
 
     # Three cycles, each answered with a model; msg_ids rise, each tau the epoch it held.
     assert [c["refused"] for c in cycles] == [None] * CYCLES, cycles
@@ -262,11 +284,10 @@ def test_the_node_agent_joins_a_28x28_fleet_and_every_upload_is_applied(mosquitt
     assert [c["tau"] for c in cycles] == [joined["epoch"], *[c["epoch"] for c in cycles[:-1]]]
 
     # The aggregator applied every upload: the journal holds each with the vector the agent
-    # sent, bit for bit, and its sketch, which is Python's reference sketch of the same inputs.
+    # sent, bit for bit, and its sketch.
     assert len(re.findall(rf"update\.applied .*agent={NODE}\b", agg.output)) == CYCLES, agg.output[-3000:]
     mine = [r for r in journal_records(state) if r["op"] == "update" and r["agent"] == NODE]
     assert [r["msg_id"] for r in mine] == ids
-    sketch = device_spec.reference_sketch(samples_as_published(data, published), published.feature_map or b"")
     for rec, cycle in zip(mine, cycles, strict=True):
         sent = np.frombuffer(base64.b64decode(cycle["uploaded"]), dtype="<f4")
         assert np.asarray(rec["vector"], dtype=np.float32).tobytes() == sent.tobytes()
@@ -278,32 +299,126 @@ def test_the_node_agent_joins_a_28x28_fleet_and_every_upload_is_applied(mosquitt
         wire = replies[msg_id].tensors[0]
         base = codecs.decode(wire, base=base if wire.get("delta") else None)
         assert codecs.base_checksum(base) == held["installedCrc"], msg_id
-    print(f"node agent on {FLEET}: join {joined['seconds']:.2f} s; cycles "
-          + ", ".join(f"{c['seconds']:.2f} s (agent {c['computeS']:.2f} s, reply {c['replyS']:.2f} s)" for c in cycles))
+    print(f"node agent on {published.doc['dataset']}: join {joined['seconds']:.2f} s; cycles "
+          + ", ".join(f"{c['seconds']:.2f} s (agent {c['computeS']:.2f} s, reply {c['replyS']:.2f} s)" for c in cycles)
+          + "; accuracy " + " -> ".join(f"{c['accuracy']:.3f}" for c in cycles))
+
+
+SHAPES_FLEET = "shapes"
+SHAPES_MODEL = "fedmq.models:ColorCNN?width=16&hidden=64&num_classes=10"
+"""The zoo's colour CNN made small (90 k parameters, 64 head features): a browser's 7 graph
+runs per batch and 90 KB replies, where cnn32-10's 620 k parameters and 256 features would
+take 26 runs and 620 KB."""
+SHAPES = {**SMALL, "data.dataset": "shapes", "model": SHAPES_MODEL, "data.proxy_per_cluster": 100,
+          "data.pretrain_per_cluster": 200, "aggregator.pretrain_lr": 0.03, "aggregator.pretrain_epochs": 12,
+          "cdfl.personalize_epochs": 1, "cdfl.personalize_min_steps": 8, "aggregator.status_every_s": 1,
+          "codec.name": "int8"}
+"""A 32x32 colour fleet of `shapes`, K = 2, small server sets and short replies. Its 400
+pre-training images at the default rate (0.05) and 2 epochs leave the net at chance
+(`cluster.pretrain_stuck`); at 0.03 and 12 epochs (about 5 s on 2 busy cores) each cluster
+starts at about 0.6 on its test images, so the agents' uploads have something to improve."""
+
+
+def make_shapes_fleet(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The pre-trained state of the 32x32 colour fleet (pre-training is in the run's disk cache:
+    a second module's fleet reads it)."""
+    clear_cache()
+    try:
+        return pretrained_state(tmp_path_factory.mktemp("shapes") / "state", **SHAPES)
+    finally:
+        clear_cache()
+
+
+def shapes_idx(root: Path, n: int = SAMPLES) -> tuple[Path, Path, np.ndarray]:
+    """`shapes`' first n test images as 8-bit IDX files (n x 3 x 32 x 32, and labels): a colour
+    device's local data; the files and the raw pixels."""
+    from fedmq.data.sources import shape_images
+
+    images, labels = shape_images(train=False)
+    pixels = np.clip(np.rint(images[:n] * 255), 0, 255).astype(np.uint8)
+    write_idx(root / "images", pixels)
+    write_idx(root / "labels", labels[:n])
+    return root / "images", root / "labels", pixels
+
+
+@pytest.fixture(scope="module")
+def shapes_fleet(tmp_path_factory) -> Path:
+    if node_missing():
+        pytest.skip(node_missing())
+    return make_shapes_fleet(tmp_path_factory)
+
+
+@pytest.mark.slow
+@pytest.mark.long("a 32x32 fleet pre-trained (5 s), its aggregator and a Node device: three cycles, a 12.6 MB feature map")
+def test_the_node_agent_runs_three_cycles_on_a_32x32_colour_fleet(mosquitto, shapes_fleet, tmp_path) -> None:
+    """Three channels, ten label names, a 12.6 MB feature map: all read from the published
+    device spec by the same command-line device, whose sketch and models stay Python's."""
+    from fedmq.models import resolve_model_name
+
+    state = tmp_path / "agg"
+    shutil.copytree(shapes_fleet, state)
+    images, labels, pixels = shapes_idx(tmp_path / "idx")
+    downlink = Downlink(mosquitto, SHAPES_FLEET)
+    agg = start_aggregator(mosquitto.url, None, state, "shapes", fleet=SHAPES_FLEET, settings=SHAPES)
+    try:
+        node = node_agent(mosquitto.url, Path(), tmp_path, "--cycles", str(CYCLES), fleet=SHAPES_FLEET,
+                          files=(images, labels))
+        assert node.wait(WAIT_S * 2) == 0, node.output[-3000:]
+        replies = downlink.models()
+    finally:
+        agg.stop()
+        downlink.close()
+    name = resolve_model_name(SHAPES_MODEL, "shapes")
+    clear_cache()
+    try:
+        published = device_spec.for_dataset(model_spec(name), name, "shapes")
+    finally:
+        clear_cache()
+    assert "dataset=shapes input=3x32x32 sketch=rff-1024-5eed-v1" in node.output
+    x = device_spec.reference_normalize(pixels, published.doc["normalize"]).reshape(SAMPLES, -1)
+    check_node_cycles(tmp_path, node, agg, state, replies, published,
+                      device_spec.reference_sketch(x, published.feature_map or b""))
+
+
+class ProdFleet28:
+    """The 28x28 fleet behind prod.conf with the ACL `fedmq creds` writes: a copy of its
+    pre-trained state, and logins for the aggregator and one agent (which may read the device
+    spec and its pieces)."""
+
+    def __init__(self, broker: MosquittoBroker, creds: Credentials, data: Path, state: Path) -> None:
+        self.broker, self.creds, self.data, self.state = broker, creds, data, state
+        self.users = creds.users()
+        self.login = ("--ca-file", str(creds.ca_cert))
+
+    def start(self, dataset: str = "mnist") -> CliProcess:
+        """Its aggregator over mqtts; another `dataset` normalizes otherwise: another device spec."""
+        return start_aggregator(f"mqtts://aggregator@127.0.0.1:{self.broker.port}", self.data, self.state, dataset,
+                                *self.login, password=self.users["aggregator"])
+
+
+@contextmanager
+def prod_fleet28(tmp_path: Path, fleet28: tuple[Path, Path], agent: str) -> Iterator[ProdFleet28]:
+    data, pristine = fleet28
+    shutil.copytree(pristine, tmp_path / "agg")
+    creds = make_credentials(tmp_path / "creds", [agent])
+    with MosquittoBroker.from_file(REPO_BROKER_CONFIG / "prod.conf", path_map=creds.path_map(),
+                                   workdir=tmp_path / "broker") as broker:
+        yield ProdFleet28(broker, creds, data, tmp_path / "agg")
 
 
 @pytest.mark.slow
 def test_an_agent_holding_an_old_device_spec_refuses_to_upload_in_one_line(fleet28, tmp_path) -> None:
-    """Over mqtts against prod.conf with the ACL `fedmq creds` writes: the agent's own login,
-    which may read the device spec and its pieces."""
-    data, pristine = fleet28
-    state = tmp_path / "agg"
-    shutil.copytree(pristine, state)
-    creds = make_credentials(tmp_path / "creds", [NODE])
-    users = creds.users()
-    with MosquittoBroker.from_file(REPO_BROKER_CONFIG / "prod.conf", path_map=creds.path_map(),
-                                   workdir=tmp_path / "broker") as broker:
-        agg_url = f"mqtts://aggregator@127.0.0.1:{broker.port}"
-        login = ("--ca-file", str(creds.ca_cert))
-        agg = start_aggregator(agg_url, data, state, "mnist", *login, password=users["aggregator"])
-        node = node_agent(f"mqtts://localhost:{broker.port}", data, tmp_path, "--cycles", "1", "--stay", *login,
-                          password=users[NODE])
+    """Over mqtts against prod.conf, with the agent's own login."""
+    with prod_fleet28(tmp_path, fleet28, NODE) as fleet:
+        agg = fleet.start()
+        node = node_agent(f"mqtts://localhost:{fleet.broker.port}", fleet.data, tmp_path, "--cycles", "1", "--stay",
+                          *fleet.login, password=fleet.users[NODE])
         try:
             old = node.wait_for(r"agent\.joined .*device_spec=(\w+)", WAIT_S).group(1)
             node.wait_for(r"agent\.waiting", WAIT_S)
             agg.stop()
             # The same fleet and model, its normalization now Fashion-MNIST's: another device spec.
-            agg = start_aggregator(agg_url, data, state, "fashionmnist", *login, password=users["aggregator"])
+            agg = fleet.start("fashionmnist")
             new = node.wait_for(rf"device_spec\.changed agent={NODE} held={old} published=(\w+)", WAIT_S).group(1)
             assert new != old
             os.kill(node.proc.pid, signal.SIGUSR1)  # train and upload now

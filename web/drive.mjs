@@ -6,7 +6,7 @@
 //
 // PLAN: {base, chromium, spki, agent: {url, fleet, agent, password}, cycles, drift_bits,
 //        monitor: {url, fleet, user, password}, python_agent, screenshots,
-//        pick: {folder, files: [{path, name, label}]}, charts: {points_before}}
+//        pick: {folder, files: [{path, name, label}]}, charts: {points_before}, stale}
 
 import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
@@ -181,6 +181,27 @@ try {
       out.steps.charts.push({ ...(await fleetPage.evaluate(() => window.fedmqFleetPage.charts())), lagMs: Date.now() - shownAt });
     }
     save();
+  }
+
+  // The fleet publishes another device spec (the test restarts its aggregator with another
+  // normalization once this says "cycles_done"): the page, holding the old one, refuses to upload
+  // with one line in its log and sends nothing.
+  if (plan.stale) {
+    say("cycles_done");
+    await agentPage.waitForFunction(() => {
+      const a = window.fedmqAgentPage.agent;
+      const s = a.aggregator;
+      return s && s.state === "online" && s.graph && s.graph.device_spec && s.graph.device_spec !== a.device.hash;
+    });
+    const r = await agentPage.evaluate(async () => {
+      const a = window.fedmqAgentPage.agent;
+      const before = a.counters.uploads;
+      const r = await window.fedmqAgentPage.cycle();
+      return { ...r, held: a.device.hash, published: a.aggregator.graph.device_spec, uploads: a.counters.uploads - before };
+    });
+    const log = await agentPage.textContent("#log");
+    out.steps.stale = { ...r, refusedLines: log.split("\n").filter((l) => l.includes(".refused")).map((l) => l.replace(/^\S+ /, "")) };
+    say("stale", { refused: r.refused || null });
   }
 
   // The sample stream through the agent's own predictions and drift rule, its labels
