@@ -110,8 +110,8 @@ class Fuzzer:
         return out
 
     def close(self) -> None:
-        self.client.loop_stop()
         self.client.disconnect()
+        self.client.loop_stop()
 
 
 # ------------------------------------------------------------------------------ generation

@@ -110,8 +110,8 @@ class BrokerCounter:
         self.bytes += len(msg.payload)
 
     def close(self) -> None:
-        self.client.loop_stop()
         self.client.disconnect()
+        self.client.loop_stop()
 
 
 def run_burst(broker_url: str, workdir: Path, *, agents: int, model: str = "cnn28",

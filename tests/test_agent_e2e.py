@@ -145,8 +145,8 @@ class Sniffer:
         return out
 
     def close(self) -> None:
-        self.client.loop_stop()
         self.client.disconnect()
+        self.client.loop_stop()
 
 
 def rotated_pools(cfg: Config, rng: np.random.Generator, n: int = 600):
@@ -318,8 +318,8 @@ def test_malformed_downlink_is_refused_and_model_kept(mosquitto, aggregator, tmp
     finally:
         agent_log.removeHandler(handler)
         agent_log.setLevel(old_level)
-        forger.loop_stop()
         forger.disconnect()
+        forger.loop_stop()
         device.close()
     reasons = {r.getMessage(): r.__dict__.get("fields", {}).get("reason") for r in records}
     assert reasons.get("downlink.refused") == "malformed", reasons
@@ -361,8 +361,8 @@ def test_refused_upload_is_counted_by_reason_and_the_model_kept(mosquitto, aggre
         device.close()
         assert AgentState.load(cfg.agent.state_dir).counters["refused.loss_outlier"] == 1
     finally:
-        forger.loop_stop()
         forger.disconnect()
+        forger.loop_stop()
         device.close()
 
 
@@ -384,8 +384,8 @@ class Refuser:
         client.publish(protocol.downlink(FLEET, self.agent), protocol.encode(refusal), qos=1)
 
     def close(self) -> None:
-        self.client.loop_stop()
         self.client.disconnect()
+        self.client.loop_stop()
 
 
 def test_a_refused_join_keeps_the_model_and_the_agent_joins_when_its_next_update_is_due(

@@ -73,8 +73,8 @@ class DownlinkTap:
             return list(self.envelopes)
 
     def close(self) -> None:
-        self.client.loop_stop()
         self.client.disconnect()
+        self.client.loop_stop()
 
 
 @pytest.mark.slow

@@ -31,8 +31,8 @@ def _roundtrip(port: int, topic: str) -> bytes:
         c.publish(topic, b"hello", qos=1).wait_for_publish(5)
         assert done.wait(60), "no message came back through the broker"
     finally:
-        c.loop_stop()
         c.disconnect()
+        c.loop_stop()
     return got[0]
 
 

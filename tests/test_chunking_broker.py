@@ -68,8 +68,8 @@ class Receiver:
             self.done.set()
 
     def close(self) -> None:
-        self.client.loop_stop()
         self.client.disconnect()
+        self.client.loop_stop()
 
 
 def _sender(port: int) -> mqtt.Client:
@@ -110,8 +110,8 @@ def test_20_mib_update_reassembles_bit_exact(mosquitto: MosquittoBroker, big_upd
         _publish_all(sender, chunks)
         assert receiver.done.wait(WAIT_S), f"only {receiver.chunks_seen} chunks arrived"
     finally:
-        sender.loop_stop()
         sender.disconnect()
+        sender.loop_stop()
         receiver.close()
     assert not receiver.errors, receiver.errors
     assert len(receiver.whole) == 1
@@ -133,8 +133,8 @@ def test_missing_chunk_times_out_and_frees_memory(mosquitto: MosquittoBroker, bi
         _publish_all(sender, sent)
         assert receiver.done.wait(WAIT_S), f"only {receiver.chunks_seen} chunks arrived"
     finally:
-        sender.loop_stop()
         sender.disconnect()
+        sender.loop_stop()
         receiver.close()
     assert not receiver.errors, receiver.errors
     assert receiver.whole == [] and receiver.chunks_seen == len(sent)

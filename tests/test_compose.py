@@ -354,8 +354,8 @@ def test_dev_stack_runs_against_mosquitto_from_dev_conf(tmp_path) -> None:
         c.loop_start()
         c.subscribe("$SYS/broker/version", qos=0)
         assert got.wait(60), "health check topic never arrived"
-        c.loop_stop()
         c.disconnect()
+        c.loop_stop()
 
         # 2. The aggregator, with its metrics endpoint and health check.
         agg = Mapping(doc, "aggregator", tmp_path, broker.port)

@@ -193,8 +193,8 @@ def messages(port: int, topics: list[str], count: int, client_id: str) -> dict[s
             if payload:  # an empty one deletes a piece topic above the spec's pieces
                 seen.setdefault(topic, (payload, retained))
     finally:
-        watcher.loop_stop()
         watcher.disconnect()
+        watcher.loop_stop()
     return seen
 
 

@@ -57,8 +57,8 @@ def publish_status(port: int, agent: str, state: str, epoch: int, counters: dict
     c.connect("127.0.0.1", port)
     c.loop_start()
     c.publish(protocol.agent_status(FLEET, agent), protocol.encode(env), qos=1, retain=True).wait_for_publish(10)
-    c.loop_stop()
     c.disconnect()
+    c.loop_stop()
 
 
 def start_agent(url: str, agent: str) -> subprocess.Popen:
@@ -167,8 +167,8 @@ def test_clean_stop_and_will_keep_last_online_values(mosquitto) -> None:
         c.loop_start()
         c.publish(protocol.agent_status(FLEET, "car-5"), protocol.encode(will), qos=1,
                   retain=True).wait_for_publish(10)
-        c.loop_stop()
         c.disconnect()
+        c.loop_stop()
         while w.agents["car-5"].state != "offline" and time.monotonic() < deadline:
             time.sleep(0.05)
         car5 = w.agents["car-5"]

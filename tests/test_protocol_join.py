@@ -147,8 +147,8 @@ class ForeignDevice:
                 "sent_at": time.time(), **fields}
 
     def close(self) -> None:
-        self.client.loop_stop()
         self.client.disconnect()
+        self.client.loop_stop()
 
 
 def run_in_graph(session: ort.InferenceSession, spec: dict[str, Any], vector: np.ndarray,
@@ -230,8 +230,8 @@ def wait_online(port: int, deadline: float) -> None:
         while not online.get(timeout=max(0.1, deadline - time.monotonic())):
             pass
     finally:
-        watcher.loop_stop()
         watcher.disconnect()
+        watcher.loop_stop()
 
 
 @pytest.mark.slow

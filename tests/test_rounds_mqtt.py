@@ -296,5 +296,5 @@ def test_refusals_are_counted_by_reason_and_the_agent_serves_on(mosquitto) -> No
             assert seen["good"].get("refused.bad_report") == 1, seen
             assert seen["wrong"].get("refused.wrong_algorithm", 0) >= 1, seen
     finally:
-        raw.loop_stop()
         raw.disconnect()
+        raw.loop_stop()
