@@ -394,7 +394,9 @@ def test_a_refused_join_keeps_the_model_and_the_agent_joins_when_its_next_update
     (`wrong_model`, as from an aggregator that now runs another model): an outcome, not a crash.
     The agent keeps predicting with the model it held, counts the refusal, and joins again when
     its next update is due; once the real aggregator is back that join and upload go through."""
-    cfg = make_cfg(mosquitto.url, tmp_path)
+    # Speed only: the stopped aggregator's session keeps what the stand-in answered, so back, it
+    # may refuse the agent's next join (rate_limited) and the agent waits one reply timeout: 5 s, not 20.
+    cfg = make_cfg(mosquitto.url, tmp_path, **{"agent.reply_timeout_s": 5})
     agg = aggregator(cfg)
     _, pools = rotated_pools(cfg, np.random.default_rng(9), 300)
     device = DeviceAgent(cfg, DatasetSource(pools, [0.5, 0.5], seed=10)).start()
