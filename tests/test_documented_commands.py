@@ -39,6 +39,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -468,8 +469,21 @@ def assert_no_honest_refusals(scratch: Path, steps: list[str]) -> None:
         assert summary.get("updates", 1) > 0, f"{path.parent.name}: no update applied"
 
 
+LONG_RUNS = {
+    "fedmq sim report out/": "the README's first fleet as written (3 methods, 10 agents, 2 uploads each), then its report",
+    "fedmq demo": "`fedmq demo` as written: a simulated fleet over a real broker, pre-training included, to its Table 1",
+}
+"""Documented commands that take over 30 s as written, and why (conftest.py starts them before
+the other slow tests)."""
+
+
+def _with_long_marks(commands: list[Command]) -> list[Any]:
+    return [pytest.param(c, marks=pytest.mark.long(LONG_RUNS[c.text])) if c.text in LONG_RUNS else c
+            for c in commands]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("command", _by_mode("run"), ids=str)
+@pytest.mark.parametrize("command", _with_long_marks(_by_mode("run")), ids=str)
 def test_run_commands_as_written(command: Command, scratch: Path, request) -> None:
     rule = command.rule
     assert rule is not None
