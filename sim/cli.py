@@ -219,7 +219,8 @@ def run_part(args: argparse.Namespace) -> int:
     fleet_defaults(args, scenario)
     spec = RunSpec(scenario=scenario.name, method=args.method, clusters=int(args.clusters), agents=args.agents,
                    seed=cfg.seed, updates_per_agent=args.updates_per_agent,
-                   workers=getattr(args, "workers", 1), test_samples=args.test_samples, **local_training(cfg.agent))
+                   workers=getattr(args, "workers", 1), test_samples=args.test_samples,
+                   cluster_test_samples=scenario.cluster_test_samples, **local_training(cfg.agent))
     print(f"run {spec.label}: fleet {fleet_name(cfg.fleet, spec)} on {mask_secrets(cfg.broker.url)}", flush=True)
     if args.dry_run:
         from sim.scenarios import describe_plan
@@ -289,7 +290,8 @@ def run_experiments(args: argparse.Namespace) -> int:
     clusters = int_list(args.clusters, "--clusters", minimum=1)
     specs = [RunSpec(scenario=scenario.name, method=m, clusters=k, agents=args.agents, seed=s,
                      updates_per_agent=args.updates_per_agent, workers=args.workers,
-                     test_samples=args.test_samples, **local_training(cfg.agent))
+                     test_samples=args.test_samples, cluster_test_samples=scenario.cluster_test_samples,
+                     **local_training(cfg.agent))
              for k in clusters for s in seeds for m in methods]
     total = sum(len(make_schedule(sp.seed, sp.resolved_agents(), sp.updates_per_agent)) for sp in specs)
     from sim.scenarios import describe_plan

@@ -69,6 +69,8 @@ class Scenario:
     """Mean uploads per agent when `--updates-per-agent` is not given (25: the paper's)."""
     test_samples: int = 300
     """Test samples per agent and cycle when `--test-samples` is not given."""
+    cluster_test_samples: int = 0
+    """Test images per cluster for the cluster models' checkpoints (RunSpec; 0: the whole split)."""
     on_data_dir: str = ""
     """The scenario that runs this one's fleet on the dataset under an explicit `--data-dir`
     ({dataset} is filled in; empty: refused beside --data-dir)."""
@@ -93,7 +95,8 @@ REALSIZE_DEFAULTS = (("model", "resnet20-gn"), ("data.min_samples", 150), ("data
                      # a result must not hang on the machine's speed
                      ("aggregator.pretrain_max_seconds", 0), ("aggregator.start_max_seconds", 0),
                      ("cdfl.personalize_epochs", 2), ("cdfl.personalize_samples", 128))
-REALSIZE_FLEET = {"clusters": 4, "agents": 20, "updates_per_agent": 22.0, "test_samples": 100}
+REALSIZE_FLEET = {"clusters": 4, "agents": 20, "updates_per_agent": 22.0, "test_samples": 100,
+                  "cluster_test_samples": 2000}
 """K = 4 and 20 agents of 22 uploads on average: 419-462 uploads a run for seeds 0-4."""
 
 # MobileNetV3-small (1.5 M parameters, batch norm) learns nothing from the ResNet-20 fleet's
@@ -303,7 +306,9 @@ def describe_plan(scenario_name: str, cfg: Config, clusters: list[int]) -> str:
         lines.append(f"  K={k}: {len(c.train_data)} train / {len(c.test_data)} test images, per cluster "
                      f"proxy {c.proxy_size}, pretrain {c.pretrain_size} ({pretrain_epochs(a.pretrain_epochs, c.pretrain_size)}"
                      f" epochs), agents' pool {len(c.pool('agents', 0))}"
-                     + (" (disjoint base images)" if c.disjoint_clusters else " (base images shared across clusters)"))
+                     + (" (disjoint base images)" if c.disjoint_clusters else " (base images shared across clusters)")
+                     + f"; checkpoints on {min(scenario.cluster_test_samples or len(c.test_data), len(c.test_data))}"
+                     " test images")
         if cfg.data.public_images and k == clusters[0]:
             lines.insert(1, f"  start: a model trained on {c.public_size} public unrotated train images, disjoint from "
                             f"every pool, for {a.start_epochs} epochs (data.public_images, aggregator.start_*; kept "

@@ -39,6 +39,7 @@ def test_the_plan_takes_the_scenarios_fleet_unless_the_command_line_names_one(tm
     done = run_cli(*plan, cwd=tmp_path, env=cli_env(), warm=warm_python)
     assert done.returncode == 0, done.stderr
     assert "K=4: 6000 train / 1500 test images, per cluster proxy 100, pretrain 300" in done.stdout
+    assert "checkpoints on 1500 test images" in done.stdout  # fewer than 2,000: all of them
     uploads = len(make_schedule(0, 20, 22.0))
     assert f"3 runs (methods cdfl, fedsoft-async, local; K 4; seeds 0), {3 * uploads} updates in all" in done.stdout
     done = run_cli(*plan, "--clusters", "2", "--agents", "4", "--updates-per-agent", "1",
@@ -97,7 +98,7 @@ def test_realsize_runs_on_a_folder_dataset_under_data_dir(tmp_path, warm_python)
 def test_an_offline_scenario_runs_its_fleet_on_the_data_under_data_dir(tmp_path, warm_python) -> None:
     """The results' commands run unchanged on other data by adding --data-dir: the real-size
     scenarios on the dataset found there (MNIST-shaped here), the rotated ones as rotated-NAME."""
-    write_mnist_like(tmp_path / "data", "MNIST", n_train=7000, n_test=100)
+    write_mnist_like(tmp_path / "data", "MNIST", n_train=7000, n_test=2500)
 
     def plan(*flags: str) -> tuple[int, str]:
         done = run_cli("sim", "run", *flags, "--data-dir", str(tmp_path / "data"), "--methods", "cdfl,local",
@@ -113,6 +114,7 @@ def test_an_offline_scenario_runs_its_fleet_on_the_data_under_data_dir(tmp_path,
     assert code == 0 and "scenario realsize:" in out and "dataset mnist from" in out
     assert "model resnet20-gn (built for mnist: fedmq.models:ResNet20?in_channels=1&input=1x28x28" in out
     assert "scenario.data_dir" in out  # the swap is said, not silent
+    assert "checkpoints on 2000 test images" in out  # a fixed draw of the 2,500: checkpoints stall the fleet
     code, out = plan("--scenario", "rotated-shapes")
     assert code == 0 and "scenario rotated-mnist:" in out, out
     # named: the dataset the command names; an offline one named, or a scenario without a twin: one line
