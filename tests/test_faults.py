@@ -39,6 +39,9 @@ from tests.raw_agent import RawAgent
 from tests.tcp_proxy import TcpProxy
 
 SPEC = model_spec("digits-cnn")
+CHEAP_REPLIES = {"cdfl.personalize_epochs": 1, "cdfl.personalize_min_steps": 0}
+"""Speed only: replies still trained (and journalled), in a few steps, not the default 128:
+these tests are about delivery, not what a reply learns."""
 
 
 @pytest.fixture(scope="module")
@@ -108,10 +111,7 @@ def test_kill_9_three_times_during_a_fleet_run(mosquitto, pretrained, tmp_path) 
     """Three kills, one in each third of the run with uploads in flight: the later restarts
     replay a journal that earlier restarts wrote to. More kills repeat these cases (`make soak`)."""
     figures = run_kills(mosquitto.url, fresh_state(pretrained, tmp_path), fleet="kill", agents=6,
-                        updates=6, kills=3, seed=1, workdir=tmp_path,
-                        # Speed only: trained replies still, journalled and never re-trained on replay,
-                        # but of a few steps, not the default's 128 (the run is about delivery).
-                        settings={"cdfl.personalize_epochs": 1, "cdfl.personalize_min_steps": 0})
+                        updates=6, kills=3, seed=1, workdir=tmp_path, settings=CHEAP_REPLIES)
     assert figures["failures"] == []
     assert figures["kills"] == 3 and figures["kills_mid_run"] == 3, figures["kill_log"]
     assert figures["completed"] and figures["uploads_answered"] == 36
@@ -127,7 +127,7 @@ def test_kill_9_three_times_during_a_fleet_run(mosquitto, pretrained, tmp_path) 
 @pytest.mark.slow
 def test_broker_restart_mid_run_and_with_queued_uploads(mosquitto, pretrained, tmp_path) -> None:
     state = fresh_state(pretrained, tmp_path)
-    extra = {"broker.reconnect_min_s": 0.2, "broker.reconnect_max_s": 1.0}
+    extra = {"broker.reconnect_min_s": 0.2, "broker.reconnect_max_s": 1.0, **CHEAP_REPLIES}
     cfg = small_config(mosquitto.url, state, "brk", **extra)
     svc = AggregatorService(cfg, build_engine(cfg)).start()
     agents = [EdgeAgent(cfg, f"b{i}", reply_timeout_s=5.0, retries=20).start() for i in range(4)]
@@ -185,7 +185,7 @@ def test_broker_restart_mid_run_and_with_queued_uploads(mosquitto, pretrained, t
 def proxied(mosquitto, pretrained, tmp_path):
     """The aggregator on the broker directly; one agent behind a TcpProxy, keepalive 2 s."""
     state = fresh_state(pretrained, tmp_path)
-    cfg = small_config(mosquitto.url, state, "net")
+    cfg = small_config(mosquitto.url, state, "net", **CHEAP_REPLIES)
     with TcpProxy(mosquitto.port) as proxy, AggregatorService(cfg, build_engine(cfg)) as svc:
         acfg = small_config(f"mqtt://127.0.0.1:{proxy.port}", state, "net", **{
             "broker.keepalive_s": 2, "broker.reconnect_min_s": 0.2, "broker.reconnect_max_s": 1.0,
