@@ -6,6 +6,7 @@ a replayed msg_id -> applied once; kill -9 during a burst -> every upload applie
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack
@@ -58,9 +60,15 @@ def make_cfg(broker_url: str, state: Path, **extra) -> Config:
 
 @pytest.fixture
 def service(mosquitto, pretrained, tmp_path):
+    with started_service(mosquitto, pretrained, tmp_path) as svc:
+        yield svc
+
+
+@contextlib.contextmanager
+def started_service(mosquitto, pretrained: Path, tmp_path: Path, **extra) -> Iterator[AggregatorService]:
     state = tmp_path / "state"
     shutil.copytree(pretrained, state)
-    cfg = make_cfg(mosquitto.url, state)
+    cfg = make_cfg(mosquitto.url, state, **extra)
     with AggregatorService(cfg, build_engine(cfg)) as svc:
         yield svc
 
@@ -169,7 +177,9 @@ def test_same_msg_id_twice_is_applied_once(service, mosquitto) -> None:
 def _start_aggregator(url: str, state: Path, log: Path) -> subprocess.Popen:
     args = [sys.executable, "-m", "fedmq.cli", "aggregator", "--broker", url, "--state-dir", str(state),
             "--log-level", "info"]
-    for k, v in {**SMALL, "aggregator.snapshot_every": 7}.items():
+    # Speed only: replies trained in a few steps, not 128 (the kill tests are about delivery).
+    for k, v in {**SMALL, "aggregator.snapshot_every": 7, "cdfl.personalize_epochs": 1,
+                 "cdfl.personalize_min_steps": 0}.items():
         args += ["--set", f"{k}={v}"]
     return subprocess.Popen(args, stdout=log.open("ab"), stderr=subprocess.STDOUT,
                             cwd=Path(__file__).resolve().parent.parent)
@@ -395,9 +405,15 @@ def test_a_flooding_agent_neither_starves_nor_stales_another(service, mosquitto)
 
 
 @pytest.mark.slow
-def test_retained_status_follows_the_epoch(service, mosquitto) -> None:
+def test_retained_status_follows_the_epoch(mosquitto, pretrained, tmp_path) -> None:
     """The retained online status was published once at connect, so a device joining later read
     that epoch; now it is re-published (at most every aggregator.status_every_s) when it moves."""
+    # Speed only: re-published within 1 s of the move, not the default 10 (the same path).
+    with started_service(mosquitto, pretrained, tmp_path, **{"aggregator.status_every_s": 1}) as service:
+        _status_follows_the_epoch(service, mosquitto)
+
+
+def _status_follows_the_epoch(service: AggregatorService, mosquitto) -> None:
     a = RawAgent(mosquitto.port, FLEET, "car-5")
     watcher = RawAgent(mosquitto.port, FLEET, "watcher")
     got = threading.Event()
