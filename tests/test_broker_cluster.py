@@ -27,7 +27,7 @@ from fedmq.rabbitmq_cluster import installed
 from fedmq.transport import MqttTransport
 from soak.fleet_setup import pretrained_state, small_config
 from tests.cli_process import CliProcess
-from tests.test_faults import journal_update_ids, upload_burst
+from tests.test_faults import CHEAP_REPLIES, journal_update_ids, upload_burst
 
 pytestmark = pytest.mark.skipif(not installed(), reason="rabbitmq-server is not installed (make test installs it)")
 
@@ -44,8 +44,9 @@ def test_a_node_lost_during_a_burst_loses_nothing_and_every_agent_is_back(tmp_pa
         cross_node_message(a_url, b_url)
         state = pretrained_state(tmp_path / "state")
         fast = {"broker.reconnect_min_s": 0.2, "broker.reconnect_max_s": 1.0}  # the test's clock, not the default 0.5-30 s
-        svc = AggregatorService(small_config(f"{b_url},{a_url}", state, "cluster", **fast),
-                                build_engine(small_config(f"{b_url},{a_url}", state, "cluster", **fast))).start()
+        # Speed only: replies trained in a few steps, not 128 (the test is about delivery).
+        cfg = small_config(f"{b_url},{a_url}", state, "cluster", **fast, **CHEAP_REPLIES)
+        svc = AggregatorService(cfg, build_engine(cfg)).start()
         acfg = small_config(f"{a_url},{b_url}", state, "cluster", **fast)
         agents = [EdgeAgent(acfg, f"c{i}", reply_timeout_s=5.0, retries=20).start() for i in range(AGENTS)]
         back: dict[str, float] = {}
