@@ -308,7 +308,7 @@ def test_digits28_files_stand_in_for_mnist_through_data_dir(tmp_path, capsys, wa
             common = shlex.split(re.search(r'^C="(.*)"$', block, re.M).group(1))
             commands += [(common, shlex.split(line)[4:]) for line in block.splitlines()
                          if line.startswith("OMP_NUM_THREADS=1 python -m sim.ablation")]
-    assert len(commands) == 18
+    assert len(commands) == 9
     for common, argv in commands:
         assert argv[0] == "$C"
         argv = [*common, *argv[1:-1], str(tmp_path / "shared"), "--dry-run"]
