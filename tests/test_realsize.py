@@ -127,11 +127,13 @@ def test_an_offline_scenario_runs_its_fleet_on_the_data_under_data_dir(tmp_path,
 @pytest.mark.slow
 def test_a_short_run_of_the_batch_norm_resnet20_with_fedbn_agents(tmp_path, warm_python) -> None:
     """The batch-norm variant with FedBN agents: the aggregator turns its proxy refresh off by itself
-    (with it, the clusters blew up within two uploads). One pre-training epoch: the run is about the fleet."""
+    (with it, the clusters blew up within two uploads). One pre-training epoch and one epoch of the
+    scenario's start model (15 by default: 2 minutes here; tests/test_start_model.py tests it): the
+    run is about the fleet."""
     out = tmp_path / "out"
     done = run_cli("sim", "run", "--scenario", "realsize-shapes", "--methods", "cdfl", "--clusters", "2",
                    "--agents", "3", "--updates-per-agent", "1", "--test-samples", "20",
-                   "--set", "model=resnet20", "--set", "aggregator.pretrain_epochs=1",
+                   "--set", "model=resnet20", "--set", "aggregator.pretrain_epochs=1", "--set", "aggregator.start_epochs=1",
                    "--set", "agent.keep_local_bn=true", "--set", "data.proxy_per_cluster=30",
                    "--set", "data.pretrain_per_cluster=40", "--set", "data.min_samples=40",
                    "--set", "data.max_samples=60", "--out", str(out), cwd=tmp_path, env=cli_env(), warm=warm_python)
@@ -141,3 +143,4 @@ def test_a_short_run_of_the_batch_norm_resnet20_with_fedbn_agents(tmp_path, warm
     assert np.isfinite(summary["client_acc"]) and np.isfinite(summary["cluster_acc"])
     assert summary["command"].startswith("fedmq sim run --scenario realsize-shapes ")  # what made it, overrides too
     assert "agent.keep_local_bn=true" in summary["command"]
+    assert "start: a model trained on 1200 public unrotated train images" in done.stdout  # the scenario's start
