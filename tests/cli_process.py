@@ -31,18 +31,26 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class CliProcess:
     """`argv` (a list, or a shell line run by bash) with stdout and stderr merged and kept."""
 
     def __init__(self, argv: Sequence[str] | str, *, cwd: Path, env: dict[str, str] | None = None,
-                 prefix: Sequence[str] = ()) -> None:
+                 prefix: Sequence[str] = (), default_sigint: bool = False) -> None:
+        """`default_sigint`: start it with SIGINT's default action, as a terminal does, even where the
+        suite itself was started as a background job (bash ignores SIGINT in those, and an ignored
+        signal stays ignored across exec)."""
         command = ["bash", "-c", f"exec {argv}"] if isinstance(argv, str) else list(argv)
         self.argv = [*prefix, *command]
         self.lines: list[str] = []
         self._changed = threading.Condition()
         self.proc = subprocess.Popen(self.argv, cwd=cwd, env=env or cli_env(), text=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=_default_sigint if default_sigint else None)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
