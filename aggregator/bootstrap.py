@@ -176,7 +176,7 @@ def pretrain_clusters(cfg: Config, clusters: RotatedClusters, model_name: str) -
 
         init = start_model(cfg, clusters, model_name).vector
     name = _pretrain_cache_name(cfg, model_name, pools, init)
-    kept = _cached_pretraining(name, len(pools), model_spec(model_name).numel) if name else None
+    kept = cached_vectors("pretrain", name, len(pools), model_spec(model_name).numel) if name else None
     if kept is not None:
         event(log, "cluster.pretrained", cluster="all", samples=sum(len(p) for p in pools), cached=name)
         return kept
@@ -215,12 +215,14 @@ def _pretrain_cache_name(cfg: Config, model_name: str, pools: list, init: torch.
     return f"{spec.public_name[:120]}-k{len(pools)}-{made_by}.f32"
 
 
-def _cached_pretraining(name: str, k: int, numel: int) -> list[torch.Tensor] | None:
-    payload = disk_cache.read("pretrain", name)
+def cached_vectors(kind: str, name: str, k: int, numel: int) -> list[torch.Tensor] | None:
+    """k model vectors kept in the disk cache under `kind/name` (pre-trained clusters, a start
+    model), or None: absent, damaged, or of another size (then a warning names the file)."""
+    payload = disk_cache.read(kind, name)
     if payload is None:
         return None
     if len(payload) != 4 * k * numel:
-        event(log, "cache.refused", logging.WARNING, path=str(disk_cache.entry_path("pretrain", name)),
+        event(log, "cache.refused", logging.WARNING, path=str(disk_cache.entry_path(kind, name)),
               error=f"{len(payload)} bytes, not {k} models of {numel} floats")
         return None
     return list(torch.from_numpy(np.frombuffer(payload, np.float32).copy()).view(k, numel))

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from aggregator.bootstrap import warn_if_stuck
+from aggregator.bootstrap import cached_vectors, warn_if_stuck
 from fedmq import disk_cache
 from fedmq.atomic_file import atomic_write
 from fedmq.config import Config, add_config_arguments, config_from_args
@@ -113,10 +113,9 @@ def start_model(cfg: Config, data: RotatedClusters, model_name: str) -> StartMod
     public = data.public()
     xt, yt = _test_set(data)
     name = _cache_name(cfg, model_name, public.x, public.y)
-    numel = model_spec(model_name).numel
-    payload = disk_cache.read("start", name)
-    if payload is not None and len(payload) == 4 * numel:
-        vector = torch.from_numpy(np.frombuffer(payload, np.float32).copy())
+    kept = cached_vectors("start", name, 1, model_spec(model_name).numel)
+    if kept is not None:
+        (vector,) = kept
         accuracy = evaluate(model_name, vector, xt, yt)[0]
         event(log, "start.ready", model=model_name, public_images=len(public), accuracy=round(accuracy, 4),
               cached=str(disk_cache.entry_path("start", name)))
